@@ -1,0 +1,187 @@
+"""A GPT decoder: the model zerodp trains by default.
+
+nanoGPT's model, read top to bottom: config and named sizes, attention, MLP, block, GPT.
+Pre-LayerNorm blocks, learned position embeddings, an output head tied to the token embedding,
+GPT-2 initialisation. Nothing here knows about data parallelism: zerodp wraps it unchanged.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    block_size: int = 1024  # longest sequence; length of the position table
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
+
+
+# Named sizes. "tiny" is for tests, "small" trains visibly in minutes on a laptop CPU (byte-level
+# vocabulary), the rest are the GPT-3 paper's table (Brown et al. 2020, table 2.1) at GPT-2's
+# vocabulary and a 1024-token context (the paper used 2048: pass block_size=2048 to get it).
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64),
+    "small": dict(n_layer=6, n_head=8, n_embd=256, vocab_size=256, block_size=256),
+    "125M": dict(n_layer=12, n_head=12, n_embd=768),
+    "350M": dict(n_layer=24, n_head=16, n_embd=1024),
+    "760M": dict(n_layer=24, n_head=16, n_embd=1536),
+    "1.3B": dict(n_layer=24, n_head=32, n_embd=2048),
+    "2.7B": dict(n_layer=32, n_head=32, n_embd=2560),
+    "6.7B": dict(n_layer=32, n_head=32, n_embd=4096),
+    "13B": dict(n_layer=40, n_head=40, n_embd=5120),
+}
+
+
+def gpt_config(size: str, **overrides) -> GPTConfig:
+    """The config of a named size, with any field overridden: gpt_config("125M", dropout=0.1)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; expected one of {', '.join(SIZES)}")
+    config = GPTConfig(**{**SIZES[size], **overrides})
+    if config.n_embd % config.n_head != 0:
+        raise ValueError(
+            f"n_embd={config.n_embd} must be divisible by n_head={config.n_head} "
+            f"(each head gets n_embd // n_head channels)"
+        )
+    return config
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2 initialisation; also re-ties the head after `to_empty()` from the meta device."""
+        # Weight tying (Press & Wolf 2017): one Parameter is both the input and output embedding.
+        self.lm_head.weight = self.wte.weight
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        # Each block adds two residual projections to the stream; scale them so its variance
+        # does not grow with depth (GPT-2 paper, section 2.3).
+        std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids idx (B, T); with targets, the mean cross-entropy."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        # The softmax runs in fp32 even for a bf16/fp16 model: the loss sums many tiny terms.
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1
+        )
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, the tied embedding counted once.
+
+        non_embedding leaves out the position table only: the token table is also the output
+        head, so it does compute (nanoGPT's convention).
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied one once
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls forward and backward plus attention
+        scores and values, 12 * n_layer * n_embd * seq_len (Kaplan et al. 2020; PaLM app. B)."""
+        return 6 * self.num_params() + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+    ) -> torch.Tensor:
+        """Sample max_new_tokens after the prompt idx (B, T); returns (B, T + max_new_tokens)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits = self(context)[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = -float("inf")
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
