@@ -1,0 +1,38 @@
+"""zerodp: ZeRO data parallelism for any PyTorch model.
+
+    engine = zerodp.initialize(model, optimizer, config)
+    loss = engine(x, y); engine.backward(loss); engine.step()
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, init_distributed
+from .config import Config, ConfigError, load_config
+from .engine import Engine
+from .optimizer import OptimizerLike
+
+__all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init_distributed"]
+
+
+def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
+               config: Config | dict | str | None = None,
+               process_group: dist.ProcessGroup | None = None,
+               lr_scheduler: Callable | None = None) -> Engine:
+    """Wrap `model` for ZeRO training.
+
+    optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
+      kept; it is rewired to step on this rank's fp32 master shard), a callable params -> Optimizer,
+      or None to build the config's 'optimizer' section.
+    config: a dict, a path to a DeepSpeed-style JSON file, or a zerodp.Config.
+    process_group: the data-parallel group; by default the world, initialised from torchrun's
+      environment (NCCL on CUDA, gloo otherwise) or as a world of one when there is none.
+    lr_scheduler: a callable optimizer -> scheduler, stepped after every step that is not skipped.
+    """
+    cfg = load_config(config)  # a bad config fails here, on every rank, before any collective
+    init_distributed()
+    return Engine(model, optimizer, cfg, Comm(process_group), lr_scheduler)

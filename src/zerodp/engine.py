@@ -1,0 +1,225 @@
+"""The engine: ties flat buffers, gradient reduction, the partitioned optimizer and the loss scaler
+into forward / backward / step. See DESIGN.md, "One training step, as data"."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .comm import Comm
+from .config import Config, ConfigError, load_config
+from .flat import plan
+from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
+from .precision import LossScaler, cast_floating
+from .reducer import Reducer
+
+
+class Engine:
+    """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
+                 comm: Comm, lr_scheduler: Callable | None = None):
+        self.config, self.comm, self.module = config, comm, module
+        zero = config.zero_optimization
+        self.stage = zero.stage
+        if self.stage == 3:
+            raise ConfigError("zero_optimization.stage = 3: parameter partitioning is not available "
+                              "in this version; use stage 0, 1 or 2")
+        if zero.offload_optimizer.device != "none":
+            raise ConfigError("zero_optimization.offload_optimizer.device = 'cpu': optimizer offload "
+                              "is not available in this version; use 'none'")
+        self.batch = config.batch(comm.world_size)
+        self.gas = self.batch.gradient_accumulation_steps
+        self.dtype = config.dtype
+        if optimizer is None:
+            if config.optimizer is None:
+                raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
+                                  "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
+            optimizer = config.optimizer.build
+        groups = _trainable_groups(module, optimizer)
+        self._check_same_everywhere()
+
+        self.device = _device_of(module, comm)
+        module.to(self.device)
+        self._cast_and_sync_untrained(groups)
+        layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size)
+        fp32_buckets = []
+        for g in layout:
+            fulls = [b.flatten(torch.float32) for b in g.buckets]
+            for full in fulls:
+                if comm.world_size > 1:
+                    comm.broadcast(full)  # every rank starts from rank 0's weights
+            g.materialize(self.dtype, fulls)
+            fp32_buckets += fulls
+        self.flat_groups = layout
+        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_buckets, comm, self.stage)
+        del fp32_buckets
+        self.optimizer: Optimizer = self.partitioned.optimizer
+        acc_dtype = torch.float32 if self.gas > 1 else self.dtype
+        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm)
+        self.scaler = LossScaler.from_config(config)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = config.scheduler.build
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.clip = config.gradient_clipping
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self._stepped_at = 0
+        self._scale_used = self.scaler.scale
+        self._grad_norm: torch.Tensor | None = None
+        comm.traffic.reset()
+
+    # ---- the training step ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.dtype != torch.float32:
+            args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
+        self._scale_used = self.scaler.scale
+        factor = self._scale_used / self.gas
+        if factor != 1:
+            loss = loss.float() * factor
+        self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
+        loss.backward()
+        self.reducer.finish_backward()
+        self.micro_steps += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
+        return (self.micro_steps + 1) % self.gas == 0
+
+    def step(self) -> None:
+        """At an accumulation boundary: reduce, unscale, clip, update, all-gather. Otherwise nothing."""
+        if self.micro_steps == self._stepped_at or self.micro_steps % self.gas != 0:
+            return
+        self._stepped_at = self.micro_steps
+        self.reducer.wait()
+        grads = self.reducer.shard_grads()
+        norm_sq = self.partitioned.grad_norm_squared(grads)
+        self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
+        # fp16 only: the one host sync of the step, on a value every rank already agrees on.
+        overflow = self.config.fp16.enabled and not bool(torch.isfinite(norm_sq))
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.partitioned.step(grads, coef)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.reducer.zero()
+        self.global_steps += 1
+
+    # ---- state ----------------------------------------------------------------------------------
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last step, before clipping (inf/nan after an fp16 overflow)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """Nothing to do: gradients live in the engine's buffers and are cleared by step()."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
+        values: dict[int, torch.Tensor] = {}
+        for b, m in zip(self.partitioned.buckets, self.partitioned.masters):
+            full = self.partitioned.full_master(b, m)
+            for s in b.slots:
+                values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in values:
+                out[name] = values[id(t)]
+            else:
+                out[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
+        return out
+
+    # ---- set-up checks --------------------------------------------------------------------------
+    def _check_same_everywhere(self) -> None:
+        """Every rank must wrap the same model with the same config, or collectives would mismatch."""
+        if self.comm.world_size == 1 or self.comm.backend == "fake":
+            return
+        sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
+        text = repr(sig) + self.config.model_dump_json()
+        digests = self.comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
+        if len(set(digests)) == 1:
+            return
+        sigs = self.comm.all_gather_object((sig, self.config.model_dump()))
+        for r, (other, cfg) in enumerate(sigs):
+            if cfg != sigs[0][1]:
+                raise ValueError(f"rank {r} was given a different config from rank 0; every rank "
+                                 "must pass the same config")
+            for a, b in zip(sigs[0][0], other):
+                if a != b:
+                    raise ValueError(f"rank {r} has a different model from rank 0: parameter "
+                                     f"{b} where rank 0 has {a}")
+            if len(other) != len(sigs[0][0]):
+                raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
+
+    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
+        """Frozen parameters and floating buffers: working precision, rank 0's values."""
+        trained = {id(p) for g in groups for p in g}
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            if id(t) in trained:
+                continue
+            if t.is_floating_point() and t.dtype != self.dtype:
+                t.data = t.data.to(self.dtype)
+            if self.comm.world_size > 1:
+                self.comm.broadcast(t.data)
+
+
+def _device_of(module: nn.Module, comm: Comm) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
+                         "zerodp needs the whole model on one device per rank")
+    if comm.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _trainable_groups(module: nn.Module, optimizer: OptimizerLike) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each optimizer param group, checked against the model."""
+    params = list(module.parameters())
+    names = {id(p): n for n, p in module.named_parameters()}
+    if not isinstance(optimizer, Optimizer):
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> "
+                            f"Optimizer, got {type(optimizer).__name__}")
+        return [[p for p in params if p.requires_grad]]
+    groups, seen = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        kept = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"parameter '{names[id(p)]}' appears in more than one optimizer param group")
+            seen.add(id(p))
+            if p.requires_grad:
+                kept.append(p)
+        groups.append(kept)
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            raise ValueError(f"parameter '{names[id(p)]}' requires grad but is in no optimizer param "
+                             "group; add it to the optimizer or set requires_grad=False")
+    return groups

@@ -1,0 +1,121 @@
+"""Flat, contiguous, padded parameter buffers and their partition across ranks.
+
+Each optimizer param group gets one flat working-precision buffer. The buffer is cut into buckets
+of about `reduce_bucket_size` elements, filled with parameters in reverse registration order (the
+order backward produces their gradients). Every bucket is padded to a multiple of
+`partitions * ALIGN` and split into `partitions` equal shards: rank r owns shard r of every bucket.
+
+Why shard per bucket rather than once per group: a bucket's gradient can then be reduce-scattered
+the moment backward has produced it, straight into the owning shards, with no reduce-to-owner
+loop and no copy (the layout FSDP and picotron use). Each rank still owns exactly 1/N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# Every parameter and every shard starts on a 64-element boundary (128 B in bf16): aligned views
+# keep vectorised kernels and tensor-core GEMMs on their fast paths.
+ALIGN = 64
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Slot:
+    """One parameter's place in its bucket."""
+
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class Bucket:
+    """A run of parameters that is reduced, stepped and gathered as one unit."""
+
+    index: int                 # global launch order (the same on every rank)
+    group: int                 # optimizer param group
+    start: int                 # offset in the group's flat buffer
+    numel: int                 # padded to a multiple of partitions * ALIGN
+    partitions: int
+    slots: list[Slot] = field(default_factory=list)
+    data: torch.Tensor | None = None  # view of the group's flat working buffer
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.partitions
+
+    def shard(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank's equal slice of a bucket-sized tensor (padding falls on the last ranks)."""
+        return t.view(self.partitions, self.shard_numel)[rank]
+
+    def flatten(self, dtype: torch.dtype) -> torch.Tensor:
+        """The current parameter values laid out as this bucket, gaps zeroed."""
+        device = self.slots[0].param.device
+        out = torch.zeros(self.numel, dtype=dtype, device=device)
+        for s in self.slots:
+            out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        return out
+
+
+@dataclass
+class FlatGroup:
+    """One optimizer param group's parameters as a single flat buffer of buckets."""
+
+    index: int
+    buckets: list[Bucket]
+    numel: int
+    data: torch.Tensor | None = None
+
+    def materialize(self, dtype: torch.dtype, fp32_buckets: list[torch.Tensor]) -> None:
+        """Allocate the flat buffer, fill it, and turn every parameter into a view of it."""
+        if not self.buckets:
+            return
+        device = self.buckets[0].slots[0].param.device
+        self.data = torch.empty(self.numel, dtype=dtype, device=device)
+        for b, full in zip(self.buckets, fp32_buckets):
+            b.data = self.data[b.start:b.start + b.numel]
+            b.data.copy_(full)
+            for s in b.slots:
+                s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
+
+
+def plan(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int) -> list[FlatGroup]:
+    """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets."""
+    groups, index = [], 0
+    for g, params in enumerate(param_groups):
+        buckets, start = [], 0
+        current: Bucket | None = None
+        for p in reversed(params):
+            n = p.numel()
+            if current is None or (current.slots and _fill(current) + n > bucket_numel):
+                if current is not None:
+                    start = _close(current, start)
+                    buckets.append(current)
+                current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions)
+                index += 1
+            current.slots.append(Slot(p, _fill(current), n, p.shape))
+        if current is not None:
+            start = _close(current, start)
+            buckets.append(current)
+        groups.append(FlatGroup(index=g, buckets=buckets, numel=start))
+    return groups
+
+
+def _fill(b: Bucket) -> int:
+    if not b.slots:
+        return 0
+    last = b.slots[-1]
+    return _round_up(last.offset + last.numel, ALIGN)
+
+
+def _close(b: Bucket, start: int) -> int:
+    b.numel = _round_up(max(_fill(b), 1), b.partitions * ALIGN)
+    return start + b.numel

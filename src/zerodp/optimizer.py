@@ -1,0 +1,108 @@
+"""The partitioned optimizer: fp32 master shards, the user's optimizer on them, norm, clip, gather.
+
+Each bucket's shard owned by this rank gets one fp32 `master` tensor; the user's optimizer is
+rewired to step on those tensors only, so its state (Adam's m and v) exists for 1/N of the model.
+In fp32 training the master is the shard of the flat working buffer itself (no second copy).
+After the step the updated shards are cast to working precision and all-gathered back into the
+flat buffers, which the module's parameters are views of.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.optim import Optimizer
+
+from .comm import Comm
+from .flat import Bucket, FlatGroup
+
+OptimizerLike = Optimizer | Callable[[list], Optimizer]
+
+
+class PartitionedOptimizer:
+    def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_buckets: list[torch.Tensor],
+                 comm: Comm, stage: int):
+        self.comm, self.stage = comm, stage
+        self.rank = comm.rank if stage > 0 else 0
+        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.mixed = self.buckets and self.buckets[0].data.dtype != torch.float32
+        self.masters = [
+            b.shard(full, self.rank).clone() if self.mixed else b.shard(b.data, self.rank)
+            for b, full in zip(self.buckets, fp32_buckets)
+        ]
+        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
+        if isinstance(optimizer, Optimizer):
+            if len(optimizer.state) > 0:
+                raise ValueError("the optimizer already has state; pass a freshly built optimizer "
+                                 "(load optimizer state through engine.load_checkpoint)")
+            for group, masters in zip(optimizer.param_groups, per_group):
+                group["params"] = masters
+            self.optimizer = optimizer
+        else:
+            self.optimizer = optimizer([{"params": per_group[0]}])
+            if not isinstance(self.optimizer, Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
+                                "expected a torch.optim.Optimizer")
+
+    def grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of the full gradient, on every rank; inf/nan if any rank overflowed."""
+        device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
+        # Accumulated in fp64 so the sum does not depend on how the model was cut into buckets.
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+            local = torch.stack(norms).square().sum()
+        if self.stage > 0 and self.comm.world_size > 1:
+            self.comm.all_reduce(local)
+        return local
+
+    def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
+        """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights."""
+        for m, g in zip(self.masters, grads):
+            m.grad = g if g.dtype == torch.float32 else g.float()
+        if coef is not None and self.masters:
+            torch._foreach_mul_([m.grad for m in self.masters], coef)
+        self.optimizer.step()
+        for m in self.masters:
+            m.grad = None
+        self.all_gather()
+
+    def all_gather(self) -> None:
+        """Copy each master shard into the working buffer and gather every rank's shard."""
+        works = []
+        for b, m in zip(self.buckets, self.masters):
+            shard = b.shard(b.data, self.rank)
+            if self.mixed:
+                shard.copy_(m)
+            if self.stage > 0 and self.comm.world_size > 1:
+                works.append(self.comm.all_gather(b.data, shard, async_op=True))
+        for w in works:
+            w.wait()
+
+    def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
+        """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
+        if self.stage == 0 or self.comm.world_size == 1:
+            return m.detach().clone()
+        full = torch.empty(b.numel, dtype=torch.float32, device=m.device)
+        self.comm.all_gather(full, m.detach())
+        return full
+
+    def bytes(self) -> dict[str, int]:
+        master = sum(m.numel() * 4 for m in self.masters) if self.mixed else 0
+        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                    for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+        return {"fp32_master": master, "optimizer_states": state}
+
+
+def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(true gradient norm, multiplier that unscales and clips), computed on device without a sync.
+
+    The multiplier follows torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), capped at 1.
+    """
+    norm = norm_sq.sqrt().float() / loss_scale
+    if clip <= 0:
+        return norm, (None if loss_scale == 1 else torch.full_like(norm, 1 / loss_scale))
+    coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+    return norm, coef if loss_scale == 1 else coef / loss_scale
+

@@ -1,0 +1,161 @@
+"""Gradient hooks, buckets, and their overlapped reduction.
+
+As backward accumulates each parameter's gradient, a `post_accumulate_grad` hook copies it into
+its bucket and frees it. A bucket whose parameters have all arrived is launched asynchronously
+while backward goes on (`overlap_comm`):
+  stage 0: all_reduce of the bucket (plain data parallelism, every rank keeps everything);
+  stage 1: gradients accumulate in a full bucket; reduce_scatter once, at the boundary micro-step;
+  stage 2: gradients pass through a pooled bucket buffer and are reduce_scattered every micro-step;
+           each rank keeps only its shard.
+Buckets are launched strictly in index order so that every rank issues the same collectives in the
+same order, whatever order its hooks fire in (unused parameters differ between ranks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .comm import Comm
+from .flat import Bucket, FlatGroup
+
+# Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
+# one filling, one reducing, one spare keeps the copy stream from stalling behind comm.
+POOL_BUFFERS = 3
+
+
+class Reducer:
+    def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
+                 overlap_comm: bool):
+        self.comm, self.stage, self.overlap = comm, stage, overlap_comm
+        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
+        self.rank = comm.rank if stage > 0 else 0
+        # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
+        # shard (stage 2), accumulated across micro-steps in `acc_dtype`.
+        self.acc = [torch.zeros(b.numel if stage < 2 else b.shard_numel, dtype=acc_dtype,
+                                device=b.data.device) for b in self.buckets]
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.pool: list[torch.Tensor] = []
+        self.pool_size = 0
+        self.max_numel = max((b.numel for b in self.buckets), default=0)
+        self.inflight: deque = deque()
+        self.active = False
+        self.communicate = False
+        self._handles = []
+        for b in self.buckets:
+            for i, s in enumerate(b.slots):
+                self._handles.append(s.param.register_post_accumulate_grad_hook(
+                    self._make_hook(b.index, i)))
+
+    # ---- backward -------------------------------------------------------------------------------
+    def begin(self, communicate: bool) -> None:
+        """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""
+        self.active, self.communicate = True, communicate or self.stage == 2
+        self.pending = [len(b.slots) for b in self.buckets]
+        self.arrived = [bytearray(len(b.slots)) for b in self.buckets]
+        self.ready = bytearray(len(self.buckets))
+        self.next_launch = 0
+
+    def _make_hook(self, k: int, i: int):
+        def hook(p: torch.nn.Parameter) -> None:
+            self._on_grad(k, i, p)
+        return hook
+
+    def _on_grad(self, k: int, i: int, p: torch.nn.Parameter) -> None:
+        if not self.active:
+            raise RuntimeError("a gradient arrived outside engine.backward(): call "
+                               "engine.backward(loss) rather than loss.backward()")
+        if self.ready[k]:
+            raise RuntimeError(f"parameter of shape {tuple(p.shape)} received a second gradient after "
+                               "its bucket was reduced (reentrant checkpointing around shared "
+                               "parameters?); use torch.utils.checkpoint(use_reentrant=False)")
+        b, slot = self.buckets[k], self.buckets[k].slots[i]
+        self._target(k)[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+        p.grad = None
+        if not self.arrived[k][i]:
+            self.arrived[k][i] = 1
+            self.pending[k] -= 1
+            if self.pending[k] == 0 and self.communicate:
+                self._mark_ready(k)
+
+    def _target(self, k: int) -> torch.Tensor:
+        """Where bucket k's gradients are summed this micro-step."""
+        if self.stage < 2:
+            return self.acc[k]
+        if self.buffers[k] is None:
+            self.buffers[k] = self._acquire()
+        return self.buffers[k][:self.buckets[k].numel]
+
+    def _mark_ready(self, k: int) -> None:
+        self.ready[k] = 1
+        while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
+            self._launch(self.next_launch)
+            self.next_launch += 1
+
+    def finish_backward(self) -> None:
+        """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
+        if self.communicate:
+            for k in range(self.next_launch, len(self.buckets)):
+                if self.stage == 2:
+                    self._target(k)  # a bucket nobody touched still takes part, as zeros
+                self.ready[k] = 1
+            while self.next_launch < len(self.buckets):
+                self._launch(self.next_launch)
+                self.next_launch += 1
+        self.active = False
+        if self.stage == 2:
+            self.wait()
+
+    # ---- communication --------------------------------------------------------------------------
+    def _launch(self, k: int) -> None:
+        b = self.buckets[k]
+        buf = self.acc[k] if self.stage < 2 else self._target(k)
+        # Divide before summing: the mean over ranks without fp16 overflow in the sum.
+        if self.comm.world_size > 1:
+            buf.div_(self.comm.world_size)
+        if self.stage == 0:
+            work = self.comm.all_reduce(buf, async_op=True)
+        else:
+            work = self.comm.reduce_scatter(b.shard(buf, self.rank), buf, async_op=True)
+        self.inflight.append((k, work))
+        if not self.overlap:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        k, work = self.inflight.popleft()
+        work.wait()
+        if self.stage == 2:
+            self.acc[k].add_(self.buckets[k].shard(self._target(k), self.rank))
+            self.pool.append(self.buffers[k])
+            self.buffers[k] = None
+
+    def wait(self) -> None:
+        """Every launched reduction has finished and its result is in `acc`."""
+        while self.inflight:
+            self._retire_oldest()
+
+    def _acquire(self) -> torch.Tensor:
+        if not self.pool and self.inflight and self.pool_size >= POOL_BUFFERS:
+            self._retire_oldest()
+        if self.pool:
+            return self.pool.pop().zero_()
+        self.pool_size += 1
+        return torch.zeros(self.max_numel, dtype=self.dtype, device=self.buckets[0].data.device)
+
+    # ---- results --------------------------------------------------------------------------------
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient for each bucket (its shard; the whole bucket in stage 0)."""
+        if self.stage == 2:
+            return self.acc
+        return [b.shard(a, self.rank) for b, a in zip(self.buckets, self.acc)]
+
+    def zero(self) -> None:
+        for a in self.acc:
+            a.zero_()
+
+    def bytes(self) -> dict[str, int]:
+        acc = sum(a.numel() * a.element_size() for a in self.acc)
+        pool = self.pool_size * self.max_numel * torch.empty((), dtype=self.dtype).element_size()
+        return {"gradients": acc, "reduce_buckets": pool}

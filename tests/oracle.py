@@ -1,0 +1,206 @@
+"""The correctness oracle: N ranks with micro-batch b train exactly like one process with batch N*b.
+
+Each `Case` is one behaviour the engine must handle (tied weights, frozen parameters, ...). The
+engine runs every case on spawned gloo ranks; the reference is plain PyTorch in one process on the
+concatenated batch, with the same optimizer, clipping via clip_grad_norm_, and the same steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zerodp
+
+D_IN, D_OUT, MICRO, STEPS, LR = 13, 5, 3, 5, 1e-3
+
+
+class Toy(nn.Module):
+    """An MLP with sizes no world size divides; optional extras switch on one behaviour each."""
+
+    def __init__(self, tied=False, frozen=False, unused=False, ckpt=False, hidden=37):
+        super().__init__()
+        self.ckpt, self.tied = ckpt, tied
+        self.inp = nn.Linear(D_IN, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, D_OUT)
+        self.norm = nn.LayerNorm(hidden)
+        if tied:  # one parameter used twice in a forward: hidden -> D_IN -> hidden
+            self.proj = nn.Linear(hidden, D_IN, bias=False)
+        if frozen:
+            self.inp.weight.requires_grad_(False)
+        self.use_sometimes = False
+        if unused:
+            self.never = nn.Linear(hidden, hidden)      # no gradient, ever
+            self.sometimes = nn.Linear(hidden, hidden)  # a gradient on some steps only
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        if self.tied:
+            h = h + F.linear(torch.tanh(self.proj(h)), self.proj.weight.t())
+        if self.ckpt:
+            h = checkpoint(self._block, h, use_reentrant=False)
+        else:
+            h = self._block(h)
+        if getattr(self, "sometimes", None) is not None and self.use_sometimes:
+            h = h + self.sometimes(h)
+        return F.mse_loss(self.out(h), y)
+
+    def _block(self, h):
+        return self.norm(h + torch.tanh(self.mid(h)))
+
+
+def one_group(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and p.requires_grad]
+    other = [p for n, p in model.named_parameters() if p.dim() <= 1 and p.requires_grad]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": other, "weight_decay": 0.0, "lr": LR / 3}], lr=LR)
+
+
+def tiny_group(model):
+    small = [model.out.bias]  # 5 elements: fewer than 64 per rank, some ranks own padding only
+    rest = [p for p in model.parameters() if p.requires_grad and p is not model.out.bias]
+    return torch.optim.AdamW([{"params": rest}, {"params": small, "lr": LR * 2}], lr=LR, weight_decay=0.1)
+
+
+@dataclass
+class Case:
+    model: dict = field(default_factory=dict)
+    optimizer: Callable = one_group
+    config: dict = field(default_factory=dict)
+    gas: int = 2
+    clip: float = 1.0
+
+
+CASES = {
+    "plain": Case(),
+    "frozen": Case(model={"frozen": True}),
+    "unused": Case(model={"unused": True}),
+    "tied": Case(model={"tied": True}),
+    "param_groups": Case(optimizer=two_groups),
+    "indivisible": Case(model={"hidden": 7}),
+    "tiny_group": Case(optimizer=tiny_group),
+    "param_larger_than_bucket": Case(config={"reduce_bucket_size": 200}),
+    "accumulation": Case(gas=4, clip=0.0),
+    "checkpointed": Case(model={"ckpt": True}),
+}
+
+
+def batches(world: int, gas: int, seed: int = 0):
+    """STEPS x gas micro-batches of world*MICRO samples; large targets keep clipping active."""
+    g = torch.Generator().manual_seed(seed)
+    n = world * MICRO
+    return [[(torch.randn(n, D_IN, generator=g), 5 * torch.randn(n, D_OUT, generator=g)) for _ in range(gas)]
+            for _ in range(STEPS)]
+
+
+def build(case: Case, seed: int = 0) -> Toy:
+    torch.manual_seed(seed)
+    return Toy(**case.model)
+
+
+def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", **zero) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
+           "gradient_clipping": case.clip,
+           "zero_optimization": {"stage": stage, **case.config, **zero}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp32", seed: int = 0,
+                 **zero) -> dict:
+    """Train one case on this rank; returns the gathered fp32 weights and the step norms."""
+    case = CASES[name]
+    model = build(case, seed=seed + rank)  # different init per rank: the engine must broadcast rank 0's
+    if rank != 0:
+        torch.manual_seed(seed)
+        model = build(case, seed=seed)
+        with torch.no_grad():  # then perturb, so a missing broadcast cannot go unnoticed
+            for p in model.parameters():
+                p.add_(0.5)
+    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, stage, world, dtype, **zero))
+    norms = []
+    for step, micro in enumerate(batches(world, case.gas, seed)):
+        model.use_sometimes = step % 2 == 1
+        for x, y in micro:
+            sl = slice(rank * MICRO, (rank + 1) * MICRO)
+            engine.backward(engine(x[sl], y[sl]))
+            engine.step()
+        norms.append(engine.grad_norm)
+    return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps,
+            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+
+
+def train_reference(name: str, world: int, seed: int = 0) -> dict:
+    """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once."""
+    case = CASES[name]
+    model = build(case, seed=seed)
+    opt = case.optimizer(model)
+    norms = []
+    for step, micro in enumerate(batches(world, case.gas, seed)):
+        model.use_sometimes = step % 2 == 1
+        x = torch.cat([m[0] for m in micro])
+        y = torch.cat([m[1] for m in micro])
+        model(x, y).backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # ZeRO steps whole flat shards: an unused parameter gets a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if case.clip > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip)))
+        else:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"state": {k: v.float() for k, v in model.state_dict().items()}, "norms": norms}
+
+
+def run_all(rank: int, world: int, jobs: list[tuple]) -> dict:
+    """Many engine runs in one set of ranks, so spawning costs once per world size."""
+    return {job: train_engine(rank, world, *job) for job in jobs}
+
+
+def train_overflow(rank: int, world: int, stage: int) -> dict:
+    """fp16 with an inf injected on the last rank at step 2: that step must be skipped everywhere."""
+    case = CASES["plain"]
+    model = build(case)
+    cfg = config_for(Case(gas=1), stage, world, "fp16")
+    cfg["fp16"].update(hysteresis=1, loss_scale_window=2)
+    engine = zerodp.initialize(model, case.optimizer(model), cfg)
+    record = []
+    for step, micro in enumerate(batches(world, 1)):
+        x, y = micro[0]
+        x = x[rank * MICRO:(rank + 1) * MICRO].clone()
+        if step == 2 and rank == world - 1:
+            x[0, 0] = float("inf")
+        engine.backward(engine(x, y[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+        record.append({
+            "scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
+            "master": [m.clone() for m in engine.partitioned.masters],
+            "working": [p.detach().clone() for p in model.parameters()],
+            "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
+        })
+    return record
+
+
+def mismatched_models(rank: int, world: int) -> str:
+    """Rank 1 wraps a wider model than rank 0: every rank must get the same clear error."""
+    model = Toy(hidden=37 if rank == 0 else 38)
+    try:
+        zerodp.initialize(model, one_group(model), config_for(Case(), 2, world))
+    except ValueError as e:
+        return str(e)
+    return "no error"

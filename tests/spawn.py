@@ -1,0 +1,34 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
+
+Ranks rendezvous through a FileStore in a temporary directory, so tests never pick ports.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo ranks; returns every rank's result in order.
+
+    fn must be importable (module level). A rank that raises fails the call with its traceback.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world)]
