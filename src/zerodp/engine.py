@@ -152,6 +152,21 @@ class Engine:
                 out[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
         return out
 
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> dict:
+        """Restore a checkpoint saved on any world size; returns its client_state (collective)."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by category, counted from the tensors the engine owns."""
+        from .memory import memory_report
+        return memory_report(self)
+
     # ---- set-up checks --------------------------------------------------------------------------
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same model with the same config, or collectives would mismatch."""

@@ -1,0 +1,27 @@
+"""`zerodp train | estimate | consolidate | bench`: each subcommand is its module's main()."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("zerodp.train", "train a GPT (or a Hugging Face model) with ZeRO"),
+    "estimate": ("zerodp.memory", "per-rank memory: the formula and a measured step, for any world size"),
+    "consolidate": ("zerodp.checkpoint", "write a sharded checkpoint as one full fp32 state dict"),
+    "bench": ("zerodp.bench", "throughput and memory side by side with PyTorch, DDP, FSDP2, DeepSpeed"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<12} {help}" for name, (_, help) in COMMANDS.items()]
+        print("usage: zerodp COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines))
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
