@@ -108,7 +108,9 @@ def build(case: Case, seed: int = 0) -> Toy:
     return Toy(**case.model)
 
 
-def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", **zero) -> dict:
+def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False, **zero) -> dict:
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
            "gradient_clipping": case.clip,
            "zero_optimization": {"stage": stage, **case.config, **zero}}
@@ -119,8 +121,8 @@ def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", **zero) 
     return cfg
 
 
-def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp32", seed: int = 0,
-                 **zero) -> dict:
+def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp32", offload: bool = False,
+                 seed: int = 0, **zero) -> dict:
     """Train one case on this rank; returns the gathered fp32 weights and the step norms."""
     case = CASES[name]
     model = build(case, seed=seed + rank)  # different init per rank: the engine must broadcast rank 0's
@@ -130,7 +132,7 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
         with torch.no_grad():  # then perturb, so a missing broadcast cannot go unnoticed
             for p in model.parameters():
                 p.add_(0.5)
-    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, stage, world, dtype, **zero))
+    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, stage, world, dtype, offload, **zero))
     norms = []
     for step, micro in enumerate(batches(world, case.gas, seed)):
         model.use_sometimes = step % 2 == 1

@@ -13,23 +13,25 @@ from spawn import run_ranks
 WORLDS = [1, 2, 4]
 STAGES = [0, 1, 2]
 FP32_JOBS = [(name, stage) for name in oracle.CASES for stage in STAGES]
-LOW_JOBS = [("plain", stage, dtype) for stage in STAGES for dtype in ("bf16", "fp16")]
-BUCKET_JOBS = [("plain", stage, "fp32", 0, *kw) for stage in (1, 2)
+OFFLOAD_JOBS = [(name, stage, "fp32", True) for name in oracle.CASES for stage in (1, 2)]
+LOW_JOBS = [("plain", stage, dtype, offload) for stage in STAGES for dtype in ("bf16", "fp16")
+            for offload in (False, True)]
+BUCKET_JOBS = [("plain", stage, "fp32", False, 0, *kw) for stage in (1, 2)
                for kw in [("overlap_comm", False), ("reduce_bucket_size", 64), ("reduce_bucket_size", 10**9)]]
 
 
 def _kw(job):
-    return dict([job[4:]]) if len(job) > 4 else {}
+    return dict([job[5:]]) if len(job) > 5 else {}
 
 
 def _run_jobs(rank, world, jobs):
-    return {job: oracle.train_engine(rank, world, *job[:4], **_kw(job)) for job in jobs}
+    return {job: oracle.train_engine(rank, world, *job[:5], **_kw(job)) for job in jobs}
 
 
 @functools.cache
 def engine_runs(world: int) -> dict:
     """Every engine run for one world size, in one set of spawned ranks; rank 0's view."""
-    return run_ranks(_run_jobs, world, FP32_JOBS + LOW_JOBS + BUCKET_JOBS)[0]
+    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS)[0]
 
 
 @functools.cache
@@ -56,10 +58,20 @@ def test_matches_single_process_fp32(case, stage, world):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("case", list(oracle.CASES))
+def test_offload_matches_single_process_fp32(case, stage, world):
+    ours, ref = engine_runs(world)[(case, stage, "fp32", True)], reference(case, world)
+    assert_matches(ours["state"], ref["state"], rtol=1e-6, atol=1e-6)
+    assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("offload", [False, True], ids=lambda o: "offload" if o else "device")
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_matches_within_its_precision(dtype, stage, world):
-    ours, ref = engine_runs(world)[("plain", stage, dtype)], reference("plain", world)
+def test_low_precision_matches_within_its_precision(dtype, offload, stage, world):
+    ours, ref = engine_runs(world)[("plain", stage, dtype, offload)], reference("plain", world)
     # fp32 masters stay close to the fp32 reference: the gradients carry bf16/fp16 rounding
     # (2^-8 / 2^-11 relative), and 5 AdamW steps of lr 1e-3 move weights by at most 5e-3.
     tol = {"bf16": 4e-3, "fp16": 1e-3}[dtype]
@@ -75,7 +87,7 @@ def test_bucketed_overlapped_and_single_bucket_runs_are_identical(stage, world):
     runs = engine_runs(world)
     default = runs[("plain", stage)]["state"]  # default buckets hold the whole toy model: one bucket
     for kw in [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)]:
-        other = runs[("plain", stage, "fp32", 0, *kw)]["state"]
+        other = runs[("plain", stage, "fp32", False, 0, *kw)]["state"]
         for k in default:
             if kw == ("reduce_bucket_size", 64) and world > 2:
                 # Small buckets move each element to another owning rank, and a ring reduce-scatter

@@ -29,9 +29,6 @@ class Engine:
         if self.stage == 3:
             raise ConfigError("zero_optimization.stage = 3: parameter partitioning is not available "
                               "in this version; use stage 0, 1 or 2")
-        if zero.offload_optimizer.device != "none":
-            raise ConfigError("zero_optimization.offload_optimizer.device = 'cpu': optimizer offload "
-                              "is not available in this version; use 'none'")
         self.batch = config.batch(comm.world_size)
         self.gas = self.batch.gradient_accumulation_steps
         self.dtype = config.dtype
@@ -56,7 +53,9 @@ class Engine:
             g.materialize(self.dtype, fulls)
             fp32_buckets += fulls
         self.flat_groups = layout
-        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_buckets, comm, self.stage)
+        offload = zero.offload_optimizer
+        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_buckets, comm, self.stage,
+                                                offload.device == "cpu", offload.pin_memory)
         del fp32_buckets
         self.optimizer: Optimizer = self.partitioned.optimizer
         acc_dtype = torch.float32 if self.gas > 1 else self.dtype

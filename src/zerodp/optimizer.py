@@ -5,6 +5,11 @@ rewired to step on those tensors only, so its state (Adam's m and v) exists for 
 In fp32 training the master is the shard of the flat working buffer itself (no second copy).
 After the step the updated shards are cast to working precision and all-gathered back into the
 flat buffers, which the module's parameters are views of.
+
+ZeRO-Offload (`offload=True`): masters, their gradients and the optimizer state live in (pinned)
+host memory and the user's optimizer steps on the CPU; the device keeps only the working
+parameters and the gradient buckets. Gradient shards go out and updated weights come back with
+non-blocking copies.
 """
 
 from __future__ import annotations
@@ -22,15 +27,19 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 class PartitionedOptimizer:
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_buckets: list[torch.Tensor],
-                 comm: Comm, stage: int):
-        self.comm, self.stage = comm, stage
+                 comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True):
+        self.comm, self.stage, self.offload = comm, stage, offload
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
-        self.mixed = self.buckets and self.buckets[0].data.dtype != torch.float32
-        self.masters = [
-            b.shard(full, self.rank).clone() if self.mixed else b.shard(b.data, self.rank)
-            for b, full in zip(self.buckets, fp32_buckets)
-        ]
+        # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
+        self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32)
+        pin = offload and pin_memory and torch.cuda.is_available()
+        if offload:
+            self.masters = [_host(b.shard(full, self.rank), pin) for b, full in zip(self.buckets, fp32_buckets)]
+            self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
+        else:
+            self.masters = [b.shard(full, self.rank).clone() if self.separate else b.shard(b.data, self.rank)
+                            for b, full in zip(self.buckets, fp32_buckets)]
         per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
         if isinstance(optimizer, Optimizer):
             if len(optimizer.state) > 0:
@@ -59,8 +68,15 @@ class PartitionedOptimizer:
 
     def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
         """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights."""
-        for m, g in zip(self.masters, grads):
-            m.grad = g if g.dtype == torch.float32 else g.float()
+        if self.offload:
+            for m, h, g in zip(self.masters, self.host_grads, grads):
+                m.grad = h.copy_(g, non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the host step needs the gradients
+            coef = None if coef is None else coef.cpu()
+        else:
+            for m, g in zip(self.masters, grads):
+                m.grad = g if g.dtype == torch.float32 else g.float()
         if coef is not None and self.masters:
             torch._foreach_mul_([m.grad for m in self.masters], coef)
         self.optimizer.step()
@@ -73,8 +89,8 @@ class PartitionedOptimizer:
         works = []
         for b, m in zip(self.buckets, self.masters):
             shard = b.shard(b.data, self.rank)
-            if self.mixed:
-                shard.copy_(m)
+            if self.separate:
+                shard.copy_(m, non_blocking=True)
             if self.stage > 0 and self.comm.world_size > 1:
                 works.append(self.comm.all_gather(b.data, shard, async_op=True))
         for w in works:
@@ -84,15 +100,23 @@ class PartitionedOptimizer:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
         if self.stage == 0 or self.comm.world_size == 1:
             return m.detach().clone()
-        full = torch.empty(b.numel, dtype=torch.float32, device=m.device)
-        self.comm.all_gather(full, m.detach())
+        device = b.data.device
+        full = torch.empty(b.numel, dtype=torch.float32, device=device)
+        self.comm.all_gather(full, m.detach().to(device))
         return full
 
     def bytes(self) -> dict[str, int]:
-        master = sum(m.numel() * 4 for m in self.masters) if self.mixed else 0
+        """Bytes of fp32 master and optimizer state; on the host when offloaded."""
+        master = sum(m.numel() * 4 for m in self.masters) if self.separate else 0
+        host_grads = sum(h.numel() * 4 for h in self.host_grads) if self.offload else 0
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"fp32_master": master, "optimizer_states": state}
+        return {"fp32_master": master, "optimizer_states": state, "offload_gradients": host_grads}
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+    return out.copy_(t)
 
 
 def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:
