@@ -1,0 +1,85 @@
+"""`zerodp bench` runs end to end at tiny size on CPU: every mode measured or skipped with a reason.
+
+Speed itself is never asserted here (DESIGN.md: speed is measured by benchmarks, not timed tests);
+what is asserted is the harness: one row per requested mode, plain PyTorch as the baseline of the
+same run, the same model and batch everywhere (identical fp32 losses), JSON that says how it was made.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerodp import bench
+
+TINY = ["--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
+        "--dtype", "fp32", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def world1(tmp_path_factory) -> dict:
+    """One invocation (one process per mode, as users run it): every mode, and the fake world."""
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    bench.main(TINY + ["--modes", *bench.MODES, "--checkpointing", "--fake-world", "8", "--json", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_every_requested_mode_is_measured_or_skipped_with_a_reason(world1):
+    rows = {r["mode"]: r for r in world1["results"]}
+    assert list(rows) == list(bench.MODES)
+    for mode, r in rows.items():
+        assert r["status"] in ("ok", "skipped"), f"{mode}: {r['status']}: {r['reason']}"
+        if r["status"] == "skipped":
+            assert r["reason"], f"{mode} was skipped without a reason"
+        else:
+            assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["seconds"] > 0
+            assert r["mfu"] is None, "a CPU has no tensor-core peak: MFU is n/a"
+            assert len(r["losses"]) == 2
+    for mode in ("plain", "ddp", "fsdp2", "zerodp0", "zerodp1", "zerodp2"):
+        assert rows[mode]["status"] == "ok", f"{mode} must run on CPU: {rows[mode]['reason']}"
+
+
+def test_ratios_are_to_plain_pytorch_of_the_same_run(world1):
+    rows = {r["mode"]: r for r in world1["results"]}
+    assert rows["plain"]["ratio_to_plain"] == 1.0
+    for r in rows.values():
+        if r["status"] == "ok":
+            assert r["ratio_to_plain"] == pytest.approx(r["tflops"] / rows["plain"]["tflops"])
+        else:
+            assert r["ratio_to_plain"] is None
+
+
+def test_every_mode_trains_the_same_model_on_the_same_batch(world1):
+    """fp32, world 1, same seed: every mode computes the same losses (a wrong setup shows here)."""
+    plain = world1["results"][0]["losses"]
+    for r in world1["results"]:
+        if r["status"] == "ok":
+            assert r["losses"] == pytest.approx(plain, rel=1e-4), r["mode"]
+
+
+def test_json_records_how_it_was_made(world1):
+    assert world1["command"].startswith("zerodp bench --model tiny")
+    assert world1["device"].startswith("CPU")
+    assert world1["args"]["steps"] == 2 and world1["args"]["warmup"] == 1
+    assert all("checkpoint" in r["note"] for r in world1["results"] if r["status"] == "ok")
+
+
+def test_plain_is_always_run_first_as_the_baseline():
+    assert bench.modes_to_run(["zerodp2", "ddp", "zerodp2"]) == ["plain", "zerodp2", "ddp"]
+    assert bench.modes_to_run(["zerodp2", "plain"]) == ["plain", "zerodp2"]
+
+
+def test_fake_world_reports_the_bytes_each_mode_owns_as_rank_0_of_8(world1):
+    fake = {r["mode"]: r for r in world1["fake_world"]}
+    assert set(fake) == set(bench.FAKE_MODES)
+    for mode, r in fake.items():
+        assert r["status"] == "ok", f"{mode}: {r['reason']}"
+        assert r["world"] == 8 and sum(r["owned_bytes"].values()) > 0
+
+
+def test_add_ratios_leaves_modes_without_a_measurement_alone():
+    rows = [bench.Result("plain", "ok", tflops=2.0), bench.Result("zerodp2", "ok", tflops=1.0),
+            bench.Result("deepspeed2", "skipped", reason="not installed")]
+    bench.add_ratios(rows)
+    assert [r.ratio_to_plain for r in rows] == [1.0, 0.5, None]
