@@ -33,6 +33,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -429,7 +430,9 @@ def _read(path: str, metadata, requests: dict[str, torch.Tensor], meta: dict) ->
         chunk[key], size = t, size + t.numel()
         if size >= LOAD_CHUNK_NUMEL or i == len(requests) - 1:
             try:
-                dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
+                with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
             except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
                                       f"({type(e).__name__}: {e})") from None
