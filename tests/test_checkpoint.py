@@ -87,9 +87,22 @@ def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32"
     return {"client": client, "loaded": loaded, "end": snapshot(engine)}
 
 
+def wrong_model_run(rank: int, world: int, stage: int, path: str) -> list[str]:
+    """Loading into a wider model must raise the same error on every rank, and nobody hangs."""
+    engine = make_engine(world, stage, model_kw={"hidden": 38})
+    errors = []
+    for where in (path, path + "-missing"):
+        try:
+            engine.load_checkpoint(where)
+            errors.append("no error")
+        except ck.CheckpointError as e:
+            errors.append(str(e))
+    return errors
+
+
 def run_jobs(rank: int, world: int, jobs: list[tuple]) -> dict:
-    """Many runs in one set of ranks, in order: ('save'|'resume', key, stage, path, dtype)."""
-    fns = {"save": save_run, "resume": resume_run}
+    """Many runs in one set of ranks, in order: ('save'|'resume'|'wrong', key, stage, path, ...)."""
+    fns = {"save": save_run, "resume": resume_run, "wrong": wrong_model_run}
     return {job[1]: fns[job[0]](rank, world, *job[2:]) for job in jobs}
 
 
@@ -127,6 +140,7 @@ def runs() -> dict:
         ("save", "stage0", 0, ckpt("st0")), ("resume", "0to2", 2, ckpt("st0")),
         ("save", "bf16_save", 2, ckpt("bf16"), "bf16"), ("resume", "bf16_resume", 1, ckpt("bf16"), "bf16"),
         ("save", "fp16_save", 1, ckpt("fp16"), "fp16"), ("resume", "fp16_resume", 2, ckpt("fp16"), "fp16"),
+        ("wrong", "wrong", 2, ckpt("w4")),
     ]))
     return out
 
@@ -205,3 +219,222 @@ def test_fp16_loss_scaler_state_restored():
         assert r["loaded"]["scaler"] == saved["scaler"]
         assert_identical(r["loaded"]["full"], saved["full"])
         assert r["end"]["scaler"] == runs()[2]["fp16_save"][0]["end"]["scaler"]
+
+
+def test_errors_are_raised_on_every_rank_without_a_hang():
+    per_rank = runs()[2]["wrong"]
+    assert per_rank[0] == per_rank[1]
+    mismatch, missing = per_rank[0]
+    assert "different model" in mismatch and "'inp.weight' has shape (37, 13)" in mismatch
+    assert "does not exist" in missing
+
+
+# ---- consolidation --------------------------------------------------------------------------------
+class TiedLM(nn.Module):
+    """Tied embedding/head (one parameter, two names), BatchNorm buffers and a frozen layer."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, y):
+        h = self.norm(self.emb(idx))
+        return nn.functional.cross_entropy(self.head(h + self.frozen(h)), y)
+
+
+def tied_engine(stage: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TiedLM()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage}}
+    return zerodp.initialize(model, opt, cfg)
+
+
+def load_file(path: str) -> dict:
+    if path.endswith(".pt"):
+        return torch.load(path, weights_only=True)
+    from safetensors.torch import load_file as load_safetensors
+    return load_safetensors(path)
+
+
+def test_consolidate_sharded_checkpoint_equals_full_state_dict(tmp_path):
+    runs()
+    out = str(tmp_path / "w4.safetensors")
+    ck.main([ckpt("w4"), out])
+    assert_identical(load_file(out), runs()[4]["s2"][0]["at_save"]["full"])
+
+
+@pytest.mark.parametrize("ext", [".safetensors", ".pt"])
+def test_consolidate_round_trip_tied_weights_buffers_strict(tmp_path, ext):
+    with world_of_one():
+        engine = tied_engine()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            idx, y = torch.randint(0, 11, (8,), generator=g), torch.randint(0, 11, (8,), generator=g)
+            engine.backward(engine(idx, y))
+            engine.step()
+        engine.save_checkpoint(str(tmp_path / "c"))
+        full = engine.full_state_dict()
+    out = str(tmp_path / f"model{ext}")
+    from zerodp import cli
+    cli.main(["consolidate", str(tmp_path / "c"), out])
+    sd = load_file(out)
+    assert_identical(sd, full)
+    assert not torch.equal(sd["norm.running_mean"], torch.zeros(6)), "buffers must be the trained ones"
+    fresh = TiedLM()
+    fresh.load_state_dict(sd, strict=True)
+    assert fresh.head.weight is fresh.emb.weight
+    assert torch.equal(fresh.head.weight, full["head.weight"])
+    if ext == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(out, "pt") as f:
+            assert json.loads(f.metadata()["zerodp_tied"]) == {"head.weight": "emb.weight"}
+
+
+# ---- atomic saves --------------------------------------------------------------------------------
+def crash(*args, **kwargs):
+    raise RuntimeError("simulated crash")
+
+
+def write_then_crash(real):
+    def save(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("simulated crash after the tensor files were written")
+    return save
+
+
+@pytest.mark.parametrize("where", ["tensor_files", "before_rename", "before_latest"])
+def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatch, where):
+    d = str(tmp_path / "c")
+    with world_of_one():
+        engine = make_engine(1, 2)
+        train(engine, 0, 1, range(1))
+        engine.save_checkpoint(d, client_state={"data": 1})
+        before = engine.full_state_dict()
+        train(engine, 0, 1, range(1, 2))
+        with monkeypatch.context() as m:
+            if where == "tensor_files":
+                m.setattr(ck.dcp, "save", write_then_crash(ck.dcp.save))
+            elif where == "before_rename":
+                m.setattr(ck, "_commit", crash)
+            else:
+                real = ck._write_atomic
+                m.setattr(ck, "_write_atomic", lambda p, t: crash() if p.endswith("latest") else real(p, t))
+            with pytest.raises(RuntimeError, match="simulated crash"):
+                engine.save_checkpoint(d)
+        assert open(os.path.join(d, "latest")).read() == "global_step1"
+        assert ck.resolve(d)[0] == os.path.join(d, "global_step1")
+        if where != "before_latest":
+            assert ".tmp.global_step2" in os.listdir(d) and "global_step2" not in os.listdir(d)
+            with pytest.raises(ck.CheckpointError, match="does not exist"):
+                ck.resolve(d, "global_step2")
+        fresh = make_engine(1, 2, seed=1)
+        assert fresh.load_checkpoint(d) == {"data": 1}
+        assert_identical(fresh.full_state_dict(), before)
+        engine.save_checkpoint(d)  # the next save succeeds and clears the leftovers
+    assert sorted(os.listdir(d)) == ["global_step1", "global_step2", "latest"]
+    assert open(os.path.join(d, "latest")).read() == "global_step2"
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+@functools.cache
+def small_checkpoint() -> str:
+    d = ckpt("small")
+    with world_of_one():
+        engine = make_engine(1, 1)
+        train(engine, 0, 1, range(1))
+        engine.save_checkpoint(d)
+    return d
+
+
+def load_error(path: str, tag: str | None = None, model_kw: dict | None = None) -> str:
+    """The error a fresh engine raises loading `path`; its weights must be untouched."""
+    with world_of_one():
+        engine = make_engine(1, 1, seed=3, model_kw=model_kw)
+        before = engine.full_state_dict()
+        with pytest.raises(ck.CheckpointError) as e:
+            engine.load_checkpoint(path, tag)
+        assert_identical(engine.full_state_dict(), before)
+    return str(e.value)
+
+
+def corrupted_copy(tmp_path, edit) -> str:
+    d = str(tmp_path / "c")
+    shutil.copytree(small_checkpoint(), d)
+    edit(os.path.join(d, "global_step1"))
+    return d
+
+
+def test_error_no_checkpoint_directory(tmp_path):
+    assert "does not exist" in load_error(str(tmp_path / "nowhere"))
+
+
+def test_error_directory_without_checkpoint(tmp_path):
+    (tmp_path / ".tmp.global_step5").mkdir()  # an interrupted save is not a checkpoint
+    msg = load_error(str(tmp_path))
+    assert "no checkpoint in" in msg and "'latest'" in msg
+
+
+def test_error_latest_names_missing_tag(tmp_path):
+    d = corrupted_copy(tmp_path, lambda p: None)
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("global_step99")
+    assert "'global_step99'" in load_error(d) and "does not exist" in load_error(d)
+    assert "'nope'" in load_error(d, tag="nope")
+
+
+@pytest.mark.parametrize("model_kw,expected", [
+    ({"hidden": 38}, "'inp.weight' has shape (37, 13) in the checkpoint and (38, 13) in the model"),
+    ({"tied": True}, "parameter 'proj.weight' (13, 37) is not in the checkpoint"),
+], ids=["shape", "extra_parameter"])
+def test_error_different_model_names_first_mismatch(model_kw, expected):
+    msg = load_error(small_checkpoint(), model_kw=model_kw)
+    assert "different model" in msg and expected in msg
+
+
+def test_error_checkpoint_has_parameter_model_lacks(tmp_path):
+    d = str(tmp_path / "tied")
+    with world_of_one():
+        make_engine(1, 1, model_kw={"tied": True}).save_checkpoint(d)
+    assert "it has parameter 'proj.weight'" in load_error(d)
+
+
+def _truncate(p):
+    f = os.path.join(p, "__0_0.distcp")
+    os.truncate(f, os.path.getsize(f) // 2)
+
+
+def _flip(p):
+    f = os.path.join(p, "__0_0.distcp")
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(f, "wb").write(bytes(data))
+
+
+def _garbage_json(p):
+    open(os.path.join(p, "zerodp.json"), "w").write('{"format": 1, "model": [')
+
+
+def _evil_metadata(p):
+    """A pickle that would run a command: refused, even with a matching size and checksum."""
+    import pickle
+    evil = pickle.dumps(type("Evil", (), {"__reduce__": lambda self: (os.system, ("echo pwned",))})())
+    open(os.path.join(p, ".metadata"), "wb").write(evil)
+    meta = json.load(open(os.path.join(p, "zerodp.json")))
+    meta["files"][".metadata"] = ck._file_record(os.path.join(p, ".metadata"))
+    json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (_truncate, "__0_0.distcp has"), (_flip, "__0_0.distcp does not match its checksum"),
+    (_garbage_json, "zerodp.json cannot be read"), (_evil_metadata, "refusing to load posix.system"),
+], ids=["truncated", "flipped_byte", "bad_json", "malicious_metadata"])
+def test_error_corrupt_checkpoint_names_the_file(tmp_path, edit, expected):
+    msg = load_error(corrupted_copy(tmp_path, edit))
+    assert "is corrupt" in msg and expected in msg, msg
