@@ -1,0 +1,338 @@
+"""Per-rank memory: what the engine holds (measured), what DESIGN.md's table predicts (formula), and
+`zerodp estimate`, which measures one real training step as rank 0 of any world size.
+
+Measured: `memory_report(engine)` counts the bytes of the tensors the engine owns, by category.
+Formula: `formula(num_params, world, stage)` is the ZeRO paper's model-state table (Ψ parameters,
+N ranks, Adam): stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
+Planner: the fake process group (backend "fake": every collective returns at once, nothing is sent)
+lets one process act as rank 0 of N ranks, so it allocates exactly rank 0's partitions; each
+(N, stage) runs in its own subprocess because a process holds one default process group.
+
+Two facts of the engine that the table leaves out, reported rather than hidden:
+  * gradients are kept in the working dtype only with gradient_accumulation_steps == 1; with more
+    micro-steps they accumulate in fp32 (stage 1: 4Ψ, stage 2: 4Ψ/N instead of 2Ψ and 2Ψ/N);
+  * in mixed precision the optimizer step makes an fp32 copy of the gradient shard (4Ψ/N), freed
+    after the step: `step_transient`, not part of model_states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .reducer import POOL_BUFFERS
+
+GiB = 1024 ** 3
+# Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
+STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
+WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MODEL_STATES = ("working_params", "frozen_params_and_buffers", "gradients", "fp32_master", "optimizer_states")
+
+
+# ---- measured -----------------------------------------------------------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_report(engine) -> dict[str, int]:
+    """Bytes this rank holds, by category, counted from the tensors the engine owns.
+
+    model_states = working params (flat buffers, padding included) + frozen params and buffers +
+    gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
+    also given as host_model_states (it includes the host gradient copy, offload_gradients) and the
+    rest as device_model_states. Reduce buckets, the step's transient fp32 gradient copy and
+    checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
+    """
+    from .activations import attached
+
+    flat = {id(s.param) for g in engine.flat_groups for b in g.buckets for s in b.slots}
+    untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
+                 if id(t) not in flat}
+    grads = engine.reducer.bytes()
+    opt = engine.partitioned
+    report = {
+        "working_params": sum(_nbytes(g.data) for g in engine.flat_groups if g.data is not None),
+        "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
+        "gradients": grads["gradients"],
+        **engine.partitioned.bytes(),
+        "reduce_buckets": grads["reduce_buckets"],
+        # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients.
+        "step_transient": 0 if opt.offload else sum(g.numel() * 4 for g in engine.reducer.shard_grads()
+                                                    if g.dtype != torch.float32),
+    }
+    report["model_states"] = sum(report[k] for k in MODEL_STATES)
+    if opt.offload:  # ZeRO-Offload: master, states and a gradient copy live in host memory
+        report["host_model_states"] = (report["fp32_master"] + report["optimizer_states"]
+                                       + report.get("offload_gradients", 0))
+        report["device_model_states"] = report["model_states"] - report["fp32_master"] - report["optimizer_states"]
+    checkpointer = attached(engine.module)
+    if checkpointer is not None:
+        report.update(checkpointer.bytes())
+    if engine.device.type == "cuda":
+        report["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
+        report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
+        report["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+    return report
+
+
+# ---- formula ------------------------------------------------------------------------------------
+def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
+            gradient_accumulation_steps: int = 1) -> int:
+    """Model-state bytes per rank by DESIGN.md's table (Ψ = num_params, N = world).
+
+    Mixed precision (bf16/fp16): 2-byte params and grads, fp32 master + optimizer states (K = 12 for
+    Adam). fp32: 4-byte params and grads, and the master *is* the params, so K = 8 for Adam; e.g.
+    stage 2 is 4Ψ + 12Ψ/N. With gradient_accumulation_steps > 1 the engine accumulates gradients in
+    fp32 (4 bytes), which this applies too. Padding and reduce buckets are not included.
+    """
+    if dtype not in WORKING_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(WORKING_BYTES)}")
+    if optimizer.lower() not in STATE_BYTES:
+        raise ValueError(f"optimizer {optimizer!r}: expected one of {', '.join(STATE_BYTES)}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage {stage}: expected 0, 1, 2 or 3")
+    p = WORKING_BYTES[dtype]
+    g = 4 if gradient_accumulation_steps > 1 else p
+    k = STATE_BYTES[optimizer.lower()] + (0 if dtype == "fp32" else 4)
+    full = {0: p + g + k, 1: p + g, 2: p, 3: 0}[stage]
+    part = {0: 0, 1: k, 2: g + k, 3: p + g + k}[stage]
+    return round(num_params * (full + part / world))
+
+
+# ---- one measured step as rank 0 of N (runs in a child process) ---------------------------------
+def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    """One measured step (see `_measure_here`) in a fresh Python process, so in a fresh process group."""
+    return measure_many([spec], timeout)[0]
+
+
+def measure_many(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
+    """Several measured steps one after another in one fresh Python process (cheaper to start);
+    the process group is destroyed and created anew between them."""
+    out = subprocess.run([sys.executable, "-m", "zerodp.memory", "--_measure", json.dumps(specs)],
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        where = ", ".join(f"world={s['world']} stage={s['stage']}" for s in specs)
+        raise RuntimeError(f"the measuring subprocess for {where} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import zerodp
+    from zerodp.activations import checkpoint_blocks
+    from zerodp.train.model import GPT, GPTConfig, Block
+
+    world, stage = spec["world"], spec["stage"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig(**spec["model"])
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    model.init_weights()
+    psi = model.num_params()
+    config = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
+              "gradient_accumulation_steps": spec.get("gas", 1),
+              "zero_optimization": {"stage": stage,
+                                    "reduce_bucket_size": spec.get("reduce_bucket_size", 500_000_000)},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    if spec["dtype"] != "fp32":
+        config[spec["dtype"]] = {"enabled": True}
+    rss0 = _rss()
+    engine = zerodp.initialize(model, None, config)
+    if spec.get("checkpointing"):
+        checkpoint_blocks(engine.module, (Block,), engine.config.activation_checkpointing)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seq = spec["seq"]
+    for _ in range(engine.gas):
+        x = torch.randint(0, cfg.vocab_size, (spec["micro_batch"], seq), device=device)
+        engine.backward(engine(x, x))
+        engine.step()
+    report = memory_report(engine)
+    del engine, model
+    dist.destroy_process_group()
+    return {"num_params": psi, "report": report, "device": str(device),
+            "peak_rss": _rss(), "rss_before_engine": rss0}
+
+
+def _rss() -> int:
+    """Peak resident set of this process in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- activation estimate, for --fit -------------------------------------------------------------
+def activation_estimate(cfg, micro_batch: int, seq: int, dtype: str = "bf16", checkpointing: bool = False) -> int:
+    """Activation bytes of one forward held for backward, estimated (not measured).
+
+    Korthikanti et al. 2022, eq. 1 in 16-bit: s·b·h·34 bytes per layer when attention scores are not
+    materialised (fused SDPA); plus the logits (16-bit, their fp32 copy for the loss and its grad).
+    With checkpointing each layer keeps only its input (2·s·b·h) and one layer is live in recompute.
+    """
+    scale = WORKING_BYTES[dtype] / 2
+    sbh = seq * micro_batch * cfg.n_embd
+    layer = 34 * sbh * scale
+    logits = seq * micro_batch * cfg.vocab_size * (WORKING_BYTES[dtype] + 8)
+    if checkpointing:
+        return int(cfg.n_layer * 2 * sbh * scale + layer + logits)
+    return int(cfg.n_layer * layer + logits)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def parse_bytes(text: str) -> int:
+    """'80GiB', '16GB', '1.5e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 16GB or 1.5e9")
+    units = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return int(float(m.group(1)) * units[m.group(2)])
+
+
+def _model_config(name: str | None, seq: int | None):
+    from zerodp.train.model import SIZES, GPTConfig, gpt_config
+    if name is None:
+        return None
+    if name in SIZES:
+        return gpt_config(name)
+    path = Path(name)
+    if not path.exists():
+        raise SystemExit(f"--model {name!r}: not a named size ({', '.join(SIZES)}) nor a JSON file")
+    fields = json.loads(path.read_text())
+    base = fields.pop("size", None)
+    return gpt_config(base, **fields) if base else GPTConfig(**fields)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3f}"
+
+
+def _num_params(cfg) -> int:
+    with torch.device("meta"):
+        from zerodp.train.model import GPT
+        return GPT(cfg).num_params()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_measure"]:
+        print(json.dumps([_measure_here(spec) for spec in json.loads(argv[1])]))
+        return
+    ap = argparse.ArgumentParser(prog="zerodp estimate", description=(
+        "Per-rank memory for a GPT: DESIGN.md's formula and one measured training step as rank 0 of "
+        "N (fake process group, local device). --fit answers from the formula plus an activation "
+        "estimate: the largest micro-batch for --model, or the largest named size without it."))
+    ap.add_argument("--model", help="named size (tiny, small, 125M ... 13B) or a JSON file of GPTConfig fields")
+    ap.add_argument("--world", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--stage", type=int, nargs="+", default=[1, 2], choices=[0, 1, 2, 3])
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, help="sequence length (default: the model's block_size)")
+    ap.add_argument("--dtype", default="bf16", choices=list(WORKING_BYTES))
+    ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps of the measured step")
+    ap.add_argument("--checkpointing", action="store_true", help="checkpoint every block")
+    ap.add_argument("--reduce-bucket-size", type=int, default=500_000_000, help="elements")
+    ap.add_argument("--no-measure", action="store_true", help="the formula only")
+    ap.add_argument("--fit", type=parse_bytes, metavar="BUDGET", help="per-rank budget, e.g. 80GiB")
+    args = ap.parse_args(argv)
+
+    from rich.console import Console
+    console = Console()
+    if args.fit is not None:
+        console.print(_fit_table(args))
+        return
+    if args.model is None:
+        ap.error("--model is required (it may be left out only with --fit)")
+    cfg = _model_config(args.model, args.seq)
+    seq = args.seq or cfg.block_size
+    console.print(_estimate_table(args, cfg, seq, console))
+
+
+def _estimate_table(args, cfg, seq: int, console):
+    from rich.table import Table
+    psi = _num_params(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = Table(title=f"GPT {args.model}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, micro-batch "
+                        f"{args.micro_batch} x {seq} tokens, per rank (GiB); measured on {device}")
+    for col in ("N", "stage", "formula", "measured model states", "grads", "master+states",
+                "buckets", "step transient", "peak" if device == "cuda" else "peak RSS (whole process)"):
+        table.add_column(col, justify="right")
+    for world in args.world:
+        for stage in args.stage:
+            f = formula(psi, world, stage, args.dtype, "adamw", args.gas)
+            row = [str(world), str(stage), _gib(f)]
+            if args.no_measure or stage == 3:
+                row += ["-" if args.no_measure else "n/a: stage 3 not implemented"] + [""] * 5
+            else:
+                spec = {"world": world, "stage": stage, "model": cfg.__dict__, "micro_batch": args.micro_batch,
+                        "seq": seq, "dtype": args.dtype, "gas": args.gas, "checkpointing": args.checkpointing,
+                        "reduce_bucket_size": args.reduce_bucket_size}
+                with console.status(f"measuring N={world} stage={stage} ..."):
+                    r = measure(spec)
+                rep = r["report"]
+                peak = rep.get("cuda_peak_allocated", r["peak_rss"])
+                row += [_gib(rep["model_states"]), _gib(rep["gradients"]),
+                        _gib(rep["fp32_master"] + rep["optimizer_states"]), _gib(rep["reduce_buckets"]),
+                        _gib(rep["step_transient"]), _gib(peak)]
+            table.add_row(*row)
+    table.caption = ("formula: DESIGN.md (2/14 bytes split, fp32 grads when --gas > 1); measured: bytes of the "
+                     "tensors the engine owns after one step, padding included. Peak is CUDA's "
+                     "max_memory_allocated; on CPU only the process's peak RSS, which includes torch itself.")
+    return table
+
+
+def _fit_table(args):
+    """Largest micro-batch (--model) or named size (no --model) whose estimate fits the budget."""
+    from rich.table import Table
+    from zerodp.train.model import SIZES, gpt_config
+    budget = args.fit
+    kind = "largest micro-batch" if args.model else f"largest named model at micro-batch {args.micro_batch}"
+    table = Table(title=f"{kind} within {_gib(budget)} GiB per rank", min_width=len(kind) + 30)
+    table.caption = (f"estimated, not measured: formula + stage 2's reduce bucket pool + activation "
+                     f"estimate ({args.dtype}{', checkpointing' if args.checkpointing else ''})")
+    table.add_column("N", justify="right")
+    for s in args.stage:
+        table.add_column(f"stage {s}", justify="right")
+
+    def need(cfg, psi, world, stage, b):
+        # Only stage 2 has a bucket pool (reducer.POOL_BUFFERS buffers of the largest bucket).
+        buckets = POOL_BUFFERS * min(psi, args.reduce_bucket_size) * WORKING_BYTES[args.dtype] if stage == 2 else 0
+        return (formula(psi, world, stage, args.dtype, "adamw", args.gas) + buckets
+                + activation_estimate(cfg, b, args.seq or cfg.block_size, args.dtype, args.checkpointing))
+
+    configs = [_model_config(args.model, args.seq)] if args.model else [gpt_config(n) for n in SIZES]
+    sized = [(cfg, _num_params(cfg)) for cfg in configs]
+    for world in args.world:
+        row = [str(world)]
+        for stage in args.stage:
+            if args.model:
+                (cfg, psi), = sized
+                fits = lambda b: need(cfg, psi, world, stage, b) <= budget  # noqa: E731
+                lo, hi = 0, 1
+                while fits(hi) and hi <= 1 << 24:  # double, then bisect between last fit and first miss
+                    lo, hi = hi, hi * 2
+                while lo and hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+                row.append(str(lo) if lo else "none")
+            else:
+                names = [n for n, (cfg, psi) in zip(SIZES, sized)
+                         if need(cfg, psi, world, stage, args.micro_batch) <= budget]
+                row.append(names[-1] if names else "none")
+        table.add_row(*row)
+    return table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Per-rank memory: DESIGN.md's formula, and the engine's measured bytes as rank 0 of 8 and 64 ranks
+(fake process group, one subprocess per world size and stage)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from zerodp import memory
+from zerodp.reducer import POOL_BUFFERS
+
+# A GPT of about 3.3 million parameters.
+MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
+BUCKET = 2 ** 18  # elements
+RUNS = [(world, stage, gas) for world in (8, 64) for stage in (1, 2) for gas in (1,)] + [(8, 2, 2)]
+
+
+def spec(world: int, stage: int, gas: int) -> dict:
+    return {"world": world, "stage": stage, "gas": gas, "model": MODEL, "micro_batch": 2, "seq": 32,
+            "dtype": "bf16", "checkpointing": False, "reduce_bucket_size": BUCKET}
+
+
+@functools.cache
+def measured() -> dict:
+    # One subprocess for all runs (a fresh fake process group each): the CLI test covers one per run.
+    return dict(zip(RUNS, memory.measure_many([spec(*r) for r in RUNS], timeout=300)))
+
+
+# ---- formula ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage, expected", [(0, 16_000), (1, 4_000 + 1_200), (2, 2_000 + 1_400), (3, 1_600)])
+def test_formula_is_designs_table_in_bf16(stage, expected):
+    assert memory.formula(1000, 10, stage) == expected
+
+
+def test_formula_in_fp32_has_no_separate_master():
+    # 4-byte params and grads; Adam's m and v are the only other states: 16Ψ at stage 0 still.
+    assert memory.formula(1000, 10, 0, dtype="fp32") == 16_000
+    assert memory.formula(1000, 10, 2, dtype="fp32") == 4_000 + 1_200
+
+
+def test_formula_accumulating_gradients_are_fp32():
+    assert memory.formula(1000, 10, 2, gradient_accumulation_steps=4) == 2_000 + 1_600
+    assert memory.formula(1000, 10, 1, gradient_accumulation_steps=4) == 6_000 + 1_200
+
+
+def test_formula_rejects_unknown_names():
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        memory.formula(10, 1, 1, optimizer="lion")
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        memory.formula(10, 1, 1, dtype="int8")
+
+
+# ---- measured as rank 0 of N --------------------------------------------------------------------
+@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+def test_model_states_per_rank_match_the_formula_bf16_adam(stage, world):
+    r = measured()[(world, stage, 1)]
+    psi, rep = r["num_params"], r["report"]
+    expected = memory.formula(psi, world, stage)
+    assert rep["model_states"] == pytest.approx(expected, rel=0.05), rep
+    assert rep["model_states"] >= expected  # padding only ever adds
+    # the reduce bucket pool is beside the model states: at most POOL_BUFFERS bf16 buckets, stage 2 only
+    assert rep["reduce_buckets"] <= (POOL_BUFFERS * BUCKET * 2 if stage == 2 else 0)
+    assert rep["fp32_master"] == pytest.approx(4 * psi / world, rel=0.05)
+    assert rep["optimizer_states"] == pytest.approx(8 * psi / world, rel=0.05)
+
+
+@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
+def test_stage2_keeps_a_bf16_gradient_shard_and_makes_an_fp32_copy_at_the_step(world):
+    r = measured()[(world, 2, 1)]
+    psi, rep = r["num_params"], r["report"]
+    assert rep["gradients"] == pytest.approx(2 * psi / world, rel=0.05)
+    assert rep["step_transient"] == pytest.approx(4 * psi / world, rel=0.05)
+
+
+def test_stage1_keeps_full_bf16_gradients():
+    r = measured()[(8, 1, 1)]
+    assert r["report"]["gradients"] == pytest.approx(2 * r["num_params"], rel=0.05)
+
+
+def test_stage2_accumulates_in_fp32_with_more_than_one_micro_step():
+    r = measured()[(8, 2, 2)]
+    psi, rep = r["num_params"], r["report"]
+    assert rep["gradients"] == pytest.approx(4 * psi / 8, rel=0.05)
+    assert rep["step_transient"] == 0  # already fp32: the optimizer uses the shard itself
+    assert rep["model_states"] == pytest.approx(memory.formula(psi, 8, 2, gradient_accumulation_steps=2), rel=0.05)
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+def test_estimate_prints_formula_and_measured_table(capsys, monkeypatch):
+    from zerodp.cli import main
+    monkeypatch.setenv("COLUMNS", "250")
+    main(["estimate", "--model", "tiny", "--world", "4", "--stage", "2", "3", "--seq", "16"])
+    out = capsys.readouterr().out
+    assert "measured model states" in out and "stage 3 not implemented" in out
+    psi = memory._num_params(memory._model_config("tiny", None))
+    assert f"{memory.formula(psi, 4, 2) / memory.GiB:.3f}" in out
+
+
+def test_estimate_fit_answers_a_micro_batch_and_a_model_size(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    memory.main(["--fit", "80GiB", "--model", "125M", "--world", "8", "--stage", "2"])
+    out = capsys.readouterr().out
+    assert "largest micro-batch" in out
+    memory.main(["--fit", "80GiB", "--world", "1", "64", "--stage", "0", "2"])
+    out = capsys.readouterr().out
+    assert "largest named model" in out and "13B" in out  # 13B at N=64, stage 2: 2Ψ + 14Ψ/64 ≈ 29 GiB
+
+
+def test_parse_bytes_reads_units():
+    assert memory.parse_bytes("80GiB") == 80 * 2 ** 30
+    assert memory.parse_bytes("16GB") == 16 * 10 ** 9
+    assert memory.parse_bytes("1.5e9") == 1_500_000_000
