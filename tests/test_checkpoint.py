@@ -46,9 +46,21 @@ def global_batches(steps: int = STEPS):
             for _ in range(steps)]
 
 
+class WithExtra(oracle.Toy):
+    """The toy model plus one parameter: a different model."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.extra = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x, y):
+        return super().forward(x, y) + self.extra.sum()
+
+
 def make_engine(world: int, stage: int, dtype: str = "fp32", seed: int = 0, model_kw: dict | None = None):
     torch.manual_seed(seed)
-    model = oracle.Toy(**(model_kw or {}))
+    kw = dict(model_kw or {})
+    model = (WithExtra if kw.pop("extra", False) else oracle.Toy)(**kw)
     return zerodp.initialize(model, oracle.two_groups(model), config(world, stage, dtype))
 
 
@@ -391,7 +403,7 @@ def test_error_latest_names_missing_tag(tmp_path):
 
 @pytest.mark.parametrize("model_kw,expected", [
     ({"hidden": 38}, "'inp.weight' has shape (37, 13) in the checkpoint and (38, 13) in the model"),
-    ({"tied": True}, "parameter 'proj.weight' (13, 37) is not in the checkpoint"),
+    ({"extra": True}, "parameter 'extra' (3,) is not in the checkpoint"),
 ], ids=["shape", "extra_parameter"])
 def test_error_different_model_names_first_mismatch(model_kw, expected):
     msg = load_error(small_checkpoint(), model_kw=model_kw)
@@ -401,8 +413,8 @@ def test_error_different_model_names_first_mismatch(model_kw, expected):
 def test_error_checkpoint_has_parameter_model_lacks(tmp_path):
     d = str(tmp_path / "tied")
     with world_of_one():
-        make_engine(1, 1, model_kw={"tied": True}).save_checkpoint(d)
-    assert "it has parameter 'proj.weight'" in load_error(d)
+        make_engine(1, 1, model_kw={"extra": True}).save_checkpoint(d)
+    assert "it has parameter 'extra' (3,), which the model does not have" in load_error(d)
 
 
 def _truncate(p):

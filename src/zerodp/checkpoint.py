@@ -577,6 +577,8 @@ def _apply(engine, meta: dict, staged: _Staged) -> None:
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
     part.all_gather()  # working params from the masters, on every rank
+    if getattr(engine, "gatherer", None) is not None:
+        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
     c = meta["counters"]
     engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
     # The accumulation count restarts at a boundary: gas may differ when the world size did.
