@@ -37,6 +37,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -190,7 +191,12 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
                               f"bools, None): {e}") from None
     sched = None
     if engine.lr_scheduler is not None:
-        sched = {k: v for k, v in engine.lr_scheduler.state_dict().items() if _jsonable(v)}
+        sched = engine.lr_scheduler.state_dict()
+        dropped = [k for k, v in sched.items() if not _jsonable(v)]
+        if dropped:
+            warnings.warn(f"lr scheduler state {dropped} is not JSON-serialisable and is not saved; "
+                          "it will be rebuilt from the constructor on resume", stacklevel=3)
+        sched = {k: v for k, v in sched.items() if k not in dropped}
     scalars = {str(g): {k: v for k, v in s.items() if not torch.is_tensor(v) and _jsonable(v)}
                for g, s in _group_states(engine).items()}
     groups = [{k: (v.item() if torch.is_tensor(v) and v.dim() == 0 else v) for k, v in g.items() if k != "params"}
@@ -201,6 +207,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
                      "micro_steps": engine.micro_steps},
         "loss_scaler": engine.scaler.state_dict(),
+        "optimizer": type(engine.optimizer).__name__,
         "lr_scheduler": sched,
         "param_groups": [{k: v for k, v in g.items() if _jsonable(v)} for g in groups],
         "optim_scalars": scalars,
@@ -414,21 +421,20 @@ def _read_metadata(path: str):
                               f"cannot be read ({type(e).__name__}: {e})") from None
 
 
-def _read(path: str, metadata, requests: dict[str, torch.Tensor], meta: dict) -> None:
-    """Fill `requests` (key -> tensor of the saved size) from the DCP files, in bounded chunks."""
+def _read(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None]) -> None:
+    """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
     md = metadata.state_dict_metadata
-    for key, t in requests.items():
-        saved = md.get(key)
-        if not isinstance(saved, TensorStorageMetadata) or tuple(saved.size) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint '{path}' is corrupt: tensor {key} is missing or has the "
-                                  "wrong size in its .metadata")
-    wanted = set(requests)
+    for key in keys:
+        if not isinstance(md.get(key), TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: tensor {key} is missing from its .metadata")
+    wanted = set(keys)
     _verify_files(path, meta, {info.relative_path for idx, info in metadata.storage_data.items()
                                if idx.fqn in wanted} | {".metadata"})
     chunk, size = {}, 0
-    for i, (key, t) in enumerate(requests.items()):
-        chunk[key], size = t, size + t.numel()
-        if size >= LOAD_CHUNK_NUMEL or i == len(requests) - 1:
+    for i, key in enumerate(keys):
+        chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
+        size += chunk[key].numel()
+        if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
             try:
                 with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
                     warnings.simplefilter("ignore", UserWarning)
@@ -436,6 +442,7 @@ def _read(path: str, metadata, requests: dict[str, torch.Tensor], meta: dict) ->
             except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
                                       f"({type(e).__name__}: {e})") from None
+            consume(chunk)
             chunk, size = {}, 0
 
 
@@ -494,6 +501,9 @@ def _check_model(engine, path: str, meta: dict) -> None:
         if s["name"] not in names:
             raise CheckpointError(f"{prefix} it has {what(s)} '{s['name']}' {tuple(s['shape'])}, which the "
                                   "model does not have")
+    if meta.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
+        raise CheckpointError(f"checkpoint '{path}' holds {meta['optimizer']} state, the optimizer is "
+                              f"{type(engine.optimizer).__name__}")
     if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(meta['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
@@ -519,8 +529,7 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
         dtype = next(md.properties.dtype for k, md in metadata.state_dict_metadata.items()
                      if k.startswith(f"optim/{key}/"))
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in part.masters]
-    requests: dict[str, torch.Tensor] = {}
-    copies = []  # (request key, source offset, destination, destination offset, numel)
+    copies: dict[str, list] = {}  # saved piece -> [(source offset, destination, its offset, numel)]
     saved = {"master": _saved_pieces(metadata, "master/")}
     saved.update({key: _saved_pieces(metadata, f"optim/{key}/") for key in keys})
     for pc in _owned_pieces(engine):
@@ -529,25 +538,27 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
             for start, numel, key in saved[kind].get(pc.name, []):
                 lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
                 if lo < hi:
-                    requests.setdefault(key, torch.empty(numel, dtype=dests[0].dtype))
-                    copies.append((key, lo - start, dests[pc.master], pc.offset + lo - pc.start, hi - lo))
+                    copies.setdefault(key, []).append((lo - start, dests[pc.master], pc.offset + lo - pc.start, hi - lo))
                     covered += hi - lo
             if covered != pc.numel:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
                                       f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
     md = metadata.state_dict_metadata
-    scalars = {k[len("optim_scalar/"):]: torch.empty((), dtype=v.properties.dtype)
-               for k, v in md.items() if k.startswith("optim_scalar/")}
-    requests.update({f"optim_scalar/{k}": t for k, t in scalars.items()})
-    untrained = {name: torch.empty(t.shape, dtype=md[f"model/{name}"].properties.dtype)
-                 for name, t in _untrained(engine).items() if f"model/{name}" in md}
-    requests.update({f"model/{k}": t for k, t in untrained.items()})
-    rng = {k.rsplit("/", 1)[1]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-           for k, v in md.items() if k.startswith(f"rng/{rank}/")}
-    requests.update({f"rng/{rank}/{k}": t for k, t in rng.items()})
-    _read(path, metadata, requests, meta)
-    for key, src_off, dest, dest_off, n in copies:
-        dest[dest_off:dest_off + n].copy_(requests[key][src_off:src_off + n])
+    small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
+    small += [f"model/{name}" for name in _untrained(engine) if f"model/{name}" in md]
+    whole: dict[str, torch.Tensor] = {}
+
+    def consume(chunk: dict[str, torch.Tensor]) -> None:
+        for key, t in chunk.items():
+            for src_off, dest, dest_off, n in copies.get(key, ()):
+                dest[dest_off:dest_off + n].copy_(t[src_off:src_off + n])
+            if key not in copies:
+                whole[key] = t
+
+    _read(path, metadata, list(copies) + small, meta, consume)
+    scalars = {k[len("optim_scalar/"):]: t for k, t in whole.items() if k.startswith("optim_scalar/")}
+    untrained = {k[len("model/"):]: t for k, t in whole.items() if k.startswith("model/")}
+    rng = {k.rsplit("/", 1)[1]: t for k, t in whole.items() if k.startswith("rng/")}
     return _Staged(masters, states, scalars, untrained, rng)
 
 
@@ -626,9 +637,8 @@ def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.
     path, meta = resolve(load_dir, tag)
     metadata = _read_metadata(path)
     md = metadata.state_dict_metadata
-    requests = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
-                if k.startswith(("master/", "model/"))}
-    _read(path, metadata, requests, meta)
+    requests: dict[str, torch.Tensor] = {}
+    _read(path, metadata, [k for k in md if k.startswith(("master/", "model/"))], meta, requests.update)
     pieces = _saved_pieces(metadata, "master/")
     out: dict[str, torch.Tensor] = {}
     ties: dict[str, str] = {}
