@@ -91,11 +91,11 @@ def test_stage2_accumulates_in_fp32_with_more_than_one_micro_step():
 def test_estimate_prints_formula_and_measured_table(capsys, monkeypatch):
     from zerodp.cli import main
     monkeypatch.setenv("COLUMNS", "250")
-    main(["estimate", "--model", "tiny", "--world", "4", "--stage", "2", "3", "--seq", "16"])
+    main(["estimate", "--model", "tiny", "--world", "4", "--stage", "2", "--seq", "16"])
     out = capsys.readouterr().out
-    assert "measured model states" in out and "stage 3 not implemented" in out
+    assert "measured model states" in out
     psi = memory._num_params(memory._model_config("tiny", None))
-    assert f"{memory.formula(psi, 4, 2) / memory.GiB:.3f}" in out
+    assert memory.human(memory.formula(psi, 4, 2)) in out
 
 
 def test_estimate_fit_answers_a_micro_batch_and_a_model_size(capsys, monkeypatch):
@@ -106,6 +106,12 @@ def test_estimate_fit_answers_a_micro_batch_and_a_model_size(capsys, monkeypatch
     memory.main(["--fit", "80GiB", "--world", "1", "64", "--stage", "0", "2"])
     out = capsys.readouterr().out
     assert "largest named model" in out and "13B" in out  # 13B at N=64, stage 2: 2Ψ + 14Ψ/64 ≈ 29 GiB
+
+
+def test_human_picks_a_readable_unit():
+    assert memory.human(3 * 2 ** 30) == "3.00 GiB"
+    assert memory.human(1536) == "1.50 KiB"
+    assert memory.human(12) == "12 B"
 
 
 def test_parse_bytes_reads_units():

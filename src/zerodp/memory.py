@@ -215,8 +215,12 @@ def _model_config(name: str | None, seq: int | None):
     return gpt_config(base, **fields) if base else GPTConfig(**fields)
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.3f}"
+def human(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1: '1.23 GiB', '456.0 MiB'."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _num_params(cfg) -> int:
@@ -264,28 +268,31 @@ def _estimate_table(args, cfg, seq: int, console):
     psi = _num_params(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     table = Table(title=f"GPT {args.model}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, micro-batch "
-                        f"{args.micro_batch} x {seq} tokens, per rank (GiB); measured on {device}")
+                        f"{args.micro_batch} x {seq} tokens, per rank; measured on {device}")
     for col in ("N", "stage", "formula", "measured model states", "grads", "master+states",
                 "buckets", "step transient", "peak" if device == "cuda" else "peak RSS (whole process)"):
         table.add_column(col, justify="right")
     for world in args.world:
         for stage in args.stage:
             f = formula(psi, world, stage, args.dtype, "adamw", args.gas)
-            row = [str(world), str(stage), _gib(f)]
-            if args.no_measure or stage == 3:
-                row += ["-" if args.no_measure else "n/a: stage 3 not implemented"] + [""] * 5
-            else:
-                spec = {"world": world, "stage": stage, "model": cfg.__dict__, "micro_batch": args.micro_batch,
-                        "seq": seq, "dtype": args.dtype, "gas": args.gas, "checkpointing": args.checkpointing,
-                        "reduce_bucket_size": args.reduce_bucket_size}
+            row = [str(world), str(stage), human(f)]
+            if args.no_measure:
+                table.add_row(*row, "-", *[""] * 5)
+                continue
+            spec = {"world": world, "stage": stage, "model": cfg.__dict__, "micro_batch": args.micro_batch,
+                    "seq": seq, "dtype": args.dtype, "gas": args.gas, "checkpointing": args.checkpointing,
+                    "reduce_bucket_size": args.reduce_bucket_size}
+            try:
                 with console.status(f"measuring N={world} stage={stage} ..."):
                     r = measure(spec)
-                rep = r["report"]
-                peak = rep.get("cuda_peak_allocated", r["peak_rss"])
-                row += [_gib(rep["model_states"]), _gib(rep["gradients"]),
-                        _gib(rep["fp32_master"] + rep["optimizer_states"]), _gib(rep["reduce_buckets"]),
-                        _gib(rep["step_transient"]), _gib(peak)]
-            table.add_row(*row)
+            except RuntimeError as e:  # e.g. a stage the engine does not implement: say so, go on
+                table.add_row(*row, "failed: " + str(e).strip().splitlines()[-1][-60:], *[""] * 5)
+                continue
+            rep = r["report"]
+            peak = rep.get("cuda_peak_allocated", r["peak_rss"])
+            table.add_row(*row, human(rep["model_states"]), human(rep["gradients"]),
+                          human(rep["fp32_master"] + rep["optimizer_states"]), human(rep["reduce_buckets"]),
+                          human(rep["step_transient"]), human(peak))
     table.caption = ("formula: DESIGN.md (2/14 bytes split, fp32 grads when --gas > 1); measured: bytes of the "
                      "tensors the engine owns after one step, padding included. Peak is CUDA's "
                      "max_memory_allocated; on CPU only the process's peak RSS, which includes torch itself.")
@@ -298,7 +305,7 @@ def _fit_table(args):
     from zerodp.train.model import SIZES, gpt_config
     budget = args.fit
     kind = "largest micro-batch" if args.model else f"largest named model at micro-batch {args.micro_batch}"
-    table = Table(title=f"{kind} within {_gib(budget)} GiB per rank", min_width=len(kind) + 30)
+    table = Table(title=f"{kind} within {human(budget)} per rank", min_width=len(kind) + 30)
     table.caption = (f"estimated, not measured: formula + stage 2's reduce bucket pool + activation "
                      f"estimate ({args.dtype}{', checkpointing' if args.checkpointing else ''})")
     table.add_column("N", justify="right")
