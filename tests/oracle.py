@@ -23,15 +23,18 @@ D_IN, D_OUT, MICRO, STEPS, LR = 13, 5, 3, 5, 1e-3
 class Toy(nn.Module):
     """An MLP with sizes no world size divides; optional extras switch on one behaviour each."""
 
-    def __init__(self, tied=False, frozen=False, unused=False, ckpt=False, hidden=37):
+    def __init__(self, tied=False, frozen=False, unused=False, ckpt=False, reuse=False, hidden=37):
         super().__init__()
-        self.ckpt, self.tied = ckpt, tied
+        self.ckpt, self.tied, self.reuse = ckpt, tied, reuse
         self.inp = nn.Linear(D_IN, hidden)
         self.mid = nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, D_OUT)
         self.norm = nn.LayerNorm(hidden)
-        if tied:  # one parameter used twice in a forward: hidden -> D_IN -> hidden
-            self.proj = nn.Linear(hidden, D_IN, bias=False)
+        if tied:
+            self.pair = TiedPair(hidden)  # one parameter used twice in one module's forward
+            self.enc = nn.Linear(hidden, hidden, bias=False)
+            self.dec = nn.Linear(hidden, hidden, bias=False)
+            self.dec.weight = self.enc.weight  # one parameter registered in two modules (GPT's tie)
         if frozen:
             self.inp.weight.requires_grad_(False)
         self.use_sometimes = False
@@ -42,7 +45,8 @@ class Toy(nn.Module):
     def forward(self, x, y):
         h = torch.tanh(self.inp(x))
         if self.tied:
-            h = h + F.linear(torch.tanh(self.proj(h)), self.proj.weight.t())
+            h = self.pair(h)
+            h = h + self.dec(torch.tanh(self.enc(h)))
         if self.ckpt:
             h = checkpoint(self._block, h, use_reentrant=False)
         else:
@@ -52,7 +56,20 @@ class Toy(nn.Module):
         return F.mse_loss(self.out(h), y)
 
     def _block(self, h):
+        if self.reuse:  # one submodule called twice per forward
+            h = h + torch.tanh(self.mid(h))
         return self.norm(h + torch.tanh(self.mid(h)))
+
+
+class TiedPair(nn.Module):
+    """hidden -> D_IN -> hidden through the same matrix and its transpose."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D_IN, hidden) / hidden ** 0.5)
+
+    def forward(self, h):
+        return h + F.linear(torch.tanh(F.linear(h, self.w)), self.w.t())
 
 
 def one_group(model):
@@ -92,6 +109,7 @@ CASES = {
     "param_larger_than_bucket": Case(config={"reduce_bucket_size": 200}),
     "accumulation": Case(gas=4, clip=0.0),
     "checkpointed": Case(model={"ckpt": True}),
+    "module_called_twice": Case(model={"reuse": True}),
 }
 
 
@@ -111,6 +129,8 @@ def build(case: Case, seed: int = 0) -> Toy:
 def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False, **zero) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if stage == 3:  # gather and release every module, unless a test asks for persistence
+        zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
            "gradient_clipping": case.clip,
            "zero_optimization": {"stage": stage, **case.config, **zero}}
@@ -141,8 +161,9 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
             engine.backward(engine(x[sl], y[sl]))
             engine.step()
         norms.append(engine.grad_norm)
-    return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps,
-            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    with engine.gathered_parameters():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps, "params": params}
 
 
 def train_reference(name: str, world: int, seed: int = 0) -> dict:
@@ -189,13 +210,32 @@ def train_overflow(rank: int, world: int, stage: int) -> dict:
             x[0, 0] = float("inf")
         engine.backward(engine(x, y[rank * MICRO:(rank + 1) * MICRO]))
         engine.step()
+        with engine.gathered_parameters():
+            working = [p.detach().clone() for p in model.parameters()]
         record.append({
             "scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
             "master": [m.clone() for m in engine.partitioned.masters],
-            "working": [p.detach().clone() for p in model.parameters()],
+            "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
         })
     return record
+
+
+def stage3_releases(rank: int, world: int) -> dict:
+    """After a stage-3 step nothing but persistent buckets holds gathered parameters."""
+    case = CASES["tied"]
+    model = build(case)
+    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, 3, world))
+    x, y = batches(world, 1)[0][0]
+    engine.backward(engine(x[:MICRO], y[:MICRO]))
+    engine.step()
+    held = sum(b.data.untyped_storage().nbytes() for g in engine.flat_groups for b in g.buckets)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    with engine.gathered_parameters():
+        whole = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    owned = sum(g.data.numel() for g in engine.flat_groups)
+    total = sum(b.numel for g in engine.flat_groups for b in g.buckets)
+    return {"held": held, "shapes": shapes, "whole": whole, "owned": owned, "total": total}
 
 
 def mismatched_models(rank: int, world: int) -> str:

@@ -11,27 +11,46 @@ import oracle
 from spawn import run_ranks
 
 WORLDS = [1, 2, 4]
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
+OFFLOAD_STAGES = [1, 2, 3]
 FP32_JOBS = [(name, stage) for name in oracle.CASES for stage in STAGES]
-OFFLOAD_JOBS = [(name, stage, "fp32", True) for name in oracle.CASES for stage in (1, 2)]
+OFFLOAD_JOBS = [(name, stage, "fp32", True) for name in oracle.CASES for stage in OFFLOAD_STAGES]
 LOW_JOBS = [("plain", stage, dtype, offload) for stage in STAGES for dtype in ("bf16", "fp16")
             for offload in (False, True)]
-BUCKET_JOBS = [("plain", stage, "fp32", False, 0, *kw) for stage in (1, 2)
-               for kw in [("overlap_comm", False), ("reduce_bucket_size", 64), ("reduce_bucket_size", 10**9)]]
+BUCKET_VARIANTS = {1: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
+                   2: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
+                   3: [("overlap_comm", False), ("stage3_prefetch_bucket_size", 0),
+                       ("stage3_param_persistence_threshold", 10**9)]}
+BUCKET_JOBS = [("plain", stage, "fp32", False, 0, *kw) for stage, kws in BUCKET_VARIANTS.items() for kw in kws]
 
 
 def _kw(job):
     return dict([job[5:]]) if len(job) > 5 else {}
 
 
+SPECIAL_JOBS = [("overflow", stage) for stage in STAGES] + [("stage3_releases",)]
+
+
+def _run_job(rank, world, job):
+    if job[0] == "overflow":
+        return oracle.train_overflow(rank, world, job[1])
+    if job[0] == "stage3_releases":
+        return oracle.stage3_releases(rank, world)
+    return oracle.train_engine(rank, world, *job[:5], **_kw(job))
+
+
 def _run_jobs(rank, world, jobs):
-    return {job: oracle.train_engine(rank, world, *job[:5], **_kw(job)) for job in jobs}
+    return {job: _run_job(rank, world, job) for job in jobs}
 
 
 @functools.cache
+def all_ranks(world: int) -> list[dict]:
+    """Every engine run for one world size, in one set of spawned ranks (spawning is the slow part)."""
+    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + SPECIAL_JOBS)
+
+
 def engine_runs(world: int) -> dict:
-    """Every engine run for one world size, in one set of spawned ranks; rank 0's view."""
-    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS)[0]
+    return all_ranks(world)[0]
 
 
 @functools.cache
@@ -58,7 +77,7 @@ def test_matches_single_process_fp32(case, stage, world):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("stage", OFFLOAD_STAGES, ids=lambda s: f"stage={s}")
 @pytest.mark.parametrize("case", list(oracle.CASES))
 def test_offload_matches_single_process_fp32(case, stage, world):
     ours, ref = engine_runs(world)[(case, stage, "fp32", True)], reference(case, world)
@@ -82,11 +101,12 @@ def test_low_precision_matches_within_its_precision(dtype, offload, stage, world
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"stage={s}")
 def test_bucketed_overlapped_and_single_bucket_runs_are_identical(stage, world):
+    """Stage 3's variants: no overlap, no prefetch, every parameter persistent (never released)."""
     runs = engine_runs(world)
     default = runs[("plain", stage)]["state"]  # default buckets hold the whole toy model: one bucket
-    for kw in [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)]:
+    for kw in BUCKET_VARIANTS[stage]:
         other = runs[("plain", stage, "fp32", False, 0, *kw)]["state"]
         for k in default:
             if kw == ("reduce_bucket_size", 64) and world > 2:
@@ -101,8 +121,8 @@ def test_bucketed_overlapped_and_single_bucket_runs_are_identical(stage, world):
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
 def test_fp16_overflow_skips_step_everywhere(stage, world):
-    ranks = run_ranks(oracle.train_overflow, world, stage)
-    for record in ranks:
+    for ranks in all_ranks(world):
+        record = ranks[("overflow", stage)]
         before, during = record[1], record[2]
         assert during["skipped"] == 1 and record[-1]["skipped"] == 1
         assert during["steps"] == 3, "a skipped step still counts as a global step"
@@ -112,7 +132,18 @@ def test_fp16_overflow_skips_step_everywhere(stage, world):
             assert all(torch.equal(sa[k], sb[k]) for k in sa), "optimizer state must be untouched"
         # 2^8, doubled after the 2-step window, halved by the overflow, doubled 2 clean steps later
         assert [r["scale"] for r in record] == [256, 512, 256, 256, 512]
-        assert not torch.equal(record[3]["master"][0], during["master"][0]), "training resumes"
+        assert any(not torch.equal(a, b) for a, b in zip(record[3]["master"], during["master"])), \
+            "training resumes after the skipped step"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+def test_stage3_holds_only_its_shard_between_steps(world):
+    for ranks in all_ranks(world):
+        r = ranks[("stage3_releases",)]
+        assert r["held"] == 0, "gathered parameter storage must be released after the step"
+        assert all(s == (0,) for s in r["shapes"]), "released parameters are empty, not dangling"
+        assert all(len(s) > 0 and all(d > 0 for d in s) for s in r["whole"])
+        assert r["owned"] * world == r["total"]
 
 
 def test_different_models_on_ranks_fail_on_every_rank():

@@ -4,6 +4,7 @@ into forward / backward / step. See DESIGN.md, "One training step, as data"."""
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -16,6 +17,7 @@ from .flat import plan
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
 from .reducer import Reducer
+from .stage3 import Gatherer, owning_modules
 
 
 class Engine:
@@ -26,9 +28,6 @@ class Engine:
         self.config, self.comm, self.module = config, comm, module
         zero = config.zero_optimization
         self.stage = zero.stage
-        if self.stage == 3:
-            raise ConfigError("zero_optimization.stage = 3: parameter partitioning is not available "
-                              "in this version; use stage 0, 1 or 2")
         self.batch = config.batch(comm.world_size)
         self.gas = self.batch.gradient_accumulation_steps
         self.dtype = config.dtype
@@ -43,23 +42,32 @@ class Engine:
         self.device = _device_of(module, comm)
         module.to(self.device)
         self._cast_and_sync_untrained(groups)
-        layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size)
-        fp32_buckets = []
+        units = owning_modules(module) if self.stage == 3 else None
+        layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        rank = comm.rank if self.stage > 0 else 0
+        fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
         for g in layout:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
             for full in fulls:
                 if comm.world_size > 1:
                     comm.broadcast(full)  # every rank starts from rank 0's weights
-            g.materialize(self.dtype, fulls)
-            fp32_buckets += fulls
+            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3)
+            shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
+            # Stage 3 must not hold every full bucket at once: keep only the shard of each.
+            fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
+            del fulls
         self.flat_groups = layout
         offload = zero.offload_optimizer
-        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_buckets, comm, self.stage,
+        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
                                                 offload.device == "cpu", offload.pin_memory)
-        del fp32_buckets
+        del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
+        buckets = [b for g in layout for b in g.buckets]
+        self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
+                                 zero.stage3_prefetch_bucket_size) if self.stage == 3 else None
         acc_dtype = torch.float32 if self.gas > 1 else self.dtype
-        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm)
+        done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
+        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done)
         self.scaler = LossScaler.from_config(config)
         if lr_scheduler is None and config.scheduler is not None:
             lr_scheduler = config.scheduler.build
@@ -86,6 +94,8 @@ class Engine:
         self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
         loss.backward()
         self.reducer.finish_backward()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -97,6 +107,8 @@ class Engine:
         if self.micro_steps == self._stepped_at or self.micro_steps % self.gas != 0:
             return
         self._stepped_at = self.micro_steps
+        if self.gatherer is not None:
+            self.gatherer.release_all()  # gathered copies are about to go stale
         self.reducer.wait()
         grads = self.reducer.shard_grads()
         norm_sq = self.partitioned.grad_norm_squared(grads)
@@ -109,6 +121,8 @@ class Engine:
             self.partitioned.step(grads, coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        if self.gatherer is not None and not overflow:
+            self.gatherer.refresh_persistent()
         self.scaler.update(overflow)
         self.reducer.zero()
         self.global_steps += 1
@@ -135,6 +149,16 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Nothing to do: gradients live in the engine's buffers and are cleared by step()."""
+
+    @contextmanager
+    def gathered_parameters(self):
+        """Within the block the module's parameters are whole on every rank (stage 3 gathers and
+        releases them; other stages always hold them whole). Changes made inside are not kept."""
+        if self.gatherer is None:
+            yield
+        else:
+            with self.gatherer.gathered_parameters():
+                yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""

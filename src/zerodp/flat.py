@@ -46,7 +46,8 @@ class Bucket:
     numel: int                 # padded to a multiple of partitions * ALIGN
     partitions: int
     slots: list[Slot] = field(default_factory=list)
-    data: torch.Tensor | None = None  # view of the group's flat working buffer
+    data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
+    owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
 
     @property
     def shard_numel(self) -> int:
@@ -74,28 +75,51 @@ class FlatGroup:
     numel: int
     data: torch.Tensor | None = None
 
-    def materialize(self, dtype: torch.dtype, fp32_buckets: list[torch.Tensor]) -> None:
-        """Allocate the flat buffer, fill it, and turn every parameter into a view of it."""
+    def materialize(self, dtype: torch.dtype, fp32_buckets: list[torch.Tensor], rank: int,
+                    sharded: bool = False) -> None:
+        """Allocate the flat buffer, fill it, and turn every parameter into a view of it.
+
+        sharded (stage 3): the flat buffer holds only this rank's shards; each bucket gets a
+        buffer of its own for the gathered parameters, whose storage is freed between uses.
+        """
         if not self.buckets:
             return
         device = self.buckets[0].slots[0].param.device
-        self.data = torch.empty(self.numel, dtype=dtype, device=device)
+        size = sum(b.shard_numel for b in self.buckets) if sharded else self.numel
+        self.data = torch.empty(size, dtype=dtype, device=device)
+        offset = 0
         for b, full in zip(self.buckets, fp32_buckets):
-            b.data = self.data[b.start:b.start + b.numel]
+            if sharded:
+                b.data = torch.empty(b.numel, dtype=dtype, device=device)
+                b.owned = self.data[offset:offset + b.shard_numel]
+                offset += b.shard_numel
+            else:
+                b.data = self.data[b.start:b.start + b.numel]
+                b.owned = b.shard(b.data, rank)
             b.data.copy_(full)
+            b.owned.copy_(b.shard(full, rank))
             for s in b.slots:
                 s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
 
 
-def plan(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int) -> list[FlatGroup]:
-    """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets."""
+def plan(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
+         unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
+    """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets.
+
+    unit_of (stage 3): id(param) -> the module that owns it; a bucket then holds exactly one
+    module's parameters (of one group), so a module's forward gathers whole buckets.
+    """
     groups, index = [], 0
     for g, params in enumerate(param_groups):
         buckets, start = [], 0
         current: Bucket | None = None
+        unit = None
         for p in reversed(params):
             n = p.numel()
-            if current is None or (current.slots and _fill(current) + n > bucket_numel):
+            new_unit = unit_of is not None and unit_of[id(p)] != unit
+            unit = unit_of[id(p)] if unit_of is not None else None
+            if current is None or new_unit or (unit_of is None and current.slots
+                                                and _fill(current) + n > bucket_numel):
                 if current is not None:
                     start = _close(current, start)
                     buckets.append(current)

@@ -26,7 +26,7 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 
 class PartitionedOptimizer:
-    def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_buckets: list[torch.Tensor],
+    def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True):
         self.comm, self.stage, self.offload = comm, stage, offload
         self.rank = comm.rank if stage > 0 else 0
@@ -35,11 +35,11 @@ class PartitionedOptimizer:
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32)
         pin = offload and pin_memory and torch.cuda.is_available()
         if offload:
-            self.masters = [_host(b.shard(full, self.rank), pin) for b, full in zip(self.buckets, fp32_buckets)]
+            self.masters = [_host(shard, pin) for shard in fp32_shards]
             self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
         else:
-            self.masters = [b.shard(full, self.rank).clone() if self.separate else b.shard(b.data, self.rank)
-                            for b, full in zip(self.buckets, fp32_buckets)]
+            self.masters = [shard.clone() if self.separate else b.owned
+                            for b, shard in zip(self.buckets, fp32_shards)]
         per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
         if isinstance(optimizer, Optimizer):
             if len(optimizer.state) > 0:
@@ -85,14 +85,16 @@ class PartitionedOptimizer:
         self.all_gather()
 
     def all_gather(self) -> None:
-        """Copy each master shard into the working buffer and gather every rank's shard."""
+        """Copy each master shard into the working buffer and gather every rank's shard.
+
+        Stage 3 gathers nothing here: modules gather their parameters when they next run.
+        """
         works = []
         for b, m in zip(self.buckets, self.masters):
-            shard = b.shard(b.data, self.rank)
             if self.separate:
-                shard.copy_(m, non_blocking=True)
-            if self.stage > 0 and self.comm.world_size > 1:
-                works.append(self.comm.all_gather(b.data, shard, async_op=True))
+                b.owned.copy_(m, non_blocking=True)
+            if 0 < self.stage < 3 and self.comm.world_size > 1:
+                works.append(self.comm.all_gather(b.data, b.owned, async_op=True))
         for w in works:
             w.wait()
 

@@ -5,8 +5,9 @@ its bucket and frees it. A bucket whose parameters have all arrived is launched 
 while backward goes on (`overlap_comm`):
   stage 0: all_reduce of the bucket (plain data parallelism, every rank keeps everything);
   stage 1: gradients accumulate in a full bucket; reduce_scatter once, at the boundary micro-step;
-  stage 2: gradients pass through a pooled bucket buffer and are reduce_scattered every micro-step;
-           each rank keeps only its shard.
+  stage 2, 3: gradients pass through a pooled bucket buffer and are reduce_scattered every
+           micro-step; each rank keeps only its shard. In stage 3 a bucket whose gradients have all
+           arrived is also handed to `on_bucket_done`, which frees its gathered parameters.
 Buckets are launched strictly in index order so that every rank issues the same collectives in the
 same order, whatever order its hooks fire in (unused parameters differ between ranks).
 """
@@ -14,6 +15,7 @@ same order, whatever order its hooks fire in (unused parameters differ between r
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -27,14 +29,16 @@ POOL_BUFFERS = 3
 
 class Reducer:
     def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
-                 overlap_comm: bool):
+                 overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
+        self.on_bucket_done = on_bucket_done
+        self.sharded_grads = stage >= 2
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
         self.rank = comm.rank if stage > 0 else 0
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
         # shard (stage 2), accumulated across micro-steps in `acc_dtype`.
-        self.acc = [torch.zeros(b.numel if stage < 2 else b.shard_numel, dtype=acc_dtype,
+        self.acc = [torch.zeros(b.shard_numel if self.sharded_grads else b.numel, dtype=acc_dtype,
                                 device=b.data.device) for b in self.buckets]
         self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.pool: list[torch.Tensor] = []
@@ -52,7 +56,7 @@ class Reducer:
     # ---- backward -------------------------------------------------------------------------------
     def begin(self, communicate: bool) -> None:
         """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""
-        self.active, self.communicate = True, communicate or self.stage == 2
+        self.active, self.communicate = True, communicate or self.sharded_grads
         self.pending = [len(b.slots) for b in self.buckets]
         self.arrived = [bytearray(len(b.slots)) for b in self.buckets]
         self.ready = bytearray(len(self.buckets))
@@ -77,12 +81,15 @@ class Reducer:
         if not self.arrived[k][i]:
             self.arrived[k][i] = 1
             self.pending[k] -= 1
-            if self.pending[k] == 0 and self.communicate:
-                self._mark_ready(k)
+            if self.pending[k] == 0:
+                if self.on_bucket_done is not None:
+                    self.on_bucket_done(b)
+                if self.communicate:
+                    self._mark_ready(k)
 
     def _target(self, k: int) -> torch.Tensor:
         """Where bucket k's gradients are summed this micro-step."""
-        if self.stage < 2:
+        if not self.sharded_grads:
             return self.acc[k]
         if self.buffers[k] is None:
             self.buffers[k] = self._acquire()
@@ -98,20 +105,20 @@ class Reducer:
         """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
         if self.communicate:
             for k in range(self.next_launch, len(self.buckets)):
-                if self.stage == 2:
+                if self.sharded_grads:
                     self._target(k)  # a bucket nobody touched still takes part, as zeros
                 self.ready[k] = 1
             while self.next_launch < len(self.buckets):
                 self._launch(self.next_launch)
                 self.next_launch += 1
         self.active = False
-        if self.stage == 2:
+        if self.sharded_grads:
             self.wait()
 
     # ---- communication --------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
         b = self.buckets[k]
-        buf = self.acc[k] if self.stage < 2 else self._target(k)
+        buf = self._target(k)
         # Divide before summing: the mean over ranks without fp16 overflow in the sum.
         if self.comm.world_size > 1:
             buf.div_(self.comm.world_size)
@@ -126,7 +133,7 @@ class Reducer:
     def _retire_oldest(self) -> None:
         k, work = self.inflight.popleft()
         work.wait()
-        if self.stage == 2:
+        if self.sharded_grads:
             self.acc[k].add_(self.buckets[k].shard(self._target(k), self.rank))
             self.pool.append(self.buffers[k])
             self.buffers[k] = None
@@ -147,7 +154,7 @@ class Reducer:
     # ---- results --------------------------------------------------------------------------------
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient for each bucket (its shard; the whole bucket in stage 0)."""
-        if self.stage == 2:
+        if self.sharded_grads:
             return self.acc
         return [b.shard(a, self.rank) for b, a in zip(self.buckets, self.acc)]
 

@@ -1,0 +1,151 @@
+"""Stage 3: parameters partitioned; each module's parameters gathered just before it runs.
+
+Every bucket holds one module's parameters (see flat.plan's `unit_of`). Its gathered buffer keeps
+its tensor object but its storage is resized to zero between uses, so any autograd graph that
+saved views of it stays valid and sees the data again once it is gathered back. While released,
+the parameters themselves point at an empty tensor, so stray reads fail loudly instead of reading
+freed memory:
+  forward pre-hook   gather the module's buckets (and start prefetching the next ones);
+  forward post-hook  release them, and arrange for a gather when backward reaches the module;
+  gradient hook      (reducer) once all of a bucket's gradients are reduced, release it;
+  end of backward    release whatever is still gathered.
+Buckets smaller than `stage3_param_persistence_threshold` stay gathered: the collectives for them
+would cost more than their memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from .comm import Comm
+from .flat import Bucket
+
+
+def owning_modules(module: nn.Module) -> dict[int, int]:
+    """id(param) -> id of the first module that registers it (a tied weight has one owner)."""
+    owner: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), id(m))
+    return owner
+
+
+class Gatherer:
+    def __init__(self, module: nn.Module, buckets: list[Bucket], comm: Comm, persistence_threshold: int,
+                 prefetch_numel: int):
+        self.comm = comm
+        self.prefetch_numel = prefetch_numel
+        bucket_of = {id(s.param): b for b in buckets for s in b.slots}
+        self.persistent = {b.index for b in buckets if b.numel < persistence_threshold}
+        self.gathered: set[int] = set()
+        self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
+        self.order: OrderedDict[int, Bucket] = OrderedDict()  # first-forward gather order, for prefetch
+        self.buckets = buckets
+        self.views = {b.index: [(s.param, s.param.data) for s in b.slots] for b in buckets}
+        self._empty = {b.index: b.data.new_empty(0) for b in buckets}
+        self._handles = []
+        for m in module.modules():
+            units = list({id(b): b for p in m.parameters(recurse=False)
+                          if (b := bucket_of.get(id(p))) is not None}.values())
+            if units:
+                self._handles.append(m.register_forward_pre_hook(self._pre_hook(units)))
+                self._handles.append(m.register_forward_hook(self._post_hook(units)))
+        for b in buckets:
+            self._free(b)
+        self.refresh_persistent()
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _pre_hook(self, units: list[Bucket]):
+        def hook(module, args):
+            self.gather(units)
+            self._prefetch_after(units[-1])
+        return hook
+
+    def _post_hook(self, units: list[Bucket]):
+        def hook(module, args, output):
+            self.release(units)
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:  # backward through this module needs its parameters again
+                register_multi_grad_hook(tensors, lambda grads: self.gather(units), mode="any")
+        return hook
+
+    # ---- gather / release -----------------------------------------------------------------------
+    def gather(self, units: list[Bucket]) -> None:
+        for b in units:
+            self.order.setdefault(b.index, b)
+            if b.index not in self.gathered:
+                self._start(b)
+        for b in units:
+            work = self.pending.pop(b.index, None)
+            if work is not None:
+                work.wait()
+
+    def _start(self, b: Bucket) -> None:
+        b.data.untyped_storage().resize_(b.numel * b.data.element_size())
+        for p, view in self.views[b.index]:
+            p.data = view
+        self.gathered.add(b.index)
+        if self.comm.world_size == 1:
+            b.data.copy_(b.owned)
+        else:
+            self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
+
+    def _prefetch_after(self, last: Bucket) -> None:
+        """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
+        if self.prefetch_numel <= 0 or last.index not in self.order:
+            return
+        keys = list(self.order)
+        budget = self.prefetch_numel
+        for k in keys[keys.index(last.index) + 1:]:
+            b = self.order[k]
+            if budget < b.numel:
+                break
+            budget -= b.numel
+            if k not in self.gathered:
+                self._start(b)
+
+    def release(self, units: list[Bucket]) -> None:
+        for b in units:
+            if b.index in self.gathered and b.index not in self.persistent:
+                work = self.pending.pop(b.index, None)
+                if work is not None:
+                    work.wait()
+                self._free(b)
+
+    def release_all(self) -> None:
+        self.release([self.buckets[i] for i in list(self.gathered)] if self.buckets else [])
+
+    def _free(self, b: Bucket) -> None:
+        b.data.untyped_storage().resize_(0)
+        for p, _ in self.views[b.index]:
+            p.data = self._empty[b.index]
+        self.gathered.discard(b.index)
+
+    @contextmanager
+    def gathered_parameters(self):
+        """Every parameter whole inside the block (to read or export them); released after."""
+        self.gather(self.buckets)
+        try:
+            yield
+        finally:
+            self.release(self.buckets)
+
+    def refresh_persistent(self) -> None:
+        """After a step (and at start): persistent buckets hold the new weights of every rank."""
+        for w in self.pending.values():
+            w.wait()
+        self.pending.clear()
+        stale = [b for b in self.buckets if b.index in self.persistent]
+        for b in stale:
+            self.gathered.discard(b.index)
+            self._start(b)
+        for b in stale:
+            work = self.pending.pop(b.index, None)
+            if work is not None:
+                work.wait()
