@@ -14,6 +14,7 @@ from zerodp.activations import Checkpointer, attached, checkpoint, checkpoint_bl
 from zerodp.train.model import GPT, Block, gpt_config
 
 MICRO, SEQ, STEPS = 2, 32, 3
+STAGES = [0, 2]  # checkpointing only changes backward: the stages that reduce differently suffice
 MODES = {
     "plain": {},
     "cpu": {"cpu_checkpointing": True},
@@ -53,7 +54,7 @@ def _train(rank: int, world: int, mode: str | None, stage: int) -> dict:
 
 def _runs(rank: int, world: int) -> dict:
     return {(mode, stage): _train(rank, world, mode, stage)
-            for stage in (1, 2) for mode in (None, "plain", "cpu+contiguous")}
+            for stage in STAGES for mode in (None, "plain", "cpu+contiguous")}
 
 
 @functools.cache
@@ -62,7 +63,7 @@ def engine_runs(world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
 @pytest.mark.parametrize("mode", ["plain", "cpu+contiguous"])
 def test_checkpointed_training_matches_plain_training_fp32(mode, stage, world):
     runs = engine_runs(world)

@@ -7,6 +7,9 @@ N ranks, Adam): stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 
 Planner: the fake process group (backend "fake": every collective returns at once, nothing is sent)
 lets one process act as rank 0 of N ranks, so it allocates exactly rank 0's partitions; each
 (N, stage) runs in its own subprocess because a process holds one default process group.
+`--fit BUDGET` answers from estimates, not measurements (a search would need a run per candidate):
+the formula, stage 2's bucket pool and `activation_estimate`; with --model it gives the largest
+micro-batch, without it the largest named GPT size at --micro-batch.
 
 Two facts of the engine that the table leaves out, reported rather than hidden:
   * gradients are kept in the working dtype only with gradient_accumulation_steps == 1; with more
