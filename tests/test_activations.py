@@ -128,6 +128,8 @@ def test_contiguous_buffer_holds_every_checkpoint_without_allocating():
         assert len(kept) == model.config.n_layer
         assert all(k.tensor.untyped_storage().data_ptr() == storage.data_ptr() for k in kept)
         assert sorted(k.slot for k in kept) == list(range(model.config.n_layer))
+        # each kept input links to the block's before it: the order backward prefetches them in
+        assert kept[1].prev() is kept[0]
         buffers.append(storage.data_ptr())
         kept.clear()
         loss.backward()

@@ -79,15 +79,15 @@ class Checkpointer:
     contiguous_memory_optimization: bool = False
     number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
-    buffer: torch.Tensor | None = field(default=None, repr=False)  # the contiguous slots (uint8)
-    slot_bytes: int = 0
-    live_bytes: int = 0        # bytes held for checkpoints right now (separate allocations)
-    peak_bytes: int = 0        # high-water mark of the above, or the buffer's size
-    _free: list[int] = field(default_factory=list, repr=False)
-    _last: Any = field(default=None, repr=False)
-    _streams: Any = field(default=None, repr=False)
-    _blocks: list = field(default_factory=list, repr=False)
-    _model: Any = field(default=None, repr=False)
+    buffer: torch.Tensor | None = field(default=None, init=False, repr=False)  # contiguous slots (uint8)
+    slot_bytes: int = field(default=0, init=False)
+    live_bytes: int = field(default=0, init=False)  # held for checkpoints now (separate allocations)
+    peak_bytes: int = field(default=0, init=False)  # high-water mark of the above, or the buffer's size
+    _free: list[int] = field(default_factory=list, init=False, repr=False)
+    _last: Any = field(default=None, init=False, repr=False)      # weakref to the last _Kept packed
+    _streams: Any = field(default=None, init=False, repr=False)   # CUDA (device->host, host->device)
+    _blocks: list = field(default_factory=list, init=False, repr=False)
+    _model: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.contiguous_memory_optimization and not self.number_checkpoints:
