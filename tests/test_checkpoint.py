@@ -74,6 +74,13 @@ def train(engine, rank: int, world: int, steps: range) -> None:
             engine.step()
 
 
+def rng_draws() -> list[float]:
+    import random
+
+    import numpy as np
+    return [torch.rand(()).item(), random.random(), float(np.random.rand())]
+
+
 def snapshot(engine) -> dict:
     return {"pieces": ck.local_state(engine), "full": engine.full_state_dict(),
             "scaler": engine.scaler.state_dict(), "lr": engine.get_lr(), "steps": engine.global_steps,
@@ -85,7 +92,7 @@ def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32") 
     engine = make_engine(world, stage, dtype)
     train(engine, rank, world, range(SAVE_AT))
     engine.save_checkpoint(path, client_state={"data": {"step": SAVE_AT, "rank": rank}})
-    at_save = snapshot(engine)
+    at_save = {**snapshot(engine), "rng": rng_draws()}
     train(engine, rank, world, range(SAVE_AT, STEPS))
     return {"at_save": at_save, "end": snapshot(engine)}
 
@@ -94,7 +101,7 @@ def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32"
     """A fresh engine (other initial weights) loads the checkpoint and trains on to STEPS."""
     engine = make_engine(world, stage, dtype, seed=1)
     client = engine.load_checkpoint(path)
-    loaded = snapshot(engine)
+    loaded = {**snapshot(engine), "rng": rng_draws()}
     train(engine, rank, world, range(SAVE_AT, STEPS))
     return {"client": client, "loaded": loaded, "end": snapshot(engine)}
 
@@ -205,9 +212,29 @@ def test_resume_restores_state_exactly_and_continues(resumed, saved):
         assert_identical(r["loaded"]["full"], before[0]["at_save"]["full"])
         assert r["loaded"]["lr"] == before[0]["at_save"]["lr"] and r["loaded"]["steps"] == SAVE_AT
         assert r["client"] == {"data": {"step": SAVE_AT, "rank": 0}}
+    for rank, r in enumerate(after):  # RNG: restored per rank; extra ranks reseed from seed + rank
+        if rank < saved[0]:
+            assert r["loaded"]["rng"] == before[rank]["at_save"]["rng"]
+        else:
+            assert r["loaded"]["rng"] == reseeded_draws(5 + rank)
     for r in after:  # the uninterrupted run and the resumed one end on the same weights
         assert_close(r["end"]["full"], before[0]["end"]["full"])
         assert r["end"]["lr"] == before[0]["end"]["lr"]
+
+
+def reseeded_draws(seed: int) -> list[float]:
+    import random
+
+    import numpy as np
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    draws = rng_draws()
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
+    return draws
 
 
 def test_bf16_round_trip_masters_exact_working_params_rounded():
@@ -352,6 +379,20 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatc
         engine.save_checkpoint(d)  # the next save succeeds and clears the leftovers
     assert sorted(os.listdir(d)) == ["global_step1", "global_step2", "latest"]
     assert open(os.path.join(d, "latest")).read() == "global_step2"
+
+
+def test_saving_the_same_tag_again_replaces_it(tmp_path):
+    d = str(tmp_path / "c")
+    with world_of_one():
+        engine = make_engine(1, 2)
+        engine.save_checkpoint(d, tag="best", client_state={"v": 1})
+        train(engine, 0, 1, range(1))
+        engine.save_checkpoint(d, tag="best", client_state={"v": 2})
+        after = engine.full_state_dict()
+        fresh = make_engine(1, 2, seed=1)
+        assert fresh.load_checkpoint(d) == {"v": 2}
+        assert_identical(fresh.full_state_dict(), after)
+    assert sorted(os.listdir(d)) == ["best", "latest"]
 
 
 # ---- errors ----------------------------------------------------------------------------------------
