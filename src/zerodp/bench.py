@@ -173,7 +173,7 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         import zerodp
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
-                  "zero_optimization": {"stage": int(mode[-1])}}
+                  "zero_optimization": {"stage": int(mode[-1]), "reduce_bucket_size": args.bucket}}
         engine = zerodp.initialize(model, _adamw(model.parameters(), args, device), config)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -188,10 +188,10 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
                   "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
                   "zero_allow_untested_optimizer": True,
                   "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                        "reduce_bucket_size": 500_000_000,
-                                        "allgather_bucket_size": 500_000_000}}
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters(), args, device),
-                                               config=config)
+                                        "reduce_bucket_size": args.bucket,
+                                        "allgather_bucket_size": args.bucket}}
+        optimizer = _adamw(model.parameters(), args, device)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
         def ds_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = engine(x, y)
@@ -311,7 +311,8 @@ def device_name() -> str:
 def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--model", args.model, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
-            "--lr", str(args.lr), "--threads", str(args.threads), "--grad-clip", str(args.grad_clip), "--seed", str(args.seed)]
+            "--lr", str(args.lr), "--threads", str(args.threads), "--grad-clip", str(args.grad_clip),
+            "--seed", str(args.seed), "--bucket", str(args.bucket)]
     return argv + (["--checkpointing"] if args.checkpointing else [])
 
 
@@ -387,6 +388,8 @@ def parser() -> argparse.ArgumentParser:
                    help="compute precision (fp32 master weights and optimizer states either way)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU only: torch threads per rank (default: the cores shared among the ranks)")
+    p.add_argument("--bucket", type=int, default=500_000_000,
+                   help="reduce_bucket_size in elements for zerodp and DeepSpeed (both default to 5e8)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off in every mode")
     p.add_argument("--seed", type=int, default=0)
@@ -428,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         report = {"command": "zerodp bench " + shlex.join(sys.argv[1:] if argv is None else argv),
                   "device": device, "torch": torch.__version__, "args": vars(args),
+                  "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                   "results": [asdict(r) for r in results], "fake_world": [asdict(r) for r in fake]}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
