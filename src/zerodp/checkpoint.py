@@ -154,8 +154,10 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     err = None
     try:
         meta = _metadata(engine, tag, client_state)
-    except (CheckpointError, TypeError, ValueError) as e:
+    except CheckpointError as e:
         err, meta = str(e), None
+    except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
+        err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
     _agree(comm, err)
     tmp = os.path.join(save_dir, f".tmp.{tag}")
@@ -189,6 +191,12 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
                               f"bools, None): {e}") from None
+    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+        for key, v in engine.optimizer.state.get(m, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
+                raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
+                                      f"per parameter element {tuple(m.shape)} nor a scalar: it cannot be "
+                                      "saved in a world-size-independent form")
     sched = None
     if engine.lr_scheduler is not None:
         sched = engine.lr_scheduler.state_dict()
@@ -323,8 +331,8 @@ def _on_rank0(comm, fn, *args) -> str | None:
         return None
     try:
         fn(*args)
-    except OSError as e:
-        return f"could not write the checkpoint: {e}"
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+        return f"could not write the checkpoint: {type(e).__name__}: {e}"
     return None
 
 
