@@ -395,6 +395,29 @@ def test_saving_the_same_tag_again_replaces_it(tmp_path):
     assert sorted(os.listdir(d)) == ["best", "latest"]
 
 
+def test_crash_while_re_saving_a_tag_keeps_the_old_one(tmp_path, monkeypatch):
+    d = str(tmp_path / "c")
+    with world_of_one():
+        engine = make_engine(1, 2)
+        engine.save_checkpoint(d, tag="best")
+        before = engine.full_state_dict()
+        train(engine, 0, 1, range(1))
+        real = os.replace
+
+        def replace(src, dst):  # the old `best` is moved aside, then the crash
+            if src.endswith(".tmp.best"):
+                raise RuntimeError("simulated crash")
+            real(src, dst)
+        with monkeypatch.context() as m:
+            m.setattr(ck.os, "replace", replace)
+            with pytest.raises(ck.CheckpointError, match="simulated crash"):
+                engine.save_checkpoint(d, tag="best")
+        assert "best" not in os.listdir(d)
+        fresh = make_engine(1, 2, seed=1)
+        fresh.load_checkpoint(d)
+        assert_identical(fresh.full_state_dict(), before)
+
+
 # ---- errors ----------------------------------------------------------------------------------------
 @functools.cache
 def small_checkpoint() -> str:

@@ -355,6 +355,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             with open(latest) as f:
                 tag, named_by = f.read().strip(), f"named by '{latest}'"
         path = os.path.join(load_dir, tag)
+        if tag and not os.path.isdir(path) and os.path.isdir(os.path.join(load_dir, f".old.{tag}")):
+            path = os.path.join(load_dir, f".old.{tag}")  # a crash while a re-save of `tag` swapped dirs
         if not tag or not os.path.isdir(path):
             raise CheckpointError(f"checkpoint tag '{tag}' ({named_by}) does not exist in '{load_dir}'")
     meta_path = os.path.join(path, META)
