@@ -11,7 +11,9 @@ A checkpoint is a directory `save_dir/{tag}` holding:
   - `zerodp.json`, written by rank 0: counters, loss scaler, lr scheduler, param group
     hyperparameters, client_state, config, the model signature (names, shapes, tied aliases), the
     saved layout, the python/numpy RNG of every rank and the size + crc32 of every file.
-`save_dir/latest` names the newest tag.
+`save_dir/latest` names the newest tag. Working-precision parameters are not stored: on load they
+are the masters cast to the working dtype, exactly what a step would have left. save_dir must be a
+filesystem every rank sees (DCP's rule): rank 0 renames what all ranks wrote.
 
 Why pieces rather than buckets: the bucket layout (and its padding) depends on the world size and
 the bucket size. On load each rank works out which elements of which parameter its shards now own
@@ -543,12 +545,13 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
     saved = {"master": _saved_pieces(metadata, "master/")}
     saved.update({key: _saved_pieces(metadata, f"optim/{key}/") for key in keys})
     for pc in _owned_pieces(engine):
-        for kind, dests in [("master", masters)] + [(k, v) for k, v in states.items()]:
+        for kind, dests in [("master", masters), *states.items()]:
             covered = 0
             for start, numel, key in saved[kind].get(pc.name, []):
                 lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
-                if lo < hi:
-                    copies.setdefault(key, []).append((lo - start, dests[pc.master], pc.offset + lo - pc.start, hi - lo))
+                if lo < hi:  # the saved piece overlaps what this rank now owns
+                    dest = (dests[pc.master], pc.offset + lo - pc.start)
+                    copies.setdefault(key, []).append((lo - start, *dest, hi - lo))
                     covered += hi - lo
             if covered != pc.numel:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
