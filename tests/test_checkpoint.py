@@ -28,9 +28,10 @@ MICRO, GLOBAL, SAVE_AT, STEPS = 3, 12, 2, 5
 
 
 # ---- one training run, on any world size -------------------------------------------------------
-def config(world: int, stage: int, dtype: str = "fp32") -> dict:
+def config(world: int, stage: int, dtype: str = "fp32", offload: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GLOBAL // MICRO // world,
-           "gradient_clipping": 1.0, "seed": 5, "zero_optimization": {"stage": stage},
+           "gradient_clipping": 1.0, "seed": 5,
+           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu" if offload else "none"}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear",
                                                          "warmup_max_lr": 1e-2}}}
     if dtype == "bf16":
@@ -57,11 +58,12 @@ class WithExtra(oracle.Toy):
         return super().forward(x, y) + self.extra.sum()
 
 
-def make_engine(world: int, stage: int, dtype: str = "fp32", seed: int = 0, model_kw: dict | None = None):
+def make_engine(world: int, stage: int, dtype: str = "fp32", seed: int = 0, model_kw: dict | None = None,
+                offload: bool = False):
     torch.manual_seed(seed)
     kw = dict(model_kw or {})
     model = (WithExtra if kw.pop("extra", False) else oracle.Toy)(**kw)
-    return zerodp.initialize(model, oracle.two_groups(model), config(world, stage, dtype))
+    return zerodp.initialize(model, oracle.two_groups(model), config(world, stage, dtype, offload))
 
 
 def train(engine, rank: int, world: int, steps: range) -> None:
@@ -84,12 +86,17 @@ def rng_draws() -> list[float]:
 def snapshot(engine) -> dict:
     return {"pieces": ck.local_state(engine), "full": engine.full_state_dict(),
             "scaler": engine.scaler.state_dict(), "lr": engine.get_lr(), "steps": engine.global_steps,
-            "working": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+            "working": working_params(engine)}
 
 
-def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32") -> dict:
+def working_params(engine) -> dict[str, torch.Tensor]:
+    with engine.gathered_parameters():  # stage 3 holds only shards outside a forward
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False) -> dict:
     """Train SAVE_AT steps, save, train on to STEPS: the snapshot at the save and at the end."""
-    engine = make_engine(world, stage, dtype)
+    engine = make_engine(world, stage, dtype, offload=offload)
     train(engine, rank, world, range(SAVE_AT))
     engine.save_checkpoint(path, client_state={"data": {"step": SAVE_AT, "rank": rank}})
     at_save = {**snapshot(engine), "rng": rng_draws()}
@@ -97,9 +104,9 @@ def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32") 
     return {"at_save": at_save, "end": snapshot(engine)}
 
 
-def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32") -> dict:
+def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False) -> dict:
     """A fresh engine (other initial weights) loads the checkpoint and trains on to STEPS."""
-    engine = make_engine(world, stage, dtype, seed=1)
+    engine = make_engine(world, stage, dtype, seed=1, offload=offload)
     client = engine.load_checkpoint(path)
     loaded = {**snapshot(engine), "rng": rng_draws()}
     train(engine, rank, world, range(SAVE_AT, STEPS))
@@ -162,6 +169,9 @@ def runs() -> dict:
         ("resume", "from4", 2, ckpt("w4")), ("resume", "from1", 1, ckpt("w1")),
         ("save", "stage2", 2, ckpt("st2")), ("resume", "2to0", 0, ckpt("st2")),
         ("save", "stage0", 0, ckpt("st0")), ("resume", "0to2", 2, ckpt("st0")),
+        ("save", "stage3", 3, ckpt("st3")), ("resume", "3to1", 1, ckpt("st3")), ("resume", "2to3", 3, ckpt("st2")),
+        ("resume", "2to1offload", 1, ckpt("st2"), "fp32", True), ("save", "offload", 2, ckpt("off"), "fp32", True),
+        ("resume", "offloadto3", 3, ckpt("off")),
         ("save", "bf16_save", 2, ckpt("bf16"), "bf16"), ("resume", "bf16_resume", 1, ckpt("bf16"), "bf16"),
         ("save", "fp16_save", 1, ckpt("fp16"), "fp16"), ("resume", "fp16_resume", 2, ckpt("fp16"), "fp16"),
         ("wrong", "wrong", 2, ckpt("w4")),
@@ -201,7 +211,8 @@ def assert_close(a: dict, b: dict, tol: float = 1e-6) -> None:
 # ---- resume on other world sizes and stages ------------------------------------------------------
 RESUMES = {  # (resumed on world, job key): (saved on world, job key)
     (2, "from4"): (4, "s2"), (1, "from4"): (4, "s2"), (2, "from1"): (1, "s1"),
-    (2, "2to0"): (2, "stage2"), (2, "0to2"): (2, "stage0"),
+    (2, "2to0"): (2, "stage2"), (2, "0to2"): (2, "stage0"), (2, "3to1"): (2, "stage3"), (2, "2to3"): (2, "stage2"),
+    (2, "2to1offload"): (2, "stage2"), (2, "offloadto3"): (2, "offload"),
 }
 
 
