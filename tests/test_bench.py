@@ -75,7 +75,7 @@ def test_fake_world_reports_the_bytes_each_mode_owns_as_rank_0_of_8(world1):
     assert set(fake) == set(bench.FAKE_MODES)
     for mode, r in fake.items():
         assert r["status"] == "ok", f"{mode}: {r['reason']}"
-        assert r["world"] == 8 and sum(r["owned_bytes"].values()) > 0
+        assert r["world"] == 8 and bench.owned_total(r["owned_bytes"]) > 0
 
 
 def test_add_ratios_leaves_modes_without_a_measurement_alone():
@@ -83,3 +83,11 @@ def test_add_ratios_leaves_modes_without_a_measurement_alone():
             bench.Result("deepspeed2", "skipped", reason="not installed")]
     bench.add_ratios(rows)
     assert [r.ratio_to_plain for r in rows] == [1.0, 0.5, None]
+
+
+def test_repeats_report_the_median_and_keep_every_sample():
+    runs = [bench.Result("zerodp2", "ok", tokens_per_s=t) for t in (30.0, 10.0, 20.0)]
+    chosen = bench.median_result(runs)
+    assert chosen.tokens_per_s == 20.0 and chosen.samples == [30.0, 10.0, 20.0]
+    failed = bench.Result("zerodp2", "failed", reason="exit 1")
+    assert bench.median_result([runs[0], failed]) is failed

@@ -70,6 +70,7 @@ class Result:
     losses: list[float] = field(default_factory=list)
     ratio_to_plain: float | None = None
     note: str = ""
+    samples: list[float] = field(default_factory=list)  # tokens/s of every repeat (--repeats)
 
 
 # ---- the worker: one mode in this process ---------------------------------------------------------
@@ -233,19 +234,20 @@ def engine_bytes(engine) -> dict[str, int]:
 
 
 def owned_total(owned: dict[str, int]) -> int:
-    """Model-state bytes of a report: its 'total', else every category that is not a CUDA peak."""
-    if "total" in owned:
-        return owned["total"]
+    """Model-state bytes of a report: its 'model_states' sum, else every category but CUDA peaks."""
+    if "model_states" in owned:
+        return owned["model_states"]
     return sum(v for k, v in owned.items() if not any(w in k for w in ("peak", "reserved", "allocated")))
 
 
 def _fsdp_local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
-    """FSDP2: the local shards of parameters and optimizer states on this rank."""
+    """FSDP2: this rank's shards of the parameters and of the optimizer states (gradients are freed
+    by zero_grad after each step; gathered parameters are transient)."""
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     state = sum(local(t).numel() * local(t).element_size() for s in opt.state.values()
                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return {"fp32_params_shard": params, "optimizer_states": state}
+    return {"params_shard": params, "optimizer_states": state, "model_states": params + state}
 
 
 def run_worker(mode: str, args: argparse.Namespace) -> Result:
@@ -341,6 +343,16 @@ def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0)
             return Result(**json.load(f))
 
 
+def median_result(runs: list[Result]) -> Result:
+    """The repeat with the median tokens/s (the lower middle one), every repeat's tokens/s kept."""
+    ok = sorted((r for r in runs if r.status == "ok"), key=lambda r: r.tokens_per_s)
+    if len(ok) < len(runs):  # a repeat that did not run makes the mode's row say why
+        return next(r for r in runs if r.status != "ok")
+    chosen = ok[(len(ok) - 1) // 2]
+    chosen.samples = [r.tokens_per_s for r in runs]
+    return chosen
+
+
 def add_ratios(results: list[Result]) -> None:
     """Every measured mode's TFLOP/s per device over plain PyTorch's, from the same invocation."""
     plain = next((r for r in results if r.mode == "plain" and r.status == "ok"), None)
@@ -364,7 +376,7 @@ def print_table(title: str, results: list[Result]) -> None:
         loss = f"{r.losses[0]:.3f}→{r.losses[-1]:.3f}" if r.losses else "-"
         mfu = "n/a" if r.status == "ok" and r.mfu is None else _fmt(r.mfu and 100 * r.mfu, ".1f")
         status = r.status if r.status != "ok" else ""
-        r_note = f"owned {owned_total(r.owned_bytes) / GIB:.4f} GiB" if r.owned_bytes else ""
+        r_note = f"model states {owned_total(r.owned_bytes) / 2**20:,.1f} MiB" if r.owned_bytes else ""
         text = "; ".join(filter(None, [status, r.reason, r.note, r_note]))
         table.add_row(r.mode, str(r.world), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops, ".3g"), mfu,
                       _fmt(r.peak_allocated_gib, ".2f"), _fmt(r.peak_reserved_gib, ".2f"),
@@ -395,6 +407,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fake-world", type=int, default=0,
                    help="also run zerodp2 and fsdp2 as rank 0 of N on the fake process group (memory)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every mode this many times, interleaved, and report the median")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before it counts as failed")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -415,10 +429,13 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.result, "w") as f:
                 json.dump(asdict(result), f)
         return
-    if args.world < 1:
-        raise SystemExit(f"--world must be at least 1, got {args.world}")
+    if args.world < 1 or args.repeats < 1:
+        raise SystemExit(f"--world and --repeats must be at least 1, got {args.world} and {args.repeats}")
     modes = modes_to_run(args.modes)
-    results = [launch(m, 1 if m == "plain" else args.world, args) for m in modes]
+    # Repeats go round all the modes in turn, so a drift in the machine's load hits every mode alike.
+    rounds = [[launch(m, 1 if m == "plain" else args.world, args) for m in modes]
+              for _ in range(args.repeats)]
+    results = [median_result(list(runs)) for runs in zip(*rounds)]
     add_ratios(results)
     device = device_name()
     title = (f"{args.model}, micro-batch {args.micro_batch}, seq {args.seq}, {args.dtype}"
