@@ -481,6 +481,21 @@ def test_error_latest_names_missing_tag(tmp_path):
     assert "'nope'" in load_error(d, tag="nope")
 
 
+def test_error_latest_is_not_a_tag(tmp_path):
+    d = corrupted_copy(tmp_path, lambda p: None)
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("../../elsewhere")
+    assert "is corrupt" in load_error(d) and "'../../elsewhere'" in load_error(d)
+
+
+def test_consolidate_command_reports_errors_and_takes_a_tag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        ck.main([str(tmp_path / "nowhere"), str(tmp_path / "out.pt")])
+    assert e.value.code == 1 and "does not exist" in capsys.readouterr().err
+    ck.main([small_checkpoint(), str(tmp_path / "out.pt"), "--tag", "global_step1"])
+    assert "wrote" in capsys.readouterr().out and os.path.isfile(tmp_path / "out.pt")
+
+
 @pytest.mark.parametrize("model_kw,expected", [
     ({"hidden": 38}, "'inp.weight' has shape (37, 13) in the checkpoint and (38, 13) in the model"),
     ({"extra": True}, "parameter 'extra' (3,) is not in the checkpoint"),

@@ -52,6 +52,7 @@ META = "zerodp.json"
 LATEST = "latest"
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 class CheckpointError(ValueError):
@@ -179,7 +180,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
 def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     """Everything but tensors, checked before any file is touched."""
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", tag) or tag == LATEST:
+    if not _TAG.fullmatch(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
                               "'_.+-', not starting with '.', and not 'latest'")
     if engine.micro_steps % engine.gas != 0 or engine.micro_steps != engine._stepped_at:
@@ -356,6 +357,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
                 raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}")
             with open(latest) as f:
                 tag, named_by = f.read().strip(), f"named by '{latest}'"
+            if not _TAG.fullmatch(tag):
+                raise CheckpointError(f"'{latest}' is corrupt: it holds {tag[:80]!r}, not a checkpoint tag")
         path = os.path.join(load_dir, tag)
         if tag and not os.path.isdir(path) and os.path.isdir(os.path.join(load_dir, f".old.{tag}")):
             path = os.path.join(load_dir, f".old.{tag}")  # a crash while a re-save of `tag` swapped dirs
