@@ -489,7 +489,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
         err = f"loading the checkpoint failed: {type(e).__name__}: {e}"
     _agree(engine.comm, err)
     _apply(engine, meta, staged)
-    return meta["client_state"]
+    return meta["client_state"] if meta["client_state"] is not None else {}
 
 
 def _check_model(engine, path: str, meta: dict) -> None:
@@ -611,7 +611,8 @@ def _apply(engine, meta: dict, staged: _Staged) -> None:
     # The accumulation count restarts at a boundary: gas may differ when the world size did.
     engine.micro_steps = engine._stepped_at = engine.global_steps * engine.gas
     engine.reducer.zero()
-    engine.scaler.load_state_dict(meta["loss_scaler"])
+    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
+        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
     engine._scale_used = engine.scaler.scale
     engine._grad_norm = None
     if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
