@@ -397,6 +397,32 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatc
     assert open(os.path.join(d, "latest")).read() == "global_step2"
 
 
+def killed_mid_save(rank: int, world: int, path: str) -> None:
+    """Save at step 1; at step 2 every rank is SIGKILLed once its tensor files are on disk."""
+    import signal
+    engine = make_engine(world, 2)
+    train(engine, rank, world, range(1))
+    engine.save_checkpoint(path)
+    train(engine, rank, world, range(1, 2))
+    ck._file_record = lambda file: os.kill(os.getpid(), signal.SIGKILL)
+    engine.save_checkpoint(path)
+
+
+def test_sigkill_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
+    d = str(tmp_path / "c")
+    with pytest.raises(Exception, match="signal"):
+        run_ranks(killed_mid_save, 2, d)
+    assert open(os.path.join(d, "latest")).read() == "global_step1"
+    assert any(f.endswith(".distcp") for f in os.listdir(os.path.join(d, ".tmp.global_step2")))
+    with world_of_one():
+        reference = make_engine(1, 2)
+        train(reference, 0, 1, range(1))
+        fresh = make_engine(1, 2, seed=1)
+        fresh.load_checkpoint(d)
+        assert fresh.global_steps == 1
+        assert_close(fresh.full_state_dict(), reference.full_state_dict())
+
+
 def test_saving_the_same_tag_again_replaces_it(tmp_path):
     d = str(tmp_path / "c")
     with world_of_one():
