@@ -6,7 +6,6 @@ in the environment), exactly what a newcomer's one command does.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -58,19 +57,17 @@ def test_job_trains_on_two_gloo_ranks_it_starts_itself(tmp_path):
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 15, 30]
     assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
     memory = [r for r in lines if r["kind"] == "memory"]
-    if importlib.util.find_spec("zerodp.memory") is not None:  # TEMPORARY until zerodp.memory lands
-        assert len(memory[-1]["ranks"]) == 2  # one memory report per rank
-        assert {"fp32_master", "optimizer_states", "activations_estimate"} <= memory[-1]["ranks"][0].keys()
+    assert len(memory[-1]["ranks"]) == 2  # one memory report per rank
+    assert {"working_params", "gradients", "optimizer_states", "activations_estimate"} <= memory[-1]["ranks"][0].keys()
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "final.pt").exists()
     assert "final validation loss" in proc.stdout
 
 
-@pytest.mark.parametrize("model", ["hf-gpt2:tiny", "hf-llama:tiny"])
-def test_hugging_face_model_trains_through_the_engine_unchanged(tmp_path, model):
+def test_hugging_face_gpt2_trains_through_the_engine_unchanged(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "run"
-    train("--model", model, "--micro-batch", "4", "--eval-batches", "2", "--steps", "12",
+    train("--model", "hf-gpt2:tiny", "--micro-batch", "4", "--eval-batches", "2", "--steps", "12",
           "--eval-every", "12", "--nproc", "1", "--data", corpus(tmp_path), "--out", str(out))
     lines = metrics(out)
     val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
@@ -79,31 +76,26 @@ def test_hugging_face_model_trains_through_the_engine_unchanged(tmp_path, model)
     assert any(name.startswith("model.") for name in final)  # the HF model, held unchanged
 
 
-def _run_with_crash(tmp_path: Path, name: str, data: str, nproc: int, crash_after: int | None) -> Path:
+def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
+    """8 steps on 2 ranks, checkpoints every 3; with crash_after, SIGKILLed then resumed."""
     out = tmp_path / name
     common = [*TINY, "--steps", "8", "--save-every", "3", "--eval-every", "100", "--data", data,
-              "--nproc", str(nproc), "--out", str(out), "--dtype", "fp32", "--warmup", "2"]
+              "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2"]
     if crash_after is None:
         train(*common)
         return out
     proc = train(*common, "--crash-after", str(crash_after), check=False)
-    if nproc == 1:
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    else:
-        assert proc.returncode != 0, proc.stderr[-3000:]
+    assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "final.pt").exists()
     train(*common, "--resume")
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_run_killed_after_step_5_and_resumed_ends_with_the_same_weights(tmp_path, nproc):
-    pytest.importorskip("zerodp.checkpoint", reason="zerodp.checkpoint (sharded save/load) is not "
-                        "available in this checkout")
+def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights(tmp_path):
     data = corpus(tmp_path)
     # Killed after step 5; its last checkpoint is step 3, so the resumed run redoes steps 4 and 5.
-    reference = _run_with_crash(tmp_path, "reference", data, nproc, crash_after=None)
-    resumed = _run_with_crash(tmp_path, "crashed", data, nproc, crash_after=5)
+    reference = _run(tmp_path, "reference", data, crash_after=None)
+    resumed = _run(tmp_path, "crashed", data, crash_after=5)
     a = torch.load(reference / "final.pt", weights_only=True)
     b = torch.load(resumed / "final.pt", weights_only=True)
     assert a.keys() == b.keys()

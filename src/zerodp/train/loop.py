@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import math
 import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from torch import nn
 
 import zerodp
 from zerodp.config import ConfigError, load_config
+from zerodp.memory import activation_estimate
 
 from .data import Batches, load_corpus, val_batches
 from .model import GPT, SIZES, GPTConfig, gpt_config
@@ -159,6 +162,8 @@ def _check(o: dict[str, Any]) -> None:
         if not isinstance(o[key], int) or o[key] < 1:
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
                              "positive integer")
+    if o["data"] is not None and not os.path.exists(o["data"]):
+        raise SystemExit(f"zerodp train: --data {o['data']!r} does not exist")
     if o["dtype"] not in DTYPES:
         raise SystemExit(f"zerodp train: --dtype {o['dtype']!r}: expected one of {', '.join(DTYPES)}")
     if o["warmup"] >= o["steps"]:
@@ -184,12 +189,24 @@ def launch(opts: argparse.Namespace) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.5)
+    # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, run_rank)(opts)
+        elastic_launch(config, _launched_rank)(opts)
     except ChildFailedError as e:
         # The failing rank already printed its traceback; say which one failed, briefly.
         first = e.get_first_failure()[1]
         raise SystemExit(f"zerodp train: rank {first.local_rank} failed (exit code {first.exitcode})")
+
+
+def _launched_rank(opts: argparse.Namespace) -> None:
+    """A rank that this job started: its error is printed once, plainly, then the rank exits."""
+    try:
+        run_rank(opts)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter teardown: the other ranks may be waiting in a collective
 
 
 def run_rank(opts: argparse.Namespace) -> None:
@@ -415,14 +432,11 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
 _AGGREGATES = ("model_states", "host_model_states", "device_model_states")
 
 
-def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[dict[str, int]] | None:
+def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[dict[str, int]]:
     """Every rank's memory by disjoint category, in bytes, activations included."""
-    try:
-        from zerodp.memory import activation_estimate
-        report = engine.memory_report()
-    except ImportError:  # TEMPORARY until zerodp.memory lands
-        return None
-    parts = {k: int(v) for k, v in report.items() if k not in _AGGREGATES and not k.startswith("cuda_")}
+    report = engine.memory_report()
+    parts = {k: int(v) for k, v in report.items()
+             if k not in _AGGREGATES and not k.startswith("cuda_") and v}
     if "cuda_peak_allocated" in report:  # measured: the peak beyond what the engine holds
         parts["activations_and_temporaries"] = max(0, report["cuda_peak_allocated"] - sum(parts.values()))
     else:  # no allocator statistics on the CPU: the formula of zerodp.memory
@@ -433,9 +447,8 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
     return gathered
 
 
-def _memory_text(memory: list[dict[str, int]] | None) -> str:
-    if not memory:
-        return "n/a"
+def _memory_text(memory: list[dict[str, int]]) -> str:
+    """Each rank's total, e.g. '61/61 MiB'."""
     return "/".join(f"{sum(r.values()) / 2**20:.0f}" for r in memory) + " MiB"
 
 
@@ -485,7 +498,7 @@ def make_report(out: Path) -> Path:
     lines = _read_lines(out / "metrics.jsonl")
     train = [r for r in lines if r["kind"] == "train"]
     val = [r for r in lines if r["kind"] == "eval"]
-    memory = [r for r in lines if r["kind"] == "memory" and r["ranks"]]
+    memory = [r for r in lines if r["kind"] == "memory"]
     fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(13, 4.8))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
     ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
