@@ -209,15 +209,16 @@ def assert_close(a: dict, b: dict, tol: float = 1e-6) -> None:
 
 
 # ---- resume on other world sizes and stages ------------------------------------------------------
-RESUMES = {  # (resumed on world, job key): (saved on world, job key)
-    (2, "from4"): (4, "s2"), (1, "from4"): (4, "s2"), (2, "from1"): (1, "s1"),
-    (2, "2to0"): (2, "stage2"), (2, "0to2"): (2, "stage0"), (2, "3to1"): (2, "stage3"), (2, "2to3"): (2, "stage2"),
-    (2, "2to1offload"): (2, "stage2"), (2, "offloadto3"): (2, "offload"),
+RESUMES = {  # test id: ((resumed on world, job key), (saved on world, job key))
+    "world=4->2": ((2, "from4"), (4, "s2")), "world=4->1": ((1, "from4"), (4, "s2")),
+    "world=1->2": ((2, "from1"), (1, "s1")), "stage=2->0": ((2, "2to0"), (2, "stage2")),
+    "stage=0->2": ((2, "0to2"), (2, "stage0")), "stage=3->1": ((2, "3to1"), (2, "stage3")),
+    "stage=2->3": ((2, "2to3"), (2, "stage2")), "stage=2->1+offload": ((2, "2to1offload"), (2, "stage2")),
+    "stage=2+offload->3": ((2, "offloadto3"), (2, "offload")),
 }
 
 
-@pytest.mark.parametrize("resumed,saved", list(RESUMES.items()),
-                         ids=[f"world={s[0]}->{r[0]}[{r[1]}]" for r, s in RESUMES.items()])
+@pytest.mark.parametrize("resumed,saved", list(RESUMES.values()), ids=list(RESUMES))
 def test_resume_restores_state_exactly_and_continues(resumed, saved):
     before = runs()[saved[0]][saved[1]]
     after = runs()[resumed[0]][resumed[1]]
