@@ -1,12 +1,13 @@
 """Checkpoints: resume on other world sizes and stages exactly, atomic saves, consolidation, errors.
 
-Three sets of ranks do the distributed work (4 gloo ranks, then 2); a world of one runs in this
-process. Every run trains on the same global batch of 12 samples per step however it is split
+Two sets of spawned gloo ranks (4, then 2) do the distributed runs and a world of one runs in this
+process; one more pair of ranks is SIGKILLed in the middle of a save. Every run trains on the same global batch of 12 samples per step however it is split
 (world x gradient accumulation = 4), so a resumed run must continue exactly like an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -135,7 +136,9 @@ def run_jobs(rank: int, world: int, jobs: list[tuple]) -> dict:
 # ---- the runs, shared by the tests ---------------------------------------------------------------
 @functools.cache
 def workdir() -> str:
-    return tempfile.mkdtemp(prefix="zerodp-ckpt-test-")
+    path = tempfile.mkdtemp(prefix="zerodp-ckpt-test-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def ckpt(name: str) -> str:
