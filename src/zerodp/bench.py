@@ -429,6 +429,10 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.result, "w") as f:
                 json.dump(asdict(result), f)
         return
+    try:  # a bad size fails here, once, not in every mode's process
+        gpt_config(args.model, block_size=max(args.seq, 1))
+    except ValueError as e:
+        raise SystemExit(f"--model: {e}") from None
     if args.world < 1 or args.repeats < 1:
         raise SystemExit(f"--world and --repeats must be at least 1, got {args.world} and {args.repeats}")
     modes = modes_to_run(args.modes)

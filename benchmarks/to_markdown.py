@@ -1,0 +1,50 @@
+"""Render `zerodp bench --json` files as the markdown tables of RESULTS.md.
+
+    python benchmarks/to_markdown.py benchmarks/results/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(report: dict) -> str:
+    lines = [f"`{report['command']}`", "",
+             f"device: {report['device']}, torch {report['torch']}, load average at the end: "
+             f"{', '.join(f'{x:.1f}' for x in report.get('load_average') or [])}", "",
+             "| mode | world | tokens/s (median) | tokens/s of each repeat | TFLOP/s per device | MFU "
+             "| peak alloc / rsvd GiB | vs plain | loss first → last | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        samples = ", ".join(f"{s:,.0f}" for s in r.get("samples") or [])
+        mfu = "n/a" if r["status"] == "ok" and r["mfu"] is None else _f(r["mfu"] and 100 * r["mfu"], ".1f")
+        mem = "-" if r["peak_allocated_gib"] is None else \
+            f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
+        loss = f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}" if r["losses"] else "-"
+        note = "; ".join(filter(None, [r["status"] if r["status"] != "ok" else "", r["reason"], r["note"]]))
+        lines.append(f"| {r['mode']} | {r['world']} | {_f(r['tokens_per_s'], ',.0f')} | {samples} "
+                     f"| {_f(r['tflops'], '.4f')} | {mfu} | {mem} | {_f(r['ratio_to_plain'], '.2f')} "
+                     f"| {loss} | {note} |")
+    fake = report.get("fake_world") or []
+    if fake:
+        lines += ["", "| fake-world mode | as rank 0 of | peak alloc / rsvd GiB | model states MiB | breakdown |",
+                  "|---|---|---|---|---|"]
+        for r in fake:
+            owned = r.get("owned_bytes") or {}
+            total = owned.get("model_states", sum(owned.values()))
+            parts = ", ".join(f"{k} {v / 2**20:,.2f}" for k, v in owned.items() if v and k != "model_states")
+            mem = "-" if r["peak_allocated_gib"] is None else \
+                f"{r['peak_allocated_gib']:.2f} / {r['peak_reserved_gib']:.2f}"
+            lines.append(f"| {r['mode']} | {r['world']} | {mem} | {total / 2**20:,.2f} | {parts} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            print(table(json.load(f)), end="\n\n")
