@@ -21,9 +21,8 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -95,13 +94,13 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
     from_file = _read_options_file(args.config) if args.config else {}
-    opts = {**DEFAULTS, **_from_ds_config(given.get("ds_config", from_file.get("ds_config"))),
-            **from_file, **given}
     cuda = torch.cuda.is_available()
+    nproc = given.get("nproc", from_file.get("nproc")) or (torch.cuda.device_count() if cuda else 2)
+    world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
+    ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), world)
+    opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if cuda else "fp32"
-    if opts["nproc"] is None:
-        opts["nproc"] = torch.cuda.device_count() if cuda else 2
     if opts["out"] is None:
         opts["out"] = os.path.join("runs", f"{opts['model'].replace(':', '-')}-zero{opts['stage']}")
     _check(opts)
@@ -129,19 +128,18 @@ def _read_options_file(path: str) -> dict[str, Any]:
     return opts
 
 
-def _from_ds_config(path: str | None) -> dict[str, Any]:
+def _from_ds_config(path: str | None, world: int) -> dict[str, Any]:
     """The job's options that a DeepSpeed-style config settles (validated by zerodp's loader)."""
     if path is None:
         return {}
     try:
         cfg = load_config(path)
+        batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
     except ConfigError as e:
-        raise SystemExit(f"zerodp train: {e}")
+        raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
     opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping}
-    if cfg.train_micro_batch_size_per_gpu is not None:
-        opts["micro_batch"] = cfg.train_micro_batch_size_per_gpu
-    if cfg.gradient_accumulation_steps is not None:
-        opts["grad_accum"] = cfg.gradient_accumulation_steps
+    if batch is not None:
+        opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
     if cfg.fp16.enabled or cfg.bf16.enabled:
         opts["dtype"] = "fp16" if cfg.fp16.enabled else "bf16"
     if cfg.optimizer is not None:
@@ -271,19 +269,18 @@ def build_optimizer(model: nn.Module, opts: argparse.Namespace) -> torch.optim.A
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95))
 
 
-@dataclass
-class WarmupCosine:
-    """lr multiplier at optimizer step t: linear warmup, then cosine down to min_lr / lr."""
+def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """lr multiplier at optimizer step t: linear warmup, then cosine down to min_ratio at `total`.
 
-    warmup: int
-    total: int
-    min_ratio: float
-
-    def __call__(self, t: int) -> float:
-        if t < self.warmup:
-            return (t + 1) / self.warmup
-        progress = min(1.0, (t - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    A plain function, not an object: LambdaLR then keeps nothing of it in its state dict, so a run
+    resumed with a larger --steps follows the new, longer cosine rather than the saved one.
+    """
+    def multiplier(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        progress = min(1.0, (t - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return multiplier
 
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
@@ -346,7 +343,7 @@ def train(opts: argparse.Namespace) -> None:
     if device is not None:
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    schedule = WarmupCosine(opts.warmup, opts.steps, opts.min_lr / opts.lr)
+    schedule = warmup_cosine(opts.warmup, opts.steps, opts.min_lr / opts.lr)
     engine = zerodp.initialize(model, build_optimizer(model, opts), ds_config(opts),
                                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
@@ -404,6 +401,8 @@ def train(opts: argparse.Namespace) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if bar is not None:
         bar.close()
+    if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
+        val_loss = evaluate()
 
     final = engine.full_state_dict()  # collective: every rank takes part, rank 0 writes
     if rank == 0:
