@@ -514,7 +514,7 @@ def make_report(out: Path) -> Path:
             bottom = [b + m for b, m in zip(bottom, mib)]
         ax_mem.set_xticks(range(len(ranks)), [f"rank {i}" for i in range(len(ranks))])
         ax_mem.set(ylabel="MiB", title=f"memory per rank (step {memory[-1]['step']})")
-        ax_mem.legend(fontsize="small")
+        ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax_mem.text(0.5, 0.5, "no memory report", ha="center", va="center")
         ax_mem.set_axis_off()
