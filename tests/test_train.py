@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,52 @@ def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
     train_steps = [r["step"] for r in metrics(resumed) if r["kind"] == "train"]
     assert train_steps == list(range(1, 9))  # the crashed run's lost steps are not logged twice
+
+
+def test_step_data_is_the_same_for_any_world_size_at_a_fixed_global_batch():
+    from zerodp.train.loop import StepBatches
+
+    tokens = np.arange(10_000, dtype=np.uint16)
+
+    def global_batch(world: int, accum: int, step: int) -> set[tuple[int, ...]]:
+        rows = set()
+        for rank in range(world):
+            data = StepBatches(tokens, 16, 8 // (world * accum), accum, rank, world, seed=3)
+            data.load_state_dict({"step": step, "seed": 3})
+            rows |= {tuple(x.tolist()) for xs, _ in data.next_step() for x in xs}
+        return rows
+
+    for step in (0, 7):
+        reference = global_batch(1, 1, step)
+        assert len(reference) == 8
+        assert global_batch(2, 1, step) == reference
+        assert global_batch(1, 2, step) == reference
+        assert global_batch(4, 2, step) == reference
+
+
+def test_options_layer_flags_over_config_file_over_ds_config(tmp_path):
+    from zerodp.train.loop import parse_options
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                              "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}))
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"ds_config": str(ds), "steps": 7, "stage": 2}))
+    opts = parse_options(["--config", str(options), "--steps", "9", "--nproc", "2"])
+    assert (opts.steps, opts.stage, opts.dtype) == (9, 2, "bf16")
+    assert (opts.micro_batch, opts.grad_accum) == (8, 2)  # 32 = 8 x 2 x 2 ranks
+
+
+def test_bad_options_fail_before_any_rank_starts_with_the_key_named(tmp_path):
+    from zerodp.train.loop import parse_options
+
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"stpes": 7}))
+    with pytest.raises(SystemExit, match="unknown key 'stpes'.*did you mean 'steps'"):
+        parse_options(["--config", str(options)])
+    with pytest.raises(SystemExit, match="--model 'huge'"):
+        parse_options(["--model", "huge"])
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 15}))
+    with pytest.raises(SystemExit, match="not divisible"):
+        parse_options(["--ds-config", str(ds), "--nproc", "2"])
