@@ -356,6 +356,8 @@ def train(opts: argparse.Namespace) -> None:
     log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if rank == 0:
         where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
+        if not resumed and (ckpt_dir / "latest").exists():
+            where += f" (its checkpoints in {ckpt_dir} will be replaced; --resume continues them)"
         print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
               f"{opts.stage}, {world} rank(s), {opts.dtype}, global batch "
               f"{world * opts.grad_accum * opts.micro_batch} x {block} tokens, {opts.steps} steps "
