@@ -91,3 +91,14 @@ def test_repeats_report_the_median_and_keep_every_sample():
     assert chosen.tokens_per_s == 20.0 and chosen.samples == [30.0, 10.0, 20.0]
     failed = bench.Result("zerodp2", "failed", reason="exit 1")
     assert bench.median_result([runs[0], failed]) is failed
+
+
+def test_multi_rank_modes_run_under_torchrun_on_2_gloo_ranks(tmp_path):
+    out = tmp_path / "world2.json"
+    bench.main(TINY + ["--world", "2", "--modes", "zerodp2", "--steps", "1", "--json", str(out)])
+    plain, zero2 = json.loads(out.read_text())["results"]
+    assert (plain["world"], zero2["world"]) == (1, 2)
+    assert zero2["status"] == "ok", zero2["reason"]
+    assert zero2["ratio_to_plain"] == pytest.approx(zero2["tflops"] / plain["tflops"])
+    # tokens/s counts both ranks; TFLOP/s is per device
+    assert zero2["tflops"] == pytest.approx(zero2["tokens_per_s"] / 2 * plain["tflops"] / plain["tokens_per_s"])
