@@ -126,6 +126,10 @@ def build_model(args: argparse.Namespace, device: torch.device) -> tuple[GPT, st
     base = gpt_config(args.model)
     model = GPT(gpt_config(args.model, block_size=max(base.block_size, args.seq)))
     note = checkpoint_blocks(model) if args.checkpointing else ""
+    if args.compile:  # per block, before any wrapping, the same in every mode (as torchtitan does)
+        for block in model.blocks:
+            block.compile()
+        note = ", ".join(filter(None, [note, "torch.compile per block"]))
     return model.to(device), note
 
 
@@ -315,7 +319,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
             "--lr", str(args.lr), "--threads", str(args.threads), "--grad-clip", str(args.grad_clip),
             "--seed", str(args.seed), "--bucket", str(args.bucket)]
-    return argv + (["--checkpointing"] if args.checkpointing else [])
+    return argv + (["--checkpointing"] if args.checkpointing else []) + (["--compile"] if args.compile else [])
 
 
 def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0) -> Result:
@@ -396,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"any of {', '.join(MODES)} (plain is always run: it is the baseline)")
     p.add_argument("--world", type=int, default=1, help="ranks for every mode but plain (torchrun)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--compile", action="store_true", help="torch.compile every block, in every mode")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
                    help="compute precision (fp32 master weights and optimizer states either way)")
     p.add_argument("--threads", type=int, default=0,
