@@ -121,10 +121,21 @@ def checkpoint_blocks(model: GPT) -> str:
     return "torch.utils.checkpoint per block"
 
 
+def _config(args: argparse.Namespace):
+    return gpt_config(args.model, block_size=max(gpt_config(args.model).block_size, args.seq))
+
+
+def flops_per_token(args: argparse.Namespace) -> int:
+    """6N + 12·L·d·T of the benchmarked GPT, counted on the meta device (no memory, no init time)."""
+    with torch.device("meta"):
+        return GPT(_config(args)).flops_per_token(args.seq)
+
+
 def build_model(args: argparse.Namespace, device: torch.device) -> tuple[GPT, str]:
+    """The GPT, initialised directly on `device` (a 6.7B model never passes through host memory)."""
     torch.manual_seed(args.seed)
-    base = gpt_config(args.model)
-    model = GPT(gpt_config(args.model, block_size=max(base.block_size, args.seq)))
+    with torch.device(device):
+        model = GPT(_config(args))
     note = checkpoint_blocks(model) if args.checkpointing else ""
     if args.compile:  # per block, before any wrapping, the same in every mode (as torchtitan does)
         for block in model.blocks:
@@ -278,9 +289,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         _sync(device)
         seconds = time.perf_counter() - start
         fake = args.fake_world > 0
-        model = GPT(gpt_config(args.model, block_size=max(gpt_config(args.model).block_size, args.seq)))
-        fpt = model.flops_per_token(args.seq)
-        del model
+        fpt = flops_per_token(args)
         compute_world = 1 if fake else world  # fake ranks do no work: per-rank numbers only
         tokens_per_s = compute_world * args.micro_batch * args.seq * args.steps / seconds
         tflops = fpt * tokens_per_s / compute_world / 1e12
