@@ -316,6 +316,16 @@ def _peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
 
 
+def source_commit() -> str | None:
+    """The git commit of the zerodp source that ran (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
@@ -465,7 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         print_table(f"memory as rank 0 of {args.fake_world} (fake process group) — {device}", fake)
     if args.json:
         report = {"command": "zerodp bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-                  "device": device, "torch": torch.__version__, "args": vars(args),
+                  "device": device, "torch": torch.__version__, "zerodp_commit": source_commit(),
+                  "args": vars(args),
                   "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                   "results": [asdict(r) for r in results], "fake_world": [asdict(r) for r in fake]}
         with open(args.json, "w") as f:
