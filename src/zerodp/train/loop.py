@@ -39,12 +39,12 @@ from .model import GPT, SIZES, GPTConfig, gpt_config
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
 DEFAULTS: dict[str, Any] = dict(
-    model="small", data=None, steps=120, micro_batch=8, grad_accum=1, block_size=None,
+    model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, out=None, resume=False, seed=1337,
     nproc=None, ds_config=None, crash_after=None,
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
 HF_MODELS = ("hf-gpt2", "hf-llama")
 
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with a GPT size for its shape, e.g. hf-llama:tiny")
     p.add_argument("--data", help="a text file, a directory of text files or a nanoGPT .bin token "
                    "file (default: the Python standard library's source, as bytes)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 120)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 100)")
     p.add_argument("--micro-batch", type=int, help="sequences per rank per micro-step (default 8)")
     p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--block-size", type=int, help="sequence length (default: the model's)")
