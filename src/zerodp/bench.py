@@ -17,7 +17,6 @@ acting as rank 0 of N ranks on the fake process group (collectives are no-ops).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -113,9 +112,8 @@ def checkpoint_blocks(model: GPT) -> str:
     except ImportError:
         zerodp_checkpoint_blocks = None
     if zerodp_checkpoint_blocks is not None:
-        with contextlib.suppress(TypeError):
-            zerodp_checkpoint_blocks(model, (Block,))
-            return "zerodp.activations.checkpoint_blocks"
+        zerodp_checkpoint_blocks(model, (Block,))  # non-reentrant, blocks by class, no CPU offload
+        return "zerodp.activations.checkpoint_blocks"
     for i, block in enumerate(model.blocks):
         model.blocks[i] = _Checkpointed(block)
     return "torch.utils.checkpoint per block"
@@ -240,12 +238,8 @@ def _batch(args: argparse.Namespace, vocab: int, rank: int, device: torch.device
 
 
 def engine_bytes(engine) -> dict[str, int]:
-    """Bytes the zerodp engine owns on this rank, by category (its own report when it has one)."""
-    with contextlib.suppress(ImportError, AttributeError):
-        report = engine.memory_report()
-        return {k: int(v) for k, v in report.items() if isinstance(v, (int, float))}
-    params = sum(g.data.numel() * g.data.element_size() for g in engine.flat_groups if g.data is not None)
-    return {"working_params": params, **engine.reducer.bytes(), **engine.partitioned.bytes()}
+    """Bytes the zerodp engine owns on this rank, by category: engine.memory_report()."""
+    return {k: int(v) for k, v in engine.memory_report().items() if isinstance(v, (int, float))}
 
 
 def owned_total(owned: dict[str, int]) -> int:
