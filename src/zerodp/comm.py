@@ -53,8 +53,19 @@ class Traffic:
         self.calls.clear()
 
 
+class _Done:
+    """The work handle of a collective that had nothing to do (a world of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
 class Comm:
-    """One data-parallel process group: rank, world size, and the collectives on it."""
+    """One data-parallel process group: rank, world size, and the collectives on it.
+
+    In a world of one every collective is a local copy at most, done here without calling
+    torch.distributed: the same engine code, no kernel launches or stream waits for nothing.
+    """
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         self.group = group if group is not None else dist.group.WORLD
@@ -68,17 +79,29 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()))
+        if self.world_size == 1:
+            return _Done() if async_op else None
         return dist.all_reduce(t, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum `inp` over ranks and keep this rank's 1/N chunk in `out` (which may alias it)."""
         self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()))
+        if self.world_size == 1:
+            return self._local_copy(out, inp, async_op)
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
         self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()))
+        if self.world_size == 1:
+            return self._local_copy(out, inp, async_op)
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
+
+    @staticmethod
+    def _local_copy(out: torch.Tensor, inp: torch.Tensor, async_op: bool):
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return _Done() if async_op else None
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         self.traffic.add("broadcast", t.numel() * t.element_size())

@@ -62,7 +62,10 @@ class OffloadOptimizerConfig(_Section):
 
 class ZeroConfig(_Section):
     stage: Annotated[int, Field(ge=0, le=3)] = 0
-    reduce_bucket_size: PositiveInt = 500_000_000  # elements, not bytes, as in DeepSpeed
+    # Elements, not bytes, as in DeepSpeed. Smaller than DeepSpeed's 5e8 default: a model under the
+    # bucket size is one bucket, whose reduction cannot start before backward ends (no overlap), and
+    # the stage-2 bucket pool would then be a whole-model gradient.
+    reduce_bucket_size: PositiveInt = 50_000_000
     allgather_bucket_size: PositiveInt = 500_000_000
     overlap_comm: bool = True
     contiguous_gradients: bool = True

@@ -76,7 +76,12 @@ class Reducer:
                                "its bucket was reduced (reentrant checkpointing around shared "
                                "parameters?); use torch.utils.checkpoint(use_reentrant=False)")
         b, slot = self.buckets[k], self.buckets[k].slots[i]
-        self._target(k)[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+        target = self._target(k)[slot.offset:slot.offset + slot.numel]
+        # Stage 2/3 buffers start zeroed each micro-step: a first arrival is a copy, not an add.
+        if self.sharded_grads and not self.arrived[k][i]:
+            target.copy_(p.grad.reshape(-1))
+        else:
+            target.add_(p.grad.reshape(-1))
         p.grad = None
         if not self.arrived[k][i]:
             self.arrived[k][i] = 1
