@@ -18,7 +18,8 @@ OFFLOAD_JOBS = [(name, stage, "fp32", True) for name in oracle.CASES for stage i
 LOW_JOBS = [("plain", stage, dtype, offload) for stage in STAGES for dtype in ("bf16", "fp16")
             for offload in (False, True)]
 BUCKET_VARIANTS = {1: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
-                   2: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
+                   2: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64),
+                       ("allgather_bucket_size", 1)],
                    3: [("overlap_comm", False), ("stage3_prefetch_bucket_size", 0),
                        ("stage3_param_persistence_threshold", 10**9)]}
 BUCKET_JOBS = [("plain", stage, "fp32", False, 0, *kw) for stage, kws in BUCKET_VARIANTS.items() for kw in kws]

@@ -59,7 +59,8 @@ class Engine:
         self.flat_groups = layout
         offload = zero.offload_optimizer
         self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
-                                                offload.device == "cpu", offload.pin_memory)
+                                                offload.device == "cpu", offload.pin_memory,
+                                                zero.allgather_bucket_size)
         del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
         buckets = [b for g in layout for b in g.buckets]

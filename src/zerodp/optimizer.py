@@ -14,6 +14,7 @@ non-blocking copies.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -27,8 +28,10 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 class PartitionedOptimizer:
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
-                 comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True):
+                 comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
+                 allgather_bucket_size: int = 500_000_000):
         self.comm, self.stage, self.offload = comm, stage, offload
+        self.allgather_numel = allgather_bucket_size
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
@@ -87,15 +90,22 @@ class PartitionedOptimizer:
     def all_gather(self) -> None:
         """Copy each master shard into the working buffer and gather every rank's shard.
 
-        Stage 3 gathers nothing here: modules gather their parameters when they next run.
+        Stage 3 gathers nothing here: modules gather their parameters when they next run. At most
+        `allgather_bucket_size` elements are in flight at once (the oldest gather is waited for).
         """
-        works = []
+        works: deque = deque()
+        in_flight = 0
         for b, m in zip(self.buckets, self.masters):
             if self.separate:
                 b.owned.copy_(m, non_blocking=True)
-            if 0 < self.stage < 3 and self.comm.world_size > 1:
-                works.append(self.comm.all_gather(b.data, b.owned, async_op=True))
-        for w in works:
+            if 0 < self.stage < 3:
+                while works and in_flight + b.numel > self.allgather_numel:
+                    numel, w = works.popleft()
+                    w.wait()
+                    in_flight -= numel
+                works.append((b.numel, self.comm.all_gather(b.data, b.owned, async_op=True)))
+                in_flight += b.numel
+        for _, w in works:
             w.wait()
 
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
