@@ -13,12 +13,14 @@ from zerodp.reducer import POOL_BUFFERS
 # A GPT of about 3.3 million parameters.
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
 BUCKET = 2 ** 18  # elements
-RUNS = [(world, stage, gas) for world in (8, 64) for stage in (1, 2) for gas in (1,)] + [(8, 2, 2)]
+RUNS = ([(world, stage, 1) for world in (8, 64) for stage in (1, 2, 3)] + [(8, 2, 2)]
+        + [(world, stage, 1, "offload") for world in (8, 64) for stage in (2, 3)])
 
 
-def spec(world: int, stage: int, gas: int) -> dict:
+def spec(world: int, stage: int, gas: int, offload: str = "") -> dict:
     return {"world": world, "stage": stage, "gas": gas, "model": MODEL, "micro_batch": 2, "seq": 32,
-            "dtype": "bf16", "checkpointing": False, "reduce_bucket_size": BUCKET}
+            "dtype": "bf16", "checkpointing": False, "reduce_bucket_size": BUCKET,
+            "offload": offload == "offload"}
 
 
 @functools.cache
@@ -53,17 +55,64 @@ def test_formula_rejects_unknown_names():
 
 # ---- measured as rank 0 of N --------------------------------------------------------------------
 @pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"stage={s}")
 def test_model_states_per_rank_match_the_formula_bf16_adam(stage, world):
     r = measured()[(world, stage, 1)]
     psi, rep = r["num_params"], r["report"]
     expected = memory.formula(psi, world, stage)
     assert rep["model_states"] == pytest.approx(expected, rel=0.05), rep
     assert rep["model_states"] >= expected  # padding only ever adds
-    # the reduce bucket pool is beside the model states: at most POOL_BUFFERS bf16 buckets, stage 2 only
-    assert rep["reduce_buckets"] <= (POOL_BUFFERS * BUCKET * 2 if stage == 2 else 0)
+    # the reduce bucket pool is beside the model states: at most POOL_BUFFERS bf16 buckets in stage 2;
+    # in stage 3 a bucket is one module, the largest being the MLP's 256x1024 weight and its bias
+    bucket = {1: 0, 2: BUCKET, 3: 256 * 1024 + 1024 + 64 * world}[stage]
+    assert rep["reduce_buckets"] <= POOL_BUFFERS * bucket * 2
     assert rep["fp32_master"] == pytest.approx(4 * psi / world, rel=0.05)
     assert rep["optimizer_states"] == pytest.approx(8 * psi / world, rel=0.05)
+
+
+@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
+def test_stage3_holds_a_shard_of_the_working_params_and_only_small_buckets_whole(world):
+    r = measured()[(world, 3, 1)]
+    psi, rep = r["num_params"], r["report"]
+    assert rep["working_params"] == pytest.approx(2 * psi / world, rel=0.05)
+    # only modules under stage3_param_persistence_threshold (1e5 elements) stay gathered: here the
+    # LayerNorms, the position embedding and the 256x256 attention projections: 9-10% of 2Ψ here
+    assert rep["gathered_params"] == 2 * sum(_padded(m, world) for m in _modules() if _padded(m, world) < 100_000)
+    assert rep["gathered_params"] < 0.11 * 2 * psi
+
+
+def _modules():
+    """Each module's direct parameters, as stage 3 buckets them (a tied weight counted once)."""
+    import torch
+    from zerodp.train.model import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**MODEL))
+    seen, out = set(), []
+    for m in model.modules():
+        params = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            out.append([p.numel() for p in params])
+    return out
+
+
+def _padded(sizes: list[int], world: int) -> int:
+    align = lambda n, k: -(-n // k) * k  # noqa: E731
+    end = 0
+    for n in sizes:
+        end = align(end, 64) + n
+    return align(end, 64 * world)
+
+
+@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage={s}")
+def test_offload_leaves_only_working_params_and_gradients_on_the_device(stage, world):
+    r = measured()[(world, stage, 1, "offload")]
+    psi, rep = r["num_params"], r["report"]
+    working = 2 * psi if stage == 2 else 2 * psi / world
+    assert rep["device_model_states"] == pytest.approx(working + 2 * psi / world, rel=0.05)
+    assert rep["device_model_states"] == rep["working_params"] + rep["gradients"] + rep["frozen_params_and_buffers"]
+    assert rep["host_model_states"] == pytest.approx(16 * psi / world, rel=0.05)  # master, m, v, grad copy
 
 
 @pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")

@@ -68,6 +68,9 @@ def memory_report(engine) -> dict[str, int]:
         "gradients": grads["gradients"],
         **engine.partitioned.bytes(),
         "reduce_buckets": grads["reduce_buckets"],
+        # Stage 3: the gathered copies held right now (persistent buckets between steps).
+        "gathered_params": 0 if engine.gatherer is None else sum(
+            b.data.untyped_storage().nbytes() for g in engine.flat_groups for b in g.buckets),
         # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients.
         "step_transient": 0 if opt.offload else sum(g.numel() * 4 for g in engine.reducer.shard_grads()
                                                     if g.dtype != torch.float32),
@@ -149,7 +152,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
-                                    "reduce_bucket_size": spec.get("reduce_bucket_size", 500_000_000)},
+                                    "reduce_bucket_size": spec.get("reduce_bucket_size", 500_000_000),
+                                    "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if spec["dtype"] != "fp32":
         config[spec["dtype"]] = {"enabled": True}
