@@ -37,13 +37,12 @@ class Reducer:
         self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
         self.rank = comm.rank if stage > 0 else 0
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
-        # shard (stage 2), accumulated across micro-steps in `acc_dtype`.
+        # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`.
         self.acc = [torch.zeros(b.shard_numel if self.sharded_grads else b.numel, dtype=acc_dtype,
                                 device=b.data.device) for b in self.buckets]
         self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.pool: list[torch.Tensor] = []
-        self.pool_size = 0
-        self.max_numel = max((b.numel for b in self.buckets), default=0)
+        self.allocated: list[int] = []  # sizes of every pool buffer ever made (free or in use)
         self.inflight: deque = deque()
         self.active = False
         self.communicate = False
@@ -97,7 +96,7 @@ class Reducer:
         if not self.sharded_grads:
             return self.acc[k]
         if self.buffers[k] is None:
-            self.buffers[k] = self._acquire()
+            self.buffers[k] = self._acquire(self.buckets[k].numel)
         return self.buffers[k][:self.buckets[k].numel]
 
     def _mark_ready(self, k: int) -> None:
@@ -148,13 +147,19 @@ class Reducer:
         while self.inflight:
             self._retire_oldest()
 
-    def _acquire(self) -> torch.Tensor:
-        if not self.pool and self.inflight and self.pool_size >= POOL_BUFFERS:
-            self._retire_oldest()
-        if self.pool:
-            return self.pool.pop().zero_()
-        self.pool_size += 1
-        return torch.zeros(self.max_numel, dtype=self.dtype, device=self.buckets[0].data.device)
+    def _acquire(self, numel: int) -> torch.Tensor:
+        """A zeroed buffer of at least `numel` elements: the smallest free one that fits, else a new
+        one of exactly this bucket's size (buckets differ in size; the pool stays as small as they)."""
+        while True:
+            fits = [i for i, b in enumerate(self.pool) if b.numel() >= numel]
+            if fits:
+                return self.pool.pop(min(fits, key=lambda i: self.pool[i].numel())).zero_()
+            if self.inflight and len(self.allocated) >= POOL_BUFFERS:
+                self._retire_oldest()
+                continue
+            buf = torch.zeros(numel, dtype=self.dtype, device=self.buckets[0].data.device)
+            self.allocated.append(numel)
+            return buf
 
     # ---- results --------------------------------------------------------------------------------
     def shard_grads(self) -> list[torch.Tensor]:
@@ -169,5 +174,5 @@ class Reducer:
 
     def bytes(self) -> dict[str, int]:
         acc = sum(a.numel() * a.element_size() for a in self.acc)
-        pool = self.pool_size * self.max_numel * torch.empty((), dtype=self.dtype).element_size()
+        pool = sum(self.allocated) * torch.empty((), dtype=self.dtype).element_size()
         return {"gradients": acc, "reduce_buckets": pool}
