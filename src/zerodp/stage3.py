@@ -15,7 +15,7 @@ would cost more than their memory.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 from contextlib import contextmanager
 
 import torch
@@ -45,7 +45,8 @@ class Gatherer:
         self.persistent = {b.index for b in buckets if b.numel < persistence_threshold}
         self.gathered: set[int] = set()
         self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
-        self.order: OrderedDict[int, Bucket] = OrderedDict()  # first-forward gather order, for prefetch
+        self.order: list[Bucket] = []       # first-forward gather order, for prefetch
+        self.position: dict[int, int] = {}  # bucket index -> place in self.order
         self.buckets = buckets
         self.views = {b.index: [(s.param, s.param.data) for s in b.slots] for b in buckets}
         self._empty = {b.index: b.data.new_empty(0) for b in buckets}
@@ -78,7 +79,9 @@ class Gatherer:
     # ---- gather / release -----------------------------------------------------------------------
     def gather(self, units: list[Bucket]) -> None:
         for b in units:
-            self.order.setdefault(b.index, b)
+            if b.index not in self.position:
+                self.position[b.index] = len(self.order)
+                self.order.append(b)
             if b.index not in self.gathered:
                 self._start(b)
         for b in units:
@@ -98,16 +101,15 @@ class Gatherer:
 
     def _prefetch_after(self, last: Bucket) -> None:
         """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
-        if self.prefetch_numel <= 0 or last.index not in self.order:
+        start = self.position.get(last.index)
+        if self.prefetch_numel <= 0 or start is None:
             return
-        keys = list(self.order)
         budget = self.prefetch_numel
-        for k in keys[keys.index(last.index) + 1:]:
-            b = self.order[k]
+        for b in itertools.islice(self.order, start + 1, None):
             if budget < b.numel:
                 break
             budget -= b.numel
-            if k not in self.gathered:
+            if b.index not in self.gathered:
                 self._start(b)
 
     def release(self, units: list[Bucket]) -> None:
