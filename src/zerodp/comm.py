@@ -104,11 +104,15 @@ class Comm:
         return _Done() if async_op else None
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
+        if self.world_size == 1:
+            return
         self.traffic.add("broadcast", t.numel() * t.element_size())
         dist.broadcast(t, dist.get_global_rank(self.group, src_rank), group=self.group)
 
     def all_gather_object(self, obj) -> list:
         """Small control messages (fingerprints, flags); not counted as training traffic."""
+        if self.world_size == 1:
+            return [obj]
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out

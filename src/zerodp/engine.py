@@ -49,8 +49,7 @@ class Engine:
         for g in layout:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
             for full in fulls:
-                if comm.world_size > 1:
-                    comm.broadcast(full)  # every rank starts from rank 0's weights
+                comm.broadcast(full)  # every rank starts from rank 0's weights
             g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3)
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
             # Stage 3 must not hold every full bucket at once: keep only the shard of each.
@@ -221,8 +220,7 @@ class Engine:
                 continue
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
-            if self.comm.world_size > 1:
-                self.comm.broadcast(t.data)
+            self.comm.broadcast(t.data)
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:

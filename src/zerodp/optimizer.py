@@ -65,7 +65,7 @@ class PartitionedOptimizer:
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
             local = torch.stack(norms).square().sum()
-        if self.stage > 0 and self.comm.world_size > 1:
+        if self.stage > 0:  # stage 0's gradients are already identical on every rank
             self.comm.all_reduce(local)
         return local
 
@@ -110,7 +110,7 @@ class PartitionedOptimizer:
 
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
-        if self.stage == 0 or self.comm.world_size == 1:
+        if self.stage == 0:
             return m.detach().clone()
         device = b.data.device
         full = torch.empty(b.numel, dtype=torch.float32, device=device)

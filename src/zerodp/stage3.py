@@ -94,10 +94,7 @@ class Gatherer:
         for p, view in self.views[b.index]:
             p.data = view
         self.gathered.add(b.index)
-        if self.comm.world_size == 1:
-            b.data.copy_(b.owned)
-        else:
-            self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
+        self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
 
     def _prefetch_after(self, last: Bucket) -> None:
         """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
