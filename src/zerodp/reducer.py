@@ -32,7 +32,9 @@ class Reducer:
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.on_bucket_done = on_bucket_done
-        self.sharded_grads = stage >= 2
+        # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
+        # with no bucket pool and no copy out of it.
+        self.sharded_grads = stage >= 2 and comm.world_size > 1
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
         self.rank = comm.rank if stage > 0 else 0
@@ -44,6 +46,9 @@ class Reducer:
         self.pool: list[torch.Tensor] = []
         self.allocated: list[int] = []  # sizes of every pool buffer ever made (free or in use)
         self.inflight: deque = deque()
+        # `fresh`: the accumulation window has just begun, so `acc` holds the last step's values and
+        # is overwritten, not added to (it is never zeroed: a copy costs what zero + add would).
+        self.fresh = True
         self.active = False
         self.communicate = False
         self._handles = []
@@ -76,8 +81,9 @@ class Reducer:
                                "parameters?); use torch.utils.checkpoint(use_reentrant=False)")
         b, slot = self.buckets[k], self.buckets[k].slots[i]
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
-        # Stage 2/3 buffers start zeroed each micro-step: a first arrival is a copy, not an add.
-        if self.sharded_grads and not self.arrived[k][i]:
+        # Pool buffers start zeroed each micro-step and `acc` is stale in a fresh window: a first
+        # arrival is a copy, not an add.
+        if not self.arrived[k][i] and (self.sharded_grads or self.fresh):
             target.copy_(p.grad.reshape(-1))
         else:
             target.add_(p.grad.reshape(-1))
@@ -107,6 +113,8 @@ class Reducer:
 
     def finish_backward(self) -> None:
         """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
+        if self.fresh and not self.sharded_grads:
+            self._zero_unarrived()
         if self.communicate:
             for k in range(self.next_launch, len(self.buckets)):
                 if self.sharded_grads:
@@ -118,6 +126,15 @@ class Reducer:
         self.active = False
         if self.sharded_grads:
             self.wait()
+        self.fresh = False
+
+    def _zero_unarrived(self) -> None:
+        """Slots whose parameter got no gradient in a fresh window still hold the last step's."""
+        for k, b in enumerate(self.buckets):
+            if self.pending[k]:
+                for i, s in enumerate(b.slots):
+                    if not self.arrived[k][i]:
+                        self.acc[k][s.offset:s.offset + s.numel].zero_()
 
     # ---- communication --------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
@@ -126,19 +143,24 @@ class Reducer:
         # Divide before summing: the mean over ranks without fp16 overflow in the sum.
         if self.comm.world_size > 1:
             buf.div_(self.comm.world_size)
+        # In a fresh window a shard of the right dtype is reduced straight into `acc` (no copy after).
+        direct = self.sharded_grads and self.fresh and self.acc[k].dtype == buf.dtype
         if self.stage == 0:
             work = self.comm.all_reduce(buf, async_op=True)
         else:
-            work = self.comm.reduce_scatter(b.shard(buf, self.rank), buf, async_op=True)
-        self.inflight.append((k, work))
+            out = self.acc[k] if direct else b.shard(buf, self.rank)
+            work = self.comm.reduce_scatter(out, buf, async_op=True)
+        self.inflight.append((k, work, direct))
         if not self.overlap:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        k, work = self.inflight.popleft()
+        k, work, direct = self.inflight.popleft()
         work.wait()
         if self.sharded_grads:
-            self.acc[k].add_(self.buckets[k].shard(self._target(k), self.rank))
+            if not direct:
+                shard = self.buckets[k].shard(self._target(k), self.rank)
+                self.acc[k].copy_(shard) if self.fresh else self.acc[k].add_(shard)
             self.pool.append(self.buffers[k])
             self.buffers[k] = None
 
@@ -169,8 +191,8 @@ class Reducer:
         return [b.shard(a, self.rank) for b, a in zip(self.buckets, self.acc)]
 
     def zero(self) -> None:
-        for a in self.acc:
-            a.zero_()
+        """Start a new accumulation window: the next gradients overwrite `acc`."""
+        self.fresh = True
 
     def bytes(self) -> dict[str, int]:
         acc = sum(a.numel() * a.element_size() for a in self.acc)
