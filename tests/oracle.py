@@ -23,9 +23,10 @@ D_IN, D_OUT, MICRO, STEPS, LR = 13, 5, 3, 5, 1e-3
 class Toy(nn.Module):
     """An MLP with sizes no world size divides; optional extras switch on one behaviour each."""
 
-    def __init__(self, tied=False, frozen=False, unused=False, ckpt=False, reuse=False, hidden=37):
+    def __init__(self, tied=False, frozen=False, unused=False, ckpt=False, reuse=False, parent=False,
+                 hidden=37):
         super().__init__()
-        self.ckpt, self.tied, self.reuse = ckpt, tied, reuse
+        self.ckpt, self.tied, self.reuse, self.parent = ckpt, tied, reuse, parent
         self.inp = nn.Linear(D_IN, hidden)
         self.mid = nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, D_OUT)
@@ -44,6 +45,8 @@ class Toy(nn.Module):
 
     def forward(self, x, y):
         h = torch.tanh(self.inp(x))
+        if self.parent:  # the root's own forward uses a child's parameter before the child runs
+            h = h + 0.5 * F.linear(h, self.mid.weight)
         if self.tied:
             h = self.pair(h)
             h = h + self.dec(torch.tanh(self.enc(h)))
@@ -110,6 +113,7 @@ CASES = {
     "accumulation": Case(gas=4, clip=0.0),
     "checkpointed": Case(model={"ckpt": True}),
     "module_called_twice": Case(model={"reuse": True}),
+    "used_by_parent": Case(model={"parent": True}),
 }
 
 

@@ -68,6 +68,11 @@ class ZeroConfig(_Section):
     reduce_bucket_size: PositiveInt = 50_000_000
     allgather_bucket_size: PositiveInt = 500_000_000
     overlap_comm: bool = True
+    # Stages 1-2: step() returns with the updated parameters still being all-gathered, and the next
+    # forward waits for each bucket just before its first use (Megatron's overlap_param_gather).
+    # Off by default: parameters read directly between step() and the next forward would be stale;
+    # engine.wait_for_parameters() makes them current.
+    overlap_param_gather: bool = False
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     allgather_partitions: bool = True

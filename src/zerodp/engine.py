@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from .comm import Comm
 from .config import Config, ConfigError, load_config
 from .flat import plan
+from .forward_order import ForwardOrder
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
 from .reducer import Reducer
@@ -62,6 +63,9 @@ class Engine:
                                                 zero.allgather_bucket_size)
         del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
+        # Stage 0 gathers nothing and stage 3 gathers per module already.
+        self.forward_order = (ForwardOrder(module, self.partitioned)
+                              if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
                                  zero.stage3_prefetch_bucket_size) if self.stage == 3 else None
@@ -118,7 +122,7 @@ class Engine:
         if overflow:
             self.skipped_steps += 1
         else:
-            self.partitioned.step(grads, coef)
+            self.partitioned.step(grads, coef, defer_gather=self.forward_order is not None)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         if self.gatherer is not None and not overflow:
@@ -126,6 +130,11 @@ class Engine:
         self.scaler.update(overflow)
         self.reducer.zero()
         self.global_steps += 1
+
+    def wait_for_parameters(self) -> None:
+        """With overlap_param_gather, step() returns while the updated parameters are still being
+        gathered and the next forward waits for them; call this to read them directly before that."""
+        self.partitioned.wait_for_parameters()
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -155,6 +164,7 @@ class Engine:
         """Within the block the module's parameters are whole on every rank (stage 3 gathers and
         releases them; other stages always hold them whole). Changes made inside are not kept."""
         if self.gatherer is None:
+            self.wait_for_parameters()
             yield
         else:
             with self.gatherer.gathered_parameters():
@@ -162,6 +172,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
+        self.wait_for_parameters()
         values: dict[int, torch.Tensor] = {}
         for b, m in zip(self.partitioned.buckets, self.partitioned.masters):
             full = self.partitioned.full_master(b, m)
@@ -178,6 +189,7 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
         from .checkpoint import save_checkpoint
+        self.wait_for_parameters()
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> dict:

@@ -32,6 +32,7 @@ class PartitionedOptimizer:
                  allgather_bucket_size: int = 500_000_000):
         self.comm, self.stage, self.offload = comm, stage, offload
         self.allgather_numel = allgather_bucket_size
+        self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
@@ -43,6 +44,7 @@ class PartitionedOptimizer:
         else:
             self.masters = [shard.clone() if self.separate else b.owned
                             for b, shard in zip(self.buckets, fp32_shards)]
+        self.set_gather_order(list(range(len(self.buckets))))
         per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
         if isinstance(optimizer, Optimizer):
             if len(optimizer.state) > 0:
@@ -71,8 +73,9 @@ class PartitionedOptimizer:
             self.comm.all_reduce(local)
         return local
 
-    def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
+    def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None, defer_gather: bool = False) -> None:
         """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights."""
+        self.wait_for_parameters()  # the last gather writes the working shards the step rewrites
         if self.offload:
             for m, h, g in zip(self.masters, self.host_grads, grads):
                 m.grad = h.copy_(g, non_blocking=True)
@@ -87,28 +90,40 @@ class PartitionedOptimizer:
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
-        self.all_gather()
+        self.all_gather(defer=defer_gather)
 
-    def all_gather(self) -> None:
+    def all_gather(self, defer: bool = False) -> None:
         """Copy each master shard into the working buffer and gather every rank's shard.
 
         Stage 3 gathers nothing here: modules gather their parameters when they next run. At most
         `allgather_bucket_size` elements are in flight at once (the oldest gather is waited for).
+        Buckets go in `gather_order` (the next forward's order once known). With `defer` the last
+        gathers are left in flight for `wait_for_parameters` (overlap_param_gather).
         """
-        works: deque = deque()
+        self.wait_for_parameters()
         in_flight = 0
-        for b, m in zip(self.buckets, self.masters):
+        for k in self.gather_order:
+            b, m = self.buckets[k], self.masters[k]
             if self.separate:
                 b.owned.copy_(m, non_blocking=True)
             if 0 < self.stage < 3:
-                while works and in_flight + b.numel > self.allgather_numel:
-                    numel, w = works.popleft()
-                    w.wait()
-                    in_flight -= numel
-                works.append((b.numel, self.comm.all_gather(b.data, b.owned, async_op=True)))
+                while self.pending and in_flight + b.numel > self.allgather_numel:
+                    in_flight -= self.buckets[self.pending[0][0]].numel
+                    self.pending.popleft()[1].wait()
+                self.pending.append((k, self.comm.all_gather(b.data, b.owned, async_op=True)))
                 in_flight += b.numel
-        for _, w in works:
-            w.wait()
+        if not defer:
+            self.wait_for_parameters()
+
+    def wait_for_parameters(self, upto: int | None = None) -> None:
+        """Wait for the parameter gathers in flight: all, or those of gather_order[:upto]."""
+        while self.pending and (upto is None or self.position[self.pending[0][0]] < upto):
+            self.pending.popleft()[1].wait()
+
+    def set_gather_order(self, order: list[int]) -> None:
+        self.wait_for_parameters()
+        self.gather_order = order
+        self.position = {k: i for i, k in enumerate(order)}
 
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""

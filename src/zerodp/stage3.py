@@ -9,6 +9,9 @@ freed memory:
   forward post-hook  release them, and arrange for a gather when backward reaches the module;
   gradient hook      (reducer) once all of a bucket's gradients are reduced, release it;
   end of backward    release whatever is still gathered.
+A parameter is gathered when a module that registers it runs (as in FSDP): code outside those
+modules that reads it first (a parent's forward calling F.linear on a child's weight) sees the empty
+tensor and fails; such a parameter can be registered on, or made persistent with, the module using it.
 Buckets smaller than `stage3_param_persistence_threshold` stay gathered: the collectives for them
 would cost more than their memory.
 """
