@@ -166,7 +166,14 @@ class OptimizerConfig(_Section):
 
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> torch.optim.Optimizer:
         cls, kwargs = self._torch_class_and_kwargs()
-        return cls(params, **kwargs)
+        groups = list(params)
+        tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
+        # Adam(W) on CUDA: one fused kernel over each flat master shard (DeepSpeed's FusedAdam),
+        # unless the config picks foreach or fused itself.
+        if (cls in (torch.optim.Adam, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs
+                and tensors and all(t.is_cuda for t in tensors)):
+            kwargs["fused"] = True
+        return cls(groups, **kwargs)
 
 
 class _WarmupLRParams(_Section):
