@@ -79,6 +79,11 @@ def one_group(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
 
 
+def fused(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1,
+                             fused=True)
+
+
 def two_groups(model):
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and p.requires_grad]
     other = [p for n, p in model.named_parameters() if p.dim() <= 1 and p.requires_grad]
@@ -114,6 +119,7 @@ CASES = {
     "checkpointed": Case(model={"ckpt": True}),
     "module_called_twice": Case(model={"reuse": True}),
     "used_by_parent": Case(model={"parent": True}),
+    "fused_adamw": Case(optimizer=fused),
 }
 
 

@@ -64,7 +64,7 @@ class PartitionedOptimizer:
         device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
         local = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
-            # fp32 norms of ALIGN-element rows, summed in fp64: as exact as an fp64 norm (1e-9
+            # fp32 norms of ALIGN-element rows, summed in fp64: as exact as an fp64 norm (1e-8
             # relative) with no fp64 copy of the gradients, and independent of the bucket layout,
             # since every parameter starts a row.
             rows = [torch.linalg.vector_norm(g.view(-1, ALIGN), dim=1, dtype=torch.float32) for g in grads]
@@ -85,9 +85,16 @@ class PartitionedOptimizer:
         else:
             for m, g in zip(self.masters, grads):
                 m.grad = g if g.dtype == torch.float32 else g.float()
-        if coef is not None and self.masters:
+        # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
+        # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
+        fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        if fold:
+            self.optimizer.grad_scale = coef.reciprocal()
+        elif coef is not None and self.masters:
             torch._foreach_mul_([m.grad for m in self.masters], coef)
         self.optimizer.step()
+        if fold:
+            del self.optimizer.grad_scale
         for m in self.masters:
             m.grad = None
         self.all_gather(defer=defer_gather)
