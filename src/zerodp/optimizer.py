@@ -64,9 +64,9 @@ class PartitionedOptimizer:
         device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
         local = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
-            # fp32 norms of ALIGN-element rows, summed in fp64: as exact as an fp64 norm (1e-8
-            # relative) with no fp64 copy of the gradients, and independent of the bucket layout,
-            # since every parameter starts a row.
+            # fp32 norms of ALIGN-element rows, summed in fp64: within 1e-8 (relative) of an fp64
+            # norm with no fp64 copy of the gradients, and independent of the bucket layout, since
+            # every parameter starts a row.
             rows = [torch.linalg.vector_norm(g.view(-1, ALIGN), dim=1, dtype=torch.float32) for g in grads]
             local = torch.cat(rows).double().square().sum()
         if self.stage > 0:  # stage 0's gradients are already identical on every rank
