@@ -18,12 +18,14 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import oracle
 import zerodp
 from spawn import run_ranks
 from zerodp import checkpoint as ck
+from zerodp.checkpoint import files as ck_files
 
 MICRO, GLOBAL, SAVE_AT, STEPS = 3, 12, 2, 5
 
@@ -379,12 +381,12 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatc
         train(engine, 0, 1, range(1, 2))
         with monkeypatch.context() as m:
             if where == "tensor_files":
-                m.setattr(ck.dcp, "save", write_then_crash(ck.dcp.save))
+                m.setattr(dcp, "save", write_then_crash(dcp.save))
             elif where == "before_rename":
-                m.setattr(ck, "_commit", crash)
+                m.setattr(ck_files, "commit", crash)
             else:
-                real = ck._write_atomic
-                m.setattr(ck, "_write_atomic", lambda p, t: crash() if p.endswith("latest") else real(p, t))
+                real = ck_files.write_atomic
+                m.setattr(ck_files, "write_atomic", lambda p, t: crash() if p.endswith("latest") else real(p, t))
             with pytest.raises((RuntimeError, ck.CheckpointError), match="simulated crash"):
                 engine.save_checkpoint(d)
         assert open(os.path.join(d, "latest")).read() == "global_step1"
@@ -408,7 +410,7 @@ def killed_mid_save(rank: int, world: int, path: str) -> None:
     train(engine, rank, world, range(1))
     engine.save_checkpoint(path)
     train(engine, rank, world, range(1, 2))
-    ck._file_record = lambda file: os.kill(os.getpid(), signal.SIGKILL)
+    ck_files.record = lambda file: os.kill(os.getpid(), signal.SIGKILL)
     engine.save_checkpoint(path)
 
 
@@ -455,7 +457,7 @@ def test_crash_while_re_saving_a_tag_keeps_the_old_one(tmp_path, monkeypatch):
                 raise RuntimeError("simulated crash")
             real(src, dst)
         with monkeypatch.context() as m:
-            m.setattr(ck.os, "replace", replace)
+            m.setattr(os, "replace", replace)
             with pytest.raises(ck.CheckpointError, match="simulated crash"):
                 engine.save_checkpoint(d, tag="best")
         assert "best" not in os.listdir(d)
@@ -564,7 +566,7 @@ def _evil_metadata(p):
     evil = pickle.dumps(type("Evil", (), {"__reduce__": lambda self: (os.system, ("echo pwned",))})())
     open(os.path.join(p, ".metadata"), "wb").write(evil)
     meta = json.load(open(os.path.join(p, "zerodp.json")))
-    meta["files"][".metadata"] = ck._file_record(os.path.join(p, ".metadata"))
+    meta["files"][".metadata"] = ck_files.record(os.path.join(p, ".metadata"))
     json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
 
 

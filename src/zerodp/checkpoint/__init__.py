@@ -1,0 +1,35 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) that resume on any world size and stage,
+and their consolidation into one full fp32 state dict.
+
+A checkpoint is a directory `save_dir/{tag}` holding:
+  - DCP files with tensors only, in a layout-free form: every trained parameter's fp32 master and
+    optimizer state are stored as 1-D pieces of the flattened parameter, `master/{name}@{start}`
+    and `optim/{key}/{name}@{start}`, each rank writing the pieces its shards own (rank 0 alone in
+    stage 0, where every rank owns everything). Frozen parameters and buffers (`model/{name}`),
+    0-dim optimizer state per param group (`optim_scalar/{group}/{key}`) and each rank's torch RNG
+    (`rng/{rank}/torch`) complete them.
+  - `zerodp.json`, written by rank 0: counters, loss scaler, lr scheduler, param group
+    hyperparameters, client_state, config, the model signature (names, shapes, tied aliases), the
+    saved layout, the python/numpy RNG of every rank and the size + crc32 of every file.
+`save_dir/latest` names the newest tag. save_dir must be a filesystem every rank sees (DCP's rule):
+rank 0 renames what all ranks wrote.
+
+One concept per file, read in this order:
+  pieces.py   the layout-free view of an engine (why pieces rather than buckets)
+  errors.py   CheckpointError, and the agreement that raises it on every rank before any change
+  files.py    the directory on disk: temp dir, rename, `latest`, size + crc32 of each file
+  save.py     save_checkpoint
+  read.py     finding and checking a checkpoint; the restricted unpickler; chunked tensor reads
+  load.py     load_checkpoint: stage everything, agree, then apply
+  export.py   consolidate / write_consolidated / `zerodp consolidate` (main)
+"""
+
+from .errors import CheckpointError
+from .export import consolidate, main, write_consolidated
+from .load import load_checkpoint
+from .pieces import local_state
+from .read import resolve
+from .save import save_checkpoint
+
+__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "resolve",
+           "save_checkpoint", "write_consolidated"]

@@ -1,0 +1,195 @@
+"""load_checkpoint: resume from a checkpoint saved on any world size and stage.
+
+Two phases, so that a bad checkpoint changes nothing: `_stage` reads and checks this rank's share into
+fresh CPU tensors, every rank agrees that all of them succeeded (errors.agree), and only then
+`_apply` writes the masters, optimizer state, counters, scaler, scheduler and RNG into the engine.
+Working-precision parameters are not stored: they are the masters cast to the working dtype,
+exactly what a step would have left.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError, agree
+from .pieces import owned_pieces, saved_pieces, signature, untrained
+from .read import read_metadata, read_tensors, resolve
+
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
+    """Restore a checkpoint saved on any world size and stage; returns its client_state.
+
+    Collective: call on every rank. Everything is read and checked before the engine is touched;
+    a problem on any rank raises the same CheckpointError on every rank.
+    """
+    err = staged = meta = None
+    try:
+        path, meta = resolve(load_dir, tag)
+        _check_model(engine, path, meta)
+        staged = _stage(engine, path, meta)
+    except CheckpointError as e:
+        err = str(e)
+    except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
+        err = f"loading the checkpoint failed: {type(e).__name__}: {e}"
+    agree(engine.comm, err)
+    _apply(engine, meta, staged)
+    return meta["client_state"] if meta["client_state"] is not None else {}
+
+
+def _check_model(engine, path: str, meta: dict) -> None:
+    current = signature(engine)
+    saved = {e["name"]: e for e in meta["model"]}
+    names = {e["name"] for e in current}
+    what = lambda e: "buffer" if e["kind"] == "buffer" else "parameter"  # noqa: E731
+    prefix = f"checkpoint '{path}' is of a different model:"
+    for e in current:
+        s = saved.get(e["name"])
+        if s is None:
+            raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' {tuple(e['shape'])} is not in the checkpoint")
+        if s["shape"] != e["shape"]:
+            raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' has shape {tuple(s['shape'])} in the "
+                                  f"checkpoint and {tuple(e['shape'])} in the model")
+        if s["alias_of"] != e["alias_of"]:
+            raise CheckpointError(f"{prefix} '{e['name']}' is tied to {s['alias_of']!r} in the checkpoint "
+                                  f"and to {e['alias_of']!r} in the model")
+        if (s["kind"] == "trained") != (e["kind"] == "trained"):
+            state = {True: "trained", False: "not trained"}
+            raise CheckpointError(f"{prefix} parameter '{e['name']}' is {state[s['kind'] == 'trained']} in the "
+                                  f"checkpoint and {state[e['kind'] == 'trained']} now (requires_grad differs)")
+    for s in meta["model"]:
+        if s["name"] not in names:
+            raise CheckpointError(f"{prefix} it has {what(s)} '{s['name']}' {tuple(s['shape'])}, which the "
+                                  "model does not have")
+    if meta.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
+        raise CheckpointError(f"checkpoint '{path}' holds {meta['optimizer']} state, the optimizer is "
+                              f"{type(engine.optimizer).__name__}")
+    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint '{path}' has {len(meta['param_groups'])} optimizer param groups, "
+                              f"the optimizer has {len(engine.optimizer.param_groups)}")
+
+
+@dataclass
+class _Staged:
+    masters: list[torch.Tensor]                  # fp32, this rank's shard of each bucket
+    states: dict[str, list[torch.Tensor]]        # optimizer key -> per-bucket shard
+    scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim tensor
+    untrained: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+
+
+def _stage(engine, path: str, meta: dict) -> _Staged:
+    """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
+    metadata = read_metadata(path)
+    part, rank = engine.partitioned, engine.comm.rank
+    masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
+    keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
+    states = {}
+    for key in sorted(keys):
+        dtype = next(md.properties.dtype for k, md in metadata.state_dict_metadata.items()
+                     if k.startswith(f"optim/{key}/"))
+        states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in part.masters]
+    copies: dict[str, list] = {}  # saved piece -> [(source offset, destination, its offset, numel)]
+    saved = {"master": saved_pieces(metadata, "master/")}
+    saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in keys})
+    for pc in owned_pieces(engine):
+        for kind, dests in [("master", masters), *states.items()]:
+            covered = 0
+            for start, numel, key in saved[kind].get(pc.name, []):
+                lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
+                if lo < hi:  # the saved piece overlaps what this rank now owns
+                    dest = (dests[pc.master], pc.offset + lo - pc.start)
+                    copies.setdefault(key, []).append((lo - start, *dest, hi - lo))
+                    covered += hi - lo
+            if covered != pc.numel:
+                raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
+                                      f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
+    md = metadata.state_dict_metadata
+    small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
+    small += [f"model/{name}" for name in untrained(engine) if f"model/{name}" in md]
+    whole: dict[str, torch.Tensor] = {}
+
+    def consume(chunk: dict[str, torch.Tensor]) -> None:
+        for key, t in chunk.items():
+            for src_off, dest, dest_off, n in copies.get(key, ()):
+                dest[dest_off:dest_off + n].copy_(t[src_off:src_off + n])
+            if key not in copies:
+                whole[key] = t
+
+    read_tensors(path, metadata, list(copies) + small, meta, consume)
+    scalars = {k[len("optim_scalar/"):]: t for k, t in whole.items() if k.startswith("optim_scalar/")}
+    model_state = {k[len("model/"):]: t for k, t in whole.items() if k.startswith("model/")}
+    rng = {k.rsplit("/", 1)[1]: t for k, t in whole.items() if k.startswith("rng/")}
+    return _Staged(masters, states, scalars, model_state, rng)
+
+
+def _apply(engine, meta: dict, staged: _Staged) -> None:
+    part, opt = engine.partitioned, engine.optimizer
+    with torch.no_grad():
+        for m, new in zip(part.masters, staged.masters):
+            m.copy_(new.view(m.shape))
+        for name, t in untrained(engine).items():
+            if name in staged.untrained:
+                t.data.copy_(staged.untrained[name])
+    # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
+    # dtype (and `step` where the optimizer wants it), so it continues exactly.
+    sd = opt.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {}
+    for i, (b, m) in enumerate(zip(part.buckets, part.masters)):
+        entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
+        entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
+                      if k.split("/", 1)[0] == str(b.group)})
+        entry.update(meta.get("optim_scalars", {}).get(str(b.group), {}))
+        if entry:
+            state[index[id(m)]] = entry
+    sd["state"] = state
+    for group, saved in zip(sd["param_groups"], meta["param_groups"]):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+    opt.load_state_dict(sd)
+    part.all_gather()  # working params from the masters, on every rank
+    if getattr(engine, "gatherer", None) is not None:
+        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+    c = meta["counters"]
+    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
+    # The accumulation count restarts at a boundary: gas may differ when the world size did.
+    engine.micro_steps = engine._stepped_at = engine.global_steps * engine.gas
+    engine.reducer.zero()
+    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
+        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
+    engine._scale_used = engine.scaler.scale
+    engine._grad_norm = None
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    _restore_rng(engine, meta, staged.rng)
+
+
+def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
+    rank = engine.comm.rank
+    host = meta.get("rng", {}).get(str(rank))
+    if host is None or "torch" not in rng:
+        # More ranks than were saved: a deterministic, distinct stream per rank.
+        seed = (meta["config"].get("seed") or 0) + rank
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+            np.random.seed(seed)
+        except ImportError:
+            pass
+        return
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and engine.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], engine.device)
+    version, internal, gauss = host["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in host:
+        try:
+            import numpy as np
+            kind, keys, pos, has_gauss, cached = host["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass

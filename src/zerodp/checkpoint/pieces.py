@@ -1,0 +1,113 @@
+"""The layout-free view of an engine: which pieces of which parameter this rank's shards hold.
+
+Why pieces rather than buckets: the bucket layout (and its padding) depends on the world size and
+the bucket size. A piece is named by the parameter and the element it starts at, so a checkpoint
+written on one layout is read on any other: on load each rank works out which elements of which
+parameter its shards now own and reads exactly the saved pieces that overlap them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of parameter `name`, held at `offset` in master `master`."""
+
+    name: str
+    start: int
+    master: int
+    offset: int
+    numel: int
+
+
+def owned_pieces(engine) -> list[Piece]:
+    """The parameter pieces this rank's master shards hold (every piece of the model in stage 0)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    part, pieces = engine.partitioned, []
+    for i, b in enumerate(part.buckets):
+        lo_r = part.rank * b.shard_numel
+        hi_r = lo_r + b.shard_numel
+        for s in b.slots:
+            lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, hi_r)
+            if lo < hi:
+                pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
+    return pieces
+
+
+def bucket_params(engine, b) -> list[Piece]:
+    """Every whole parameter of bucket `b`, as the saved layout lists it."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [Piece(names[id(s.param)], s.offset, b.index, 0, s.numel) for s in b.slots]
+
+
+def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]:
+    """name -> [(start, numel, key)] for every saved key `{prefix}{name}@{start}`."""
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            name, _, start = key[len(prefix):].rpartition("@")
+            out.setdefault(name, []).append((int(start), md.size.numel(), key))
+    return out
+
+
+def signature(engine) -> list[dict]:
+    """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
+    trained = {id(s.param): b.group for b in engine.partitioned.buckets for s in b.slots}
+    params = {id(p) for p in engine.module.parameters()}
+    first: dict[int, str] = {}
+    out = []
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        kind = "trained" if id(t) in trained else "frozen" if id(t) in params else "buffer"
+        out.append({"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype),
+                    "alias_of": first.get(id(t)), "group": trained.get(id(t))})
+        first.setdefault(id(t), name)
+    return out
+
+
+def untrained(engine) -> dict[str, torch.Tensor]:
+    """Frozen parameters and persistent buffers, by their first name."""
+    return {e["name"]: t for e, t in zip(signature(engine), engine.module.state_dict(keep_vars=True).values())
+            if e["kind"] != "trained" and e["alias_of"] is None}
+
+
+def group_states(engine) -> dict[int, dict]:
+    """The optimizer state of the first master of each param group (its per-group scalars)."""
+    out: dict[int, dict] = {}
+    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+        if b.group not in out and m in engine.optimizer.state:
+            out[b.group] = engine.optimizer.state[m]
+    return out
+
+
+def local_state(engine) -> dict[str, torch.Tensor]:
+    """The DCP tensors this rank writes (CPU copies): its master/optimizer pieces and, on rank 0,
+    the replicated tensors. Also what tests compare: the union over ranks is layout-free."""
+    comm, part = engine.comm, engine.partitioned
+    writes_replicated = comm.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    if engine.stage > 0 or writes_replicated:
+        for pc in owned_pieces(engine):
+            m = part.masters[pc.master]
+            out[f"master/{pc.name}@{pc.start}"] = _cpu(m.detach()[pc.offset:pc.offset + pc.numel])
+            for key, v in engine.optimizer.state.get(m, {}).items():
+                if torch.is_tensor(v) and v.shape == m.shape:
+                    out[f"optim/{key}/{pc.name}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
+    if writes_replicated:
+        for g, state in group_states(engine).items():
+            for key, v in state.items():
+                if torch.is_tensor(v) and v.dim() == 0:
+                    out[f"optim_scalar/{g}/{key}"] = _cpu(v.detach())
+        for name, t in untrained(engine).items():
+            out[f"model/{name}"] = _cpu(t.detach())
+    out[f"rng/{comm.rank}/torch"] = torch.get_rng_state()
+    if engine.device.type == "cuda":
+        out[f"rng/{comm.rank}/cuda"] = torch.cuda.get_rng_state(engine.device)
+    return out
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", copy=True).contiguous()

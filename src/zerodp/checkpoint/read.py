@@ -1,0 +1,151 @@
+"""Reading a checkpoint directory safely: find it, check it, read its tensors in bounded chunks.
+
+Nothing is trusted before it is checked: `resolve` checks zerodp.json and every file's size, and
+`read_tensors` the crc32 of each file it reads. No unrestricted unpickling: the DCP `.metadata` file
+(a pickle) is read with an unpickler that admits only DCP's own metadata classes; tensors are read
+with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+from . import files
+from .errors import CheckpointError
+from .files import FORMAT, LATEST, META, TAG
+
+# Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
+LOAD_CHUNK_NUMEL = 1 << 28
+
+
+def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    """(path of the tag directory, its zerodp.json), checked; `load_dir` may be the tag dir itself."""
+    load_dir = os.fspath(load_dir)
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"no checkpoint at '{load_dir}': the directory does not exist")
+    if tag is None and os.path.isfile(os.path.join(load_dir, META)):
+        path = load_dir
+    else:
+        named_by = "given"
+        if tag is None:
+            latest = os.path.join(load_dir, LATEST)
+            if not os.path.isfile(latest):
+                tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, META)))
+                hint = f"; tags found: {', '.join(tags)} (pass tag=...)" if tags else ""
+                raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}")
+            with open(latest) as f:
+                tag, named_by = f.read().strip(), f"named by '{latest}'"
+            if not TAG.fullmatch(tag):
+                raise CheckpointError(f"'{latest}' is corrupt: it holds {tag[:80]!r}, not a checkpoint tag")
+        path = os.path.join(load_dir, tag)
+        if tag and not os.path.isdir(path) and os.path.isdir(os.path.join(load_dir, f".old.{tag}")):
+            path = os.path.join(load_dir, f".old.{tag}")  # a crash while a re-save of `tag` swapped dirs
+        if not tag or not os.path.isdir(path):
+            raise CheckpointError(f"checkpoint tag '{tag}' ({named_by}) does not exist in '{load_dir}'")
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"'{path}' is not a complete zerodp checkpoint: {META} is missing "
+                              "(an interrupted save?)")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"unknown format {meta.get('format')!r}")
+        for key in ("model", "files", "counters", "param_groups"):
+            meta[key]  # noqa: B018 - presence check
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: {meta_path} cannot be read ({e})") from None
+    for name, rec in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} is missing")
+        size = os.path.getsize(file)
+        if size != rec["size"]:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} has {size} bytes, "
+                                  f"{rec['size']} were written (truncated?)")
+    return path, meta
+
+
+def _verify_files(path: str, meta: dict, names: set[str]) -> None:
+    for name in sorted(names):
+        file = os.path.join(path, name)
+        if name not in meta["files"] or files.record(file)["crc32"] != meta["files"][name]["crc32"]:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} does not match its "
+                                  "checksum")
+
+
+_ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+    "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: admit DCP's metadata classes, torch dtypes and nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata is read by the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: str):
+    """The DCP metadata of checkpoint `path`: which tensors it holds, in which files."""
+    try:
+        return SafeReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure here means an unreadable file
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: {os.path.join(path, '.metadata')} "
+                              f"cannot be read ({type(e).__name__}: {e})") from None
+
+
+def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None]) -> None:
+    """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
+    md = metadata.state_dict_metadata
+    for key in keys:
+        if not isinstance(md.get(key), TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: tensor {key} is missing from its .metadata")
+    wanted = set(keys)
+    _verify_files(path, meta, {info.relative_path for idx, info in metadata.storage_data.items()
+                               if idx.fqn in wanted} | {".metadata"})
+    chunk, size = {}, 0
+    for i, key in enumerate(keys):
+        chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
+        size += chunk[key].numel()
+        if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
+            try:
+                with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
+            except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
+                raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
+                                      f"({type(e).__name__}: {e})") from None
+            consume(chunk)
+            chunk, size = {}, 0

@@ -1,0 +1,135 @@
+"""save_checkpoint: every rank writes the pieces its shards own; rank 0 writes zerodp.json and renames.
+
+Everything that can be wrong (the tag, a save mid-accumulation, client_state, optimizer state that has
+no layout-free form) is found before the first collective, and every rank raises it (errors.agree).
+The tensors go through torch.distributed.checkpoint into a temporary directory; rank 0 then records
+each file's size and crc32 with the metadata and renames the directory into place (files.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from . import files
+from .errors import CheckpointError, agree, on_rank0
+from .files import FORMAT, LATEST, META, TAG
+from .pieces import bucket_params, group_states, local_state, signature
+
+
+def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    """Write `save_dir/{tag}` (default `global_step{N}`) and point `save_dir/latest` at it.
+
+    Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
+    Returns the tag.
+    """
+    comm = engine.comm
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    save_dir = os.fspath(save_dir)
+    err = None
+    try:
+        meta = _metadata(engine, tag, client_state)
+    except CheckpointError as e:
+        err, meta = str(e), None
+    except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
+        err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
+    rng = _host_rng()
+    agree(comm, err)
+    tmp = os.path.join(save_dir, f".tmp.{tag}")
+    agree(comm, on_rank0(comm, files.fresh_dir, tmp))
+    dcp.save(local_state(engine), storage_writer=FileSystemWriter(tmp), process_group=comm.group)
+    if comm.world_size > 1:
+        dist.barrier(group=comm.group)
+    names = sorted(f for f in os.listdir(tmp) if f != META)
+    mine = {f: files.record(os.path.join(tmp, f)) for i, f in enumerate(names) if i % comm.world_size == comm.rank}
+    gathered = agree(comm, None, (mine, rng))
+    if comm.rank == 0:
+        meta["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
+        meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
+    agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta))
+    return tag
+
+
+def _metadata(engine, tag: str, client_state: dict | None) -> dict:
+    """Everything but tensors, checked before any file is touched."""
+    if not TAG.fullmatch(tag) or tag == LATEST:
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
+                              "'_.+-', not starting with '.', and not 'latest'")
+    if engine.micro_steps % engine.gas != 0 or engine.micro_steps != engine._stepped_at:
+        if engine.micro_steps != 0:
+            raise CheckpointError(
+                f"save_checkpoint in the middle of a gradient accumulation (micro step "
+                f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
+                "save right after engine.step() at an accumulation boundary")
+    try:
+        json.dumps(client_state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
+                              f"bools, None): {e}") from None
+    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+        for key, v in engine.optimizer.state.get(m, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
+                raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
+                                      f"per parameter element {tuple(m.shape)} nor a scalar: it cannot be "
+                                      "saved in a world-size-independent form")
+    sched = None
+    if engine.lr_scheduler is not None:
+        sched = engine.lr_scheduler.state_dict()
+        dropped = [k for k, v in sched.items() if not _jsonable(v)]
+        if dropped:
+            warnings.warn(f"lr scheduler state {dropped} is not JSON-serialisable and is not saved; "
+                          "it will be rebuilt from the constructor on resume", stacklevel=3)
+        sched = {k: v for k, v in sched.items() if k not in dropped}
+    scalars = {str(g): {k: v for k, v in s.items() if not torch.is_tensor(v) and _jsonable(v)}
+               for g, s in group_states(engine).items()}
+    groups = [{k: (v.item() if torch.is_tensor(v) and v.dim() == 0 else v) for k, v in g.items() if k != "params"}
+              for g in engine.optimizer.param_groups]
+    return {
+        "format": FORMAT, "tag": tag, "world_size": engine.comm.world_size, "stage": engine.stage,
+        "dtype": str(engine.dtype),
+        "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                     "micro_steps": engine.micro_steps},
+        "loss_scaler": engine.scaler.state_dict(),
+        "optimizer": type(engine.optimizer).__name__,
+        "lr_scheduler": sched,
+        "param_groups": [{k: v for k, v in g.items() if _jsonable(v)} for g in groups],
+        "optim_scalars": scalars,
+        "client_state": client_state,
+        "config": engine.config.model_dump(mode="json"),
+        "model": signature(engine),
+        "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
+                    "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
+                   for b in engine.partitioned.buckets],
+    }
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _host_rng() -> dict:
+    """This rank's python and numpy RNG, as JSON for zerodp.json (torch's goes in the DCP files)."""
+    state = {"python": _py_rng_to_json(random.getstate())}
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return state
+
+
+def _py_rng_to_json(s):
+    version, internal, gauss = s
+    return [version, list(internal), gauss]
