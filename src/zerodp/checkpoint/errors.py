@@ -15,11 +15,10 @@ class CheckpointError(ValueError):
 
 
 def agree(comm, err: str | None, payload=None) -> list:
-    """Collective: gather (error, payload) from every rank; raise the first error everywhere."""
-    if comm.world_size == 1:
-        if err:
-            raise CheckpointError(err)
-        return [payload]
+    """Collective: gather (error, payload) from every rank; raise the first error everywhere.
+
+    No branch for a world of one: Comm.all_gather_object is already a local [obj] there.
+    """
     results = comm.all_gather_object((err, payload))
     for r, (e, _) in enumerate(results):
         if e:

@@ -14,7 +14,6 @@ import random
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -45,8 +44,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     agree(comm, on_rank0(comm, files.fresh_dir, tmp))
     dcp.save(local_state(engine), storage_writer=FileSystemWriter(tmp), process_group=comm.group)
-    if comm.world_size > 1:
-        dist.barrier(group=comm.group)
+    agree(comm, None)  # every rank's files are on disk before any rank lists them
     names = sorted(f for f in os.listdir(tmp) if f != META)
     mine = {f: files.record(os.path.join(tmp, f)) for i, f in enumerate(names) if i % comm.world_size == comm.rank}
     gathered = agree(comm, None, (mine, rng))
