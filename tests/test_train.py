@@ -128,7 +128,7 @@ def test_step_data_is_the_same_for_any_world_size_at_a_fixed_global_batch():
 
 
 def test_options_layer_flags_over_config_file_over_ds_config(tmp_path):
-    from zerodp.train.loop import parse_options
+    from zerodp.train.options import parse_options
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 2,
@@ -141,7 +141,7 @@ def test_options_layer_flags_over_config_file_over_ds_config(tmp_path):
 
 
 def test_bad_options_fail_before_any_rank_starts_with_the_key_named(tmp_path):
-    from zerodp.train.loop import parse_options
+    from zerodp.train.options import parse_options
 
     options = tmp_path / "options.json"
     options.write_text(json.dumps({"stpes": 7}))

@@ -1,0 +1,167 @@
+"""The job's options: built-in defaults, then --ds-config, then --config, then flags; checked early.
+
+Bad options fail here, before any rank starts, with the flag or key that is wrong. `ds_config` turns
+the settled options into the zerodp config the engine is built with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+from typing import Any
+
+import torch
+
+from zerodp.config import ConfigError, load_config
+
+from .build import HF_MODELS
+from .model import SIZES
+
+# Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
+# On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
+DEFAULTS: dict[str, Any] = dict(
+    model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
+    lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
+    eval_every=20, eval_batches=4, save_every=50, out=None, resume=False, seed=1337,
+    nproc=None, ds_config=None, crash_after=None,
+)
+DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zerodp train", description="Train a GPT with ZeRO data parallelism. With no launcher "
+        "it starts --nproc ranks itself (2 gloo ranks on CPU, one per GPU on CUDA).")
+    # Every default is None so that a flag given on the command line can be told from one not given.
+    p.add_argument("--config", help="JSON file with any of the keys below (underscores), "
+                   "e.g. {\"steps\": 500, \"micro_batch\": 16}; flags override it")
+    p.add_argument("--model", help=f"a GPT size ({', '.join(SIZES)}; default small) or a Hugging "
+                   f"Face model built with random weights: {', '.join(HF_MODELS)}, optionally "
+                   "with a GPT size for its shape, e.g. hf-llama:tiny")
+    p.add_argument("--data", help="a text file, a directory of text files or a nanoGPT .bin token "
+                   "file (default: the Python standard library's source, as bytes)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 100)")
+    p.add_argument("--micro-batch", type=int, help="sequences per rank per micro-step (default 8)")
+    p.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--block-size", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
+    p.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine (default 1e-4)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps (default 20)")
+    p.add_argument("--weight-decay", type=float, help="AdamW decay of 2-D weights (default 0.1)")
+    p.add_argument("--clip", type=float, help="gradient norm clipping, 0 = off (default 1.0)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="working precision (default bf16 on "
+                   "CUDA, fp32 on CPU)")
+    p.add_argument("--eval-every", type=int, help="validation every K steps (default 20)")
+    p.add_argument("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
+    p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
+                   "(default 50)")
+    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="continue from OUT/checkpoints' latest checkpoint if there is one")
+    p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
+    p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
+                   "2 on CPU, the GPU count on CUDA); 1 runs in this process")
+    p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
+                   "clipping and zero settings fill the options not given here")
+    # For the crash test: SIGKILL every rank right after step K (and its checkpoint, if any).
+    p.add_argument("--crash-after", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags over the --config file over the --ds-config file over DEFAULTS."""
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    from_file = _read_options_file(args.config) if args.config else {}
+    cuda = torch.cuda.is_available()
+    nproc = given.get("nproc", from_file.get("nproc")) or (torch.cuda.device_count() if cuda else 2)
+    world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
+    ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), world)
+    opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
+    if opts["dtype"] is None:
+        opts["dtype"] = "bf16" if cuda else "fp32"
+    if opts["out"] is None:
+        opts["out"] = os.path.join("runs", f"{opts['model'].replace(':', '-')}-zero{opts['stage']}")
+    _check(opts)
+    return argparse.Namespace(**opts)
+
+
+def _read_options_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"zerodp train: cannot read --config file {path!r}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"zerodp train: --config file {path!r} is not valid JSON: line {e.lineno}: {e.msg}")
+    if not isinstance(raw, dict):
+        raise SystemExit(f"zerodp train: --config file {path!r} must hold a JSON object")
+    opts = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in DEFAULTS or name == "crash_after":
+            close = difflib.get_close_matches(name, DEFAULTS, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(DEFAULTS)}"
+            raise SystemExit(f"zerodp train: unknown key {key!r} in --config file {path!r}; {hint}")
+        opts[name] = value
+    return opts
+
+
+def _from_ds_config(path: str | None, world: int) -> dict[str, Any]:
+    """The job's options that a DeepSpeed-style config settles (validated by zerodp's loader)."""
+    if path is None:
+        return {}
+    try:
+        cfg = load_config(path)
+        batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
+    except ConfigError as e:
+        raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
+    opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping}
+    if batch is not None:
+        opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
+    if cfg.fp16.enabled or cfg.bf16.enabled:
+        opts["dtype"] = "fp16" if cfg.fp16.enabled else "bf16"
+    if cfg.optimizer is not None:
+        for key in ("lr", "weight_decay"):
+            if key in cfg.optimizer.params:
+                opts[key] = cfg.optimizer.params[key]
+    return opts
+
+
+def _check(o: dict[str, Any]) -> None:
+    """Bad options fail here, before any rank starts, with the flag that is wrong."""
+    size = o["model"].split(":", 1)[1] if ":" in o["model"] else o["model"]
+    family = o["model"].split(":", 1)[0]
+    if size not in SIZES or (":" in o["model"] and family not in HF_MODELS):
+        raise SystemExit(f"zerodp train: --model {o['model']!r}: expected one of "
+                         f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE')")
+    for key in ("steps", "micro_batch", "grad_accum", "eval_every", "eval_batches", "nproc"):
+        if not isinstance(o[key], int) or o[key] < 1:
+            raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
+                             "positive integer")
+    if o["data"] is not None and not os.path.exists(o["data"]):
+        raise SystemExit(f"zerodp train: --data {o['data']!r} does not exist")
+    if o["dtype"] not in DTYPES:
+        raise SystemExit(f"zerodp train: --dtype {o['dtype']!r}: expected one of {', '.join(DTYPES)}")
+    if o["warmup"] >= o["steps"]:
+        o["warmup"] = max(0, o["steps"] // 10)  # a short run still gets a cosine to decay over
+
+
+def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
+    """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
+    base = {}
+    if opts.ds_config:
+        with open(opts.ds_config, encoding="utf-8") as f:
+            base = json.load(f)
+    # The job builds its own AdamW and schedule; batch sizes are the job's options.
+    for key in ("optimizer", "scheduler", "train_batch_size"):
+        base.pop(key, None)
+    zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
+    return {**base, "train_micro_batch_size_per_gpu": opts.micro_batch,
+            "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
+            "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},
+            "fp16": {**base.get("fp16", {}), "enabled": opts.dtype == "fp16"},
+            "zero_optimization": zero}
