@@ -65,13 +65,19 @@ class Gatherer:
         self.refresh_persistent()
 
     # ---- hooks ----------------------------------------------------------------------------------
+    # torch.compile must not trace these hooks: a storage resize, a `p.data` swap and an async
+    # collective are not graph ops, and a gather traced into a module's graph rewrites the bucket that
+    # graph saved for backward ("modified by an inplace operation"). Disabled, each hook runs eagerly
+    # between the compiled pieces of the forward (one graph break per module).
     def _pre_hook(self, units: list[Bucket]):
+        @torch.compiler.disable
         def hook(module, args):
             self.gather(units)
             self._prefetch_after(units[-1])
         return hook
 
     def _post_hook(self, units: list[Bucket]):
+        @torch.compiler.disable
         def hook(module, args, output):
             self.release(units)
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
