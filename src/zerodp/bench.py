@@ -187,7 +187,10 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         import zerodp
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
-                  "zero_optimization": {"stage": int(mode[-1]), "reduce_bucket_size": args.bucket}}
+                  "zero_optimization": {"stage": int(mode[-1]),
+                                        "overlap_param_gather": args.overlap_param_gather}}
+        if args.bucket:
+            config["zero_optimization"]["reduce_bucket_size"] = args.bucket
         engine = zerodp.initialize(model, _adamw(model.parameters(), args, device), config)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -201,9 +204,9 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
                   "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
                   "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                        "reduce_bucket_size": args.bucket,
-                                        "allgather_bucket_size": args.bucket}}
+                  "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}
+        if args.bucket:
+            config["zero_optimization"].update(reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket)
         optimizer = _adamw(model.parameters(), args, device)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
@@ -331,7 +334,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--model", args.model, "--micro-batch", str(args.micro_batch), "--seq", str(args.seq),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
             "--lr", str(args.lr), "--threads", str(args.threads), "--grad-clip", str(args.grad_clip),
-            "--seed", str(args.seed), "--bucket", str(args.bucket)]
+            "--seed", str(args.seed), "--bucket", str(args.bucket),
+            "--overlap-param-gather" if args.overlap_param_gather else "--no-overlap-param-gather"]
     return argv + (["--checkpointing"] if args.checkpointing else []) + (["--compile"] if args.compile else [])
 
 
@@ -418,8 +422,11 @@ def parser() -> argparse.ArgumentParser:
                    help="compute precision (fp32 master weights and optimizer states either way)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU only: torch threads per rank (default: the cores shared among the ranks)")
-    p.add_argument("--bucket", type=int, default=500_000_000,
-                   help="reduce_bucket_size in elements for zerodp and DeepSpeed (both default to 5e8)")
+    p.add_argument("--bucket", type=int, default=0,
+                   help="reduce_bucket_size in elements for zerodp and DeepSpeed (0: each one's own "
+                        "default, 5e7 for zerodp and 5e8 for DeepSpeed)")
+    p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                   help="zerodp stages 1-2: the next forward waits for each bucket's parameter gather")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off in every mode")
     p.add_argument("--seed", type=int, default=0)
