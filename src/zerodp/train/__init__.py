@@ -1,6 +1,8 @@
 """The main job: `zerodp train` / `python -m zerodp.train` trains a GPT with ZeRO (see loop.py).
 
-model.py is the GPT, data.py the corpus and per-rank batches, loop.py the launcher and training loop.
+model.py is the GPT, data.py the corpus and per-rank batches, options.py the command line and config
+layering, build.py the model/optimizer/schedule, loop.py the launcher and training loop, report.py
+the metrics, memory figures and the report plot.
 """
 
 
