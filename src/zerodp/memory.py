@@ -7,10 +7,11 @@ N ranks, Adam): stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 
 Planner: the fake process group (backend "fake": every collective returns at once, nothing is sent)
 lets one process act as rank 0 of N ranks, so it allocates exactly rank 0's partitions; each
 (N, stage) runs in its own subprocess because a process holds one default process group.
-`--fake-tensors` measures the peak instead (see peak.py): one real training step of rank 0 of N on
+`--fake-tensors` measures the peak instead (see peak.py): two real training steps of rank 0 of N on
 fake tensors, which allocate nothing, so any model size runs on a laptop; with `--fsdp2` FSDP2 is
-measured beside zerodp the same way. The peak is split by category (params, grads, master,
-optimizer states, buckets, activations, temporaries) at the moment it is reached.
+measured beside zerodp the same way, with and without resharding after forward. The peak is split
+by category (params, grads, master, optimizer states, buckets, activations, temporaries) at the
+moment it is reached.
 `--fit BUDGET` answers from estimates, not measurements (a search would need a run per candidate):
 the formula, stage 2's bucket pool and `activation_estimate`; with --model it gives the largest
 micro-batch, without it the largest named GPT size at --micro-batch.
@@ -261,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-measure", action="store_true", help="the formula only")
     ap.add_argument("--fake-tensors", action="store_true",
                     help="measure the peak of a training step on fake tensors (any size, no memory)")
-    ap.add_argument("--fsdp2", action="store_true", help="with --fake-tensors: also measure FSDP2")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="with --fake-tensors: also measure FSDP2 (reshard_after_forward True and False)")
     ap.add_argument("--json", help="with --fake-tensors: write the measurements here")
     ap.add_argument("--fit", type=parse_bytes, metavar="BUDGET", help="per-rank budget, e.g. 80GiB")
     args = ap.parse_args(argv)
@@ -277,10 +279,17 @@ def main(argv: list[str] | None = None) -> None:
     seq = args.seq or cfg.block_size
     if args.fsdp2 and not args.fake_tensors:
         ap.error("--fsdp2 is measured on fake tensors only: add --fake-tensors")
+    if args.fake_tensors and args.gas != 1:
+        ap.error("--fake-tensors measures one micro-step per step: leave --gas at 1")
+    if args.fake_tensors and args.dtype == "fp16":
+        ap.error("--fake-tensors cannot run fp16: the step's overflow check reads a value, which fake "
+                 "tensors do not have; --dtype bf16 has the same sizes")
     if seq > cfg.block_size:  # the position table must cover the sequence, as bench builds it
         cfg.block_size = seq
-    table = _peak_table(args, cfg, seq, console) if args.fake_tensors else _estimate_table(args, cfg, seq, console)
-    console.print(table)
+    if args.fake_tensors:
+        console.print(_peak_table(args, cfg, seq, console))
+    else:
+        console.print(_estimate_table(args, cfg, seq, console))
 
 
 def _estimate_table(args, cfg, seq: int, console):
@@ -329,7 +338,8 @@ def _peak_table(args, cfg, seq: int, console):
             "checkpointing": args.checkpointing}
     specs = [{**base, "mode": "zerodp", "stage": stage, "world": world,
               "reduce_bucket_size": args.reduce_bucket_size} for world in args.world for stage in args.stage]
-    specs += [{**base, "mode": "fsdp2", "world": world} for world in args.world] if args.fsdp2 else []
+    specs += [{**base, "mode": "fsdp2", "world": world, "reshard_after_forward": reshard}
+              for world in args.world for reshard in (True, False)] if args.fsdp2 else []
     with console.status(f"measuring {len(specs)} configurations on fake tensors ..."):
         results = measure_peaks(specs)
     if args.json:
@@ -338,19 +348,23 @@ def _peak_table(args, cfg, seq: int, console):
     table = Table(title=f"GPT {args.model}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, micro-batch "
                         f"{args.micro_batch} x {seq} tokens{', checkpointing' if args.checkpointing else ''}: "
                         f"peak per rank as rank 0 of N, on fake tensors")
-    for col in ("N", "mode", "formula", "peak", *shown, "peak reached in"):
+    for col in ("N", "mode", "model states (formula)", "peak", *shown, "peak reached in"):
         table.add_column(col, justify="left" if col in ("mode", "peak reached in") else "right")
     for r in results:
         spec = r["spec"]
         fsdp2 = spec["mode"] == "fsdp2"
-        mode = "FSDP2" if fsdp2 else f"zerodp {spec['stage']}"
+        if fsdp2:
+            mode = "FSDP2" if spec["reshard_after_forward"] else "FSDP2 no reshard"
+        else:
+            mode = f"zerodp {spec['stage']}"
         f = formula(psi, spec["world"], 3 if fsdp2 else spec["stage"], args.dtype, "adamw")
         table.add_row(str(spec["world"]), mode, human(f), human(r["peak"]),
                       *[human(r["at_peak"][c]) for c in shown], r["peak_at"])
-    table.caption = ("formula: DESIGN.md's model states (FSDP2 as stage 3). peak: the largest sum of live "
+    table.caption = ("model states: DESIGN.md's formula (FSDP2 as stage 3). peak: the largest sum of live "
                      "tensors over two steps (PyTorch's MemTracker), split by category at that moment; "
                      "allocator rounding and library workspaces are not in it. FSDP2's params are its fp32 "
-                     "shards (also its master); gathered = unsharded parameters.")
+                     "shards (also its master), its gathered the unsharded bf16 parameters; 'no reshard' "
+                     "keeps them from forward to backward, as stage 2 keeps its bf16 parameters.")
     return table
 
 

@@ -1,0 +1,330 @@
+"""Peak memory of a training step, measured on fake tensors: rank 0 of N ranks, any model size.
+
+Under `FakeTensorMode` every tensor has its shape, dtype and device but no storage, and the fake
+process group (backend "fake") returns from every collective at once. One CPU process therefore runs
+a real forward, backward and optimizer step of a 6.7B GPT as rank 0 of 64 ranks, allocating nothing.
+PyTorch's `MemTracker` (`FSDPMemTracker` for FSDP2) follows each tensor storage from its creation to
+its release; the peak is the largest sum of live storages, split by category at that moment. It is
+the logical-tensor part of CUDA's max_memory_allocated: the caching allocator's 512-byte rounding,
+cuBLAS / NCCL workspaces and fragmentation are not in it.
+
+The device is the CPU: a CPU-only torch cannot fake CUDA here (`Tensor.copy_` and `.to()` open a
+CUDA device guard before the fake kernel runs and fail with "not linked with support for cuda").
+The same ops run on either device except the attention kernel (CPU flash attention in place of
+CUDA's), whose saved tensors are the same size.
+
+Two steps run (the optimizer creates its state in the first); the peak is over both. Categories:
+  params          working parameters (zerodp's flat buffers; FSDP2's fp32 shards, also its master)
+  gathered        stage 3's gathered buckets, FSDP2's unsharded parameters and all-gather outputs
+  grads           the reduced gradient this rank keeps (FSDP2: sharded and unsharded gradients)
+  master          zerodp's fp32 master shard
+  optimizer       optimizer states (AdamW's m and v)
+  buckets         zerodp's reduce bucket pool, FSDP2's reduce-scatter inputs
+  activations     saved for backward, and recomputed by activation checkpointing
+  temps           backward's temporaries: activation gradients, each parameter's gradient until
+                  the engine's hook has copied it into its bucket
+  step_temps      made by engine.step() outside optimizer.step(): the fp32 gradient copy, norms
+  other           inputs and targets
+
+Measuring code works around two things from outside (see `_engine_keeps_its_device` and
+`_propagation_in_its_own_fake_mode`); nothing in the engine changes for it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType
+
+COLUMNS = ("params", "gathered", "grads", "master", "optimizer", "buckets", "activations", "temps",
+           "step_temps", "other")
+_TOTAL = "Total"
+
+
+class Ref(_RefType):
+    """MemTracker's categories (same member names) plus the engine's own."""
+
+    PARAM = "params"
+    BUFFER = "buffers"
+    GRAD = "grads"
+    ACT = "activations"
+    TEMP = "temps"
+    OPT = "optimizer"
+    OTH = "other"
+    MASTER = "master"
+    BUCKET = "buckets"
+    GATHERED = "gathered"
+    STEP = "step_temps"
+
+
+_ENGINE_OWNED = (Ref.MASTER, Ref.BUCKET, Ref.GATHERED)
+
+# FSDPMemTracker's category names -> COLUMNS
+_FSDP_COLUMN = {"Sharded Param": "params", "Buffer": "params", "Unsharded Param": "gathered",
+                "All Gather": "gathered", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+                "Reduce Scatter": "buckets", "OptState": "optimizer", "Activation": "activations",
+                "Temp": "temps", "Inputs": "other"}
+
+
+class _Where:
+    """Keeps the device peak only (MemTracker also keeps one per module, a loop over every module
+    on every op), and where the step was (`phase`, innermost module) when it rose."""
+
+    phase = "set-up"
+    peak_at = ""
+    after_step: dict[str, int] = {}
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                self._peak_mem[dev] = snap[_TOTAL]
+                self._peak_mem_snap[dev] = dict(snap)
+                inner = max(self._mod_tracker.parents, key=len, default="")
+                self.peak_at = f"{self.phase} {inner}" if inner not in ("", "Global") else self.phase
+
+
+class ZeroTracker(_Where, MemTracker):
+    """MemTracker with the engine's categories; `label` names a tensor the engine owns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ref_class = Ref
+        self._labelling = False
+
+    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        ref = Ref[reftype.name]
+        if ref is Ref.ACT and self.phase == "step":
+            ref = Ref.STEP
+        super()._track(ref, t)
+
+    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+        # MemTracker files a module's parameters under PARAM on each first forward; a stage 3
+        # parameter is a view of a gathered bucket and keeps the engine's label.
+        known = [self._WINFO.get(st, (None, None))[0] for st in get_untyped_storages(t)]
+        if not self._labelling and known and all(w is not None and w.reftype in _ENGINE_OWNED for w in known):
+            return set(known)
+        return super()._update_and_maybe_create_winfos(t, Ref[reftype.name], update_existing)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        # A parameter's .grad lives only until the engine's hook copies it into a bucket: it is a
+        # temporary of backward, not the gradient the rank keeps (that one is labelled `grads`).
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    def label(self, t: torch.Tensor, ref: Ref) -> None:
+        """File t's storage under `ref`, also in the peak snapshot if t was made at the peak."""
+        self._labelling = True
+        try:
+            self._update_and_maybe_create_winfos(t, ref)
+        finally:
+            self._labelling = False
+        for dev, snap in self._curr_mem_snap.items():
+            if snap[_TOTAL] == self._peak_mem.get(dev):
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+class _FSDPTracker(_Where, FSDPMemTracker):
+    pass
+
+
+# ---- one measured configuration (in a child process) --------------------------------------------
+def _gpt(spec: dict[str, Any], device: torch.device):
+    from zerodp.train.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(GPTConfig(**spec["model"]))
+
+
+def _batch(spec: dict[str, Any], vocab: int, device: torch.device):
+    shape = (spec["micro_batch"], spec["seq"])
+    return (torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    # as `zerodp bench` builds it on CUDA: fused, so the step makes no full-size temporaries
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+
+
+@contextmanager
+def _engine_keeps_its_device(model: torch.nn.Module):
+    """engine.py calls `module.to(device)` even when the model is there already; on fake tensors
+    that fails (Module._apply swaps fake parameters, and the fake mode holds weak references to
+    them). The model is built on the engine's device, so the call may do nothing."""
+    model.to = lambda *args, **kwargs: model
+    try:
+        yield
+    finally:
+        del model.to
+
+
+@contextmanager
+def _propagation_in_its_own_fake_mode():
+    """DTensor's sharding propagation runs each op on global-shape fake tensors, in the active fake
+    mode when there is one; MemTracker counts ops of the fake mode it was entered in, so under
+    FakeTensorMode every optimizer step on FSDP2's DTensors would add the full unsharded parameter,
+    gradient and state sizes to the peak (about 100 GiB for 6.7B). A fake mode of its own keeps
+    those metadata-only ops out of the count, as MemTracker intends."""
+    import torch.distributed.tensor._sharding_prop as prop
+    saved = prop.detect_fake_mode
+    prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        prop.detect_fake_mode = saved
+
+
+def _snapshot(tracker, kind: str) -> dict[str, int]:
+    snap = next(iter(tracker.get_tracker_snapshot(kind).values()), {})
+    out = dict.fromkeys(COLUMNS, 0)
+    for ref, nbytes in snap.items():
+        if ref == _TOTAL:
+            continue
+        name = ref.value if isinstance(ref, Ref) else _FSDP_COLUMN[ref.value]
+        out["params" if name == "buffers" else name] += nbytes
+    return out
+
+
+def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
+    import zerodp
+    from zerodp.activations import checkpoint_blocks
+    from zerodp.train.model import Block
+
+    model = _gpt(spec, device)
+    zero = {"stage": spec["stage"], **spec.get("zero_optimization", {})}
+    if spec.get("reduce_bucket_size"):
+        zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
+    config = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_clipping": 1.0,
+              "zero_optimization": zero}
+    if spec["dtype"] != "fp32":
+        config[spec["dtype"]] = {"enabled": True}
+    with _engine_keeps_its_device(model):
+        engine = zerodp.initialize(model, _adamw(model.parameters()), config)
+    if spec["checkpointing"]:
+        checkpoint_blocks(engine.module, (Block,))
+    x, y = _batch(spec, model.config.vocab_size, device)
+
+    tracker = ZeroTracker()
+    tracker.track_external(engine.module)
+    for g in engine.flat_groups:
+        if g.data is not None:
+            tracker.label(g.data, Ref.PARAM)
+        for b in g.buckets if engine.gatherer is not None else ():
+            tracker.label(b.data, Ref.GATHERED)
+    if engine.partitioned.separate:  # in fp32 the master is the working buffer's shard itself
+        for m in engine.partitioned.masters:
+            tracker.label(m, Ref.MASTER)
+    for a in engine.reducer.acc:
+        tracker.label(a, Ref.GRAD)
+    for t in (x, y):
+        tracker.label(t, Ref.OTH)
+    acquire = engine.reducer._acquire
+
+    def acquire_labelled(numel: int) -> torch.Tensor:
+        buf = acquire(numel)
+        tracker.label(buf, Ref.BUCKET)
+        return buf
+    engine.reducer._acquire = acquire_labelled
+
+    with tracker:
+        for _ in range(2):
+            tracker.phase = "forward"
+            loss = engine(x, y)
+            tracker.phase = "backward"
+            engine.backward(loss)
+            tracker.phase = "step"
+            engine.step()
+            tracker.reset_mod_stats()  # MemTracker counts one forward per root module
+        tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
+    return tracker
+
+
+def _run_fsdp2(spec: dict[str, Any], device: torch.device, mesh) -> _FSDPTracker:
+    """`zerodp bench`'s fsdp2 mode: fully_shard per block and on the root, bf16 parameters and
+    fp32 gradient reduction, blocks checkpointed, clip 1.0, fused AdamW; `reshard_after_forward`
+    False is its fsdp2-noreshard mode (ZeRO-2-like: parameters stay gathered from forward to backward)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zerodp.activations import checkpoint_blocks
+    from zerodp.train.model import Block
+
+    model = _gpt(spec, device)
+    if spec["checkpointing"]:
+        checkpoint_blocks(model, (Block,))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if spec["dtype"] != "fp32" else MixedPrecisionPolicy())
+    reshard = spec.get("reshard_after_forward", True)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    opt = _adamw(model.parameters())
+    x, y = _batch(spec, model.config.vocab_size, device)
+    tracker = _FSDPTracker(model, opt)
+    tracker.track_inputs((x, y))
+    with _propagation_in_its_own_fake_mode(), tracker:
+        for _ in range(2):
+            tracker.phase = "forward"
+            loss = model(x, y)
+            tracker.phase = "backward"
+            loss.backward()
+            tracker.phase = "step"
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+        tracker.after_step = _snapshot(tracker, "current")
+    return tracker
+
+
+def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerodp.train.model import GPT, GPTConfig
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world"])
+    device = torch.device("cpu")
+    mesh = None
+    if spec["mode"] == "fsdp2":  # outside the fake mode: the mesh reads its rank table with .tolist()
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (spec["world"],))
+    start = time.perf_counter()
+    try:
+        with FakeTensorMode() if spec.get("fake", True) else nullcontext():
+            tracker = (_run_fsdp2(spec, device, mesh) if spec["mode"] == "fsdp2"
+                       else _run_zerodp(spec, device))
+    finally:
+        dist.destroy_process_group()
+    with torch.device("meta"):
+        psi = GPT(GPTConfig(**spec["model"])).num_params()
+    at_peak = _snapshot(tracker, "peak")
+    return {"spec": spec, "num_params": psi, "peak": sum(at_peak.values()), "at_peak": at_peak,
+            "peak_at": tracker.peak_at, "after_step": tracker.after_step,
+            "seconds": time.perf_counter() - start}
+
+
+def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
+    """Each spec's peak in one fresh Python process (a process group is created per spec).
+
+    spec: mode ("zerodp" | "fsdp2"), stage (zerodp), world, model (GPTConfig fields), micro_batch,
+    seq, dtype ("bf16" | "fp32"; fp16's overflow check reads a value), checkpointing,
+    reduce_bucket_size (zerodp; None: the engine's default), zero_optimization (zerodp: more config
+    keys), reshard_after_forward (FSDP2, default True), fake (default True; False runs real CPU
+    tensors, for small models).
+    """
+    out = subprocess.run([sys.executable, "-m", "zerodp.peak", json.dumps(specs)],
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the fake-tensor measuring subprocess failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps([_measure_here(s) for s in json.loads(sys.argv[1])]))
