@@ -44,3 +44,30 @@ def test_clip_is_folded_into_a_fused_step(monkeypatch, optimizer, passes):
     assert engine.grad_norm > 1e-3, "clipping must be active"
     assert len(calls) == passes
     assert not hasattr(engine.optimizer, "grad_scale"), "the scale must not outlive the step"
+
+
+def _train_bf16(**zero):
+    torch.manual_seed(0)
+    model = Toy(hidden=300)
+    config = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 1e-3, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000, **zero}}
+    engine = zerodp.initialize(model, fused(model), config)
+    calls = []
+    engine.optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append(1))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(3, D_IN, generator=g), 100 * torch.randn(3, D_OUT, generator=g)))
+        engine.step()
+    return engine, [m.clone() for m in engine.partitioned.masters], len(calls) // 3
+
+
+def test_step_in_sub_groups_is_the_same_step_with_a_smaller_fp32_copy():
+    whole, whole_masters, whole_calls = _train_bf16()
+    parts, parts_masters, parts_calls = _train_bf16(sub_group_size=6000)
+    numels = [b.shard_numel for b in whole.partitioned.buckets]
+    assert whole_calls == 1
+    assert parts_calls == len(parts.partitioned.sub_groups(numels, torch.bfloat16)) == len(numels) > 1
+    for a, b in zip(whole_masters, parts_masters):
+        assert torch.equal(a, b)
+    assert whole.memory_report()["step_transient"] == 4 * sum(numels)
+    assert parts.memory_report()["step_transient"] <= 4 * max(6000, max(numels))

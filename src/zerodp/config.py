@@ -84,7 +84,10 @@ class ZeroConfig(_Section):
     stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
-    sub_group_size: PositiveInt = 1_000_000_000
+    # Elements of the master shard stepped per optimizer.step() call in mixed precision: bounds the
+    # step's fp32 copy of the gradients to 4 x this many bytes (0.4 GB; DeepSpeed's default is 1e9,
+    # which at one rank would put 4 GB on top of the gradients).
+    sub_group_size: PositiveInt = 100_000_000
 
 
 class ActivationCheckpointingConfig(_Section):

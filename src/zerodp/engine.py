@@ -4,6 +4,7 @@ into forward / backward / step. See DESIGN.md, "One training step, as data"."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 from contextlib import contextmanager
 from typing import Callable
 
@@ -41,7 +42,8 @@ class Engine:
         self._check_same_everywhere()
 
         self.device = _device_of(module, comm)
-        module.to(self.device)
+        if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
+            module.to(self.device)  # only when needed: a model already there may hold fake tensors
         self._cast_and_sync_untrained(groups)
         units = owning_modules(module) if self.stage == 3 else None
         layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
@@ -60,7 +62,7 @@ class Engine:
         offload = zero.offload_optimizer
         self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
                                                 offload.device == "cpu", offload.pin_memory,
-                                                zero.allgather_bucket_size)
+                                                zero.allgather_bucket_size, zero.sub_group_size)
         del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
         # Stage 0 gathers nothing and stage 3 gathers per module already.

@@ -16,11 +16,15 @@ moment it is reached.
 the formula, stage 2's bucket pool and `activation_estimate`; with --model it gives the largest
 micro-batch, without it the largest named GPT size at --micro-batch.
 
-Two facts of the engine that the table leaves out, reported rather than hidden:
+Facts of the engine that the table leaves out, reported rather than hidden:
   * gradients are kept in the working dtype only with gradient_accumulation_steps == 1; with more
     micro-steps they accumulate in fp32 (stage 1: 4Ψ, stage 2: 4Ψ/N instead of 2Ψ and 2Ψ/N);
-  * in mixed precision the optimizer step makes an fp32 copy of the gradient shard (4Ψ/N), freed
-    after the step: `step_transient`, not part of model_states.
+  * in mixed precision the optimizer step makes an fp32 copy of the gradient shard, sub_group_size
+    elements at a time (at most 4 x sub_group_size bytes), freed after each part of the step:
+    `step_transient`, not part of model_states;
+  * gradients exist from the first one of an accumulation window to the end of its step (like
+    zero_grad(set_to_none=True)), and stage 2's reduce buffers only during backward: both are
+    counted in full here, as what the rank holds while they exist.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ from typing import Any
 
 import torch
 
+from .config import ZeroConfig
 from .reducer import POOL_BUFFERS
 
 GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
 WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_DEFAULT_BUCKET = ZeroConfig.model_fields["reduce_bucket_size"].default
 MODEL_STATES = ("working_params", "frozen_params_and_buffers", "gradients", "fp32_master", "optimizer_states")
 
 
@@ -76,9 +82,9 @@ def memory_report(engine) -> dict[str, int]:
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
         "gathered_params": 0 if engine.gatherer is None else sum(
             b.data.untyped_storage().nbytes() for g in engine.flat_groups for b in g.buckets),
-        # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients.
-        "step_transient": 0 if opt.offload else sum(g.numel() * 4 for g in engine.reducer.shard_grads()
-                                                    if g.dtype != torch.float32),
+        # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
+        # sub_group_size elements at a time.
+        "step_transient": opt.step_copy_bytes([b.shard_numel for b in opt.buckets], engine.reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     if opt.offload:  # ZeRO-Offload: master, states and a gradient copy live in host memory
@@ -157,7 +163,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
-                                    "reduce_bucket_size": spec.get("reduce_bucket_size", 500_000_000),
+                                    "reduce_bucket_size": spec.get("reduce_bucket_size", _DEFAULT_BUCKET),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if spec["dtype"] != "fp32":
@@ -258,7 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bf16", choices=list(WORKING_BYTES))
     ap.add_argument("--gas", type=int, default=1, help="gradient accumulation steps of the measured step")
     ap.add_argument("--checkpointing", action="store_true", help="checkpoint every block")
-    ap.add_argument("--reduce-bucket-size", type=int, default=500_000_000, help="elements")
+    ap.add_argument("--loss-chunk", type=int, default=None,
+                    help="tokens per piece of the output head and loss (GPTConfig.loss_chunk)")
+    ap.add_argument("--reduce-bucket-size", type=int, default=_DEFAULT_BUCKET,
+                    help="elements (default: the engine's, %(default)s)")
     ap.add_argument("--no-measure", action="store_true", help="the formula only")
     ap.add_argument("--fake-tensors", action="store_true",
                     help="measure the peak of a training step on fake tensors (any size, no memory)")
@@ -276,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is None:
         ap.error("--model is required (it may be left out only with --fit)")
     cfg = _model_config(args.model, args.seq)
+    if args.loss_chunk is not None:
+        cfg.loss_chunk = args.loss_chunk
     seq = args.seq or cfg.block_size
     if args.fsdp2 and not args.fake_tensors:
         ap.error("--fsdp2 is measured on fake tensors only: add --fake-tensors")

@@ -29,9 +29,10 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 class PartitionedOptimizer:
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
-                 allgather_bucket_size: int = 500_000_000):
+                 allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000):
         self.comm, self.stage, self.offload = comm, stage, offload
         self.allgather_numel = allgather_bucket_size
+        self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
@@ -82,22 +83,45 @@ class PartitionedOptimizer:
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()  # the host step needs the gradients
             coef = None if coef is None else coef.cpu()
-        else:
-            for m, g in zip(self.masters, grads):
-                m.grad = g if g.dtype == torch.float32 else g.float()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
         fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         if fold:
             self.optimizer.grad_scale = coef.reciprocal()
-        elif coef is not None and self.masters:
-            torch._foreach_mul_([m.grad for m in self.masters], coef)
-        self.optimizer.step()
+        for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
+            masters = [self.masters[k] for k in part]
+            if not self.offload:
+                for m, k in zip(masters, part):
+                    m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
+            if coef is not None and not fold:
+                torch._foreach_mul_([m.grad for m in masters], coef)
+            self.optimizer.step()  # parameters whose .grad is None are left alone
+            for m in masters:
+                m.grad = None
         if fold:
             del self.optimizer.grad_scale
-        for m in self.masters:
-            m.grad = None
         self.all_gather(defer=defer_gather)
+
+    def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
+        """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken
+        `sub_group_size` elements at a time (DeepSpeed's sub_group_size), that copy is at most
+        4 bytes x max(sub_group_size, largest shard); fp32 gradients are stepped in one call."""
+        if self.offload or grad_dtype == torch.float32:
+            return [list(range(len(numels)))] if numels else []
+        parts, size = [[]], 0
+        for k, n in enumerate(numels):
+            if parts[-1] and size + n > self.sub_group_numel:
+                parts.append([])
+                size = 0
+            parts[-1].append(k)
+            size += n
+        return parts
+
+    def step_copy_bytes(self, numels: list[int], grad_dtype: torch.dtype) -> int:
+        """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none)."""
+        if self.offload or grad_dtype == torch.float32:
+            return 0
+        return max((4 * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
 
     def all_gather(self, defer: bool = False) -> None:
         """Copy each master shard into the working buffer and gather every rank's shard.

@@ -26,7 +26,7 @@ Two steps run (the optimizer creates its state in the first); the peak is over b
   step_temps      made by engine.step() outside optimizer.step(): the fp32 gradient copy, norms
   other           inputs and targets
 
-Measuring code works around two things from outside (see `_engine_keeps_its_device` and
+Measuring code works around one PyTorch issue from outside (see
 `_propagation_in_its_own_fake_mode`); nothing in the engine changes for it.
 """
 
@@ -153,18 +153,6 @@ def _adamw(params) -> torch.optim.Optimizer:
 
 
 @contextmanager
-def _engine_keeps_its_device(model: torch.nn.Module):
-    """engine.py calls `module.to(device)` even when the model is there already; on fake tensors
-    that fails (Module._apply swaps fake parameters, and the fake mode holds weak references to
-    them). The model is built on the engine's device, so the call may do nothing."""
-    model.to = lambda *args, **kwargs: model
-    try:
-        yield
-    finally:
-        del model.to
-
-
-@contextmanager
 def _propagation_in_its_own_fake_mode():
     """DTensor's sharding propagation runs each op on global-shape fake tensors, in the active fake
     mode when there is one; MemTracker counts ops of the fake mode it was entered in, so under
@@ -204,8 +192,7 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
               "zero_optimization": zero}
     if spec["dtype"] != "fp32":
         config[spec["dtype"]] = {"enabled": True}
-    with _engine_keeps_its_device(model):
-        engine = zerodp.initialize(model, _adamw(model.parameters()), config)
+    engine = zerodp.initialize(model, _adamw(model.parameters()), config)
     if spec["checkpointing"]:
         checkpoint_blocks(engine.module, (Block,))
     x, y = _batch(spec, model.config.vocab_size, device)
@@ -220,8 +207,15 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     if engine.partitioned.separate:  # in fp32 the master is the working buffer's shard itself
         for m in engine.partitioned.masters:
             tracker.label(m, Ref.MASTER)
-    for a in engine.reducer.acc:
-        tracker.label(a, Ref.GRAD)
+    grad = engine.reducer._grad  # gradient buffers are made on first use in each window
+
+    def grad_labelled(k: int) -> torch.Tensor:
+        made = engine.reducer.acc[k] is None
+        t = grad(k)
+        if made:
+            tracker.label(t, Ref.GRAD)
+        return t
+    engine.reducer._grad = grad_labelled
     for t in (x, y):
         tracker.label(t, Ref.OTH)
     acquire = engine.reducer._acquire

@@ -39,15 +39,19 @@ class Reducer:
         self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
         self.rank = comm.rank if stage > 0 else 0
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
-        # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`.
-        self.acc = [torch.zeros(b.shard_numel if self.sharded_grads else b.numel, dtype=acc_dtype,
-                                device=b.data.device) for b in self.buckets]
+        # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`. Like PyTorch's
+        # zero_grad(set_to_none=True) it exists only from a window's first gradient to the end of
+        # the step, so the next forward and the start of backward (where activations peak) run
+        # without it.
+        self.acc_dtype = acc_dtype
+        self.acc: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        # Reduce buffers: made during backward, freed at its end for the same reason.
         self.pool: list[torch.Tensor] = []
-        self.allocated: list[int] = []  # sizes of every pool buffer ever made (free or in use)
+        self.live: list[int] = []  # sizes of the pool buffers that exist now (free or in use)
+        self.pool_peak = 0         # most elements the pool has held at once
         self.inflight: deque = deque()
-        # `fresh`: the accumulation window has just begun, so `acc` holds the last step's values and
-        # is overwritten, not added to (it is never zeroed: a copy costs what zero + add would).
+        # `fresh`: the accumulation window has just begun: a first arrival is copied, not added.
         self.fresh = True
         self.active = False
         self.communicate = False
@@ -81,8 +85,7 @@ class Reducer:
                                "parameters?); use torch.utils.checkpoint(use_reentrant=False)")
         b, slot = self.buckets[k], self.buckets[k].slots[i]
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
-        # Pool buffers start zeroed each micro-step and `acc` is stale in a fresh window: a first
-        # arrival is a copy, not an add.
+        # Pool buffers and new gradient buffers start zeroed: a first arrival is a copy, not an add.
         if not self.arrived[k][i] and (self.sharded_grads or self.fresh):
             target.copy_(p.grad.reshape(-1))
         else:
@@ -100,7 +103,7 @@ class Reducer:
     def _target(self, k: int) -> torch.Tensor:
         """Where bucket k's gradients are summed this micro-step."""
         if not self.sharded_grads:
-            return self.acc[k]
+            return self._grad(k)
         if self.buffers[k] is None:
             self.buffers[k] = self._acquire(self.buckets[k].numel)
         return self.buffers[k][:self.buckets[k].numel]
@@ -113,8 +116,6 @@ class Reducer:
 
     def finish_backward(self) -> None:
         """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
-        if self.fresh and not self.sharded_grads:
-            self._zero_unarrived()
         if self.communicate:
             for k in range(self.next_launch, len(self.buckets)):
                 if self.sharded_grads:
@@ -126,15 +127,19 @@ class Reducer:
         self.active = False
         if self.sharded_grads:
             self.wait()
+            self.pool.clear()
+            self.live.clear()
         self.fresh = False
 
-    def _zero_unarrived(self) -> None:
-        """Slots whose parameter got no gradient in a fresh window still hold the last step's."""
-        for k, b in enumerate(self.buckets):
-            if self.pending[k]:
-                for i, s in enumerate(b.slots):
-                    if not self.arrived[k][i]:
-                        self.acc[k][s.offset:s.offset + s.numel].zero_()
+    def _grad(self, k: int) -> torch.Tensor:
+        """Bucket k's gradient buffer, made on first use in a window: zeroed for a full bucket (its
+        padding and any parameter without a gradient must read 0); a shard is wholly overwritten."""
+        if self.acc[k] is None:
+            b = self.buckets[k]
+            make = torch.empty if self.sharded_grads else torch.zeros
+            self.acc[k] = make(b.shard_numel if self.sharded_grads else b.numel, dtype=self.acc_dtype,
+                               device=b.data.device)
+        return self.acc[k]
 
     # ---- communication --------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
@@ -144,11 +149,11 @@ class Reducer:
         if self.comm.world_size > 1:
             buf.div_(self.comm.world_size)
         # In a fresh window a shard of the right dtype is reduced straight into `acc` (no copy after).
-        direct = self.sharded_grads and self.fresh and self.acc[k].dtype == buf.dtype
+        direct = self.sharded_grads and self.fresh and self.acc_dtype == buf.dtype
         if self.stage == 0:
             work = self.comm.all_reduce(buf, async_op=True)
         else:
-            out = self.acc[k] if direct else b.shard(buf, self.rank)
+            out = self._grad(k) if direct else b.shard(buf, self.rank)
             work = self.comm.reduce_scatter(out, buf, async_op=True)
         self.inflight.append((k, work, direct))
         if not self.overlap:
@@ -160,7 +165,7 @@ class Reducer:
         if self.sharded_grads:
             if not direct:
                 shard = self.buckets[k].shard(self._target(k), self.rank)
-                self.acc[k].copy_(shard) if self.fresh else self.acc[k].add_(shard)
+                self._grad(k).copy_(shard) if self.fresh else self._grad(k).add_(shard)
             self.pool.append(self.buffers[k])
             self.buffers[k] = None
 
@@ -176,25 +181,31 @@ class Reducer:
             fits = [i for i, b in enumerate(self.pool) if b.numel() >= numel]
             if fits:
                 return self.pool.pop(min(fits, key=lambda i: self.pool[i].numel())).zero_()
-            if self.inflight and len(self.allocated) >= POOL_BUFFERS:
+            if self.inflight and len(self.live) >= POOL_BUFFERS:
                 self._retire_oldest()
                 continue
             buf = torch.zeros(numel, dtype=self.dtype, device=self.buckets[0].data.device)
-            self.allocated.append(numel)
+            self.live.append(numel)
+            self.pool_peak = max(self.pool_peak, sum(self.live))
             return buf
 
     # ---- results --------------------------------------------------------------------------------
     def shard_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient for each bucket (its shard; the whole bucket in stage 0)."""
+        """This rank's reduced gradient for each bucket (its shard; the whole bucket in stage 0).
+        Valid after the boundary micro-step's backward, until zero()."""
+        grads = [self._grad(k) for k in range(len(self.buckets))]
         if self.sharded_grads:
-            return self.acc
-        return [b.shard(a, self.rank) for b, a in zip(self.buckets, self.acc)]
+            return grads
+        return [b.shard(a, self.rank) for b, a in zip(self.buckets, grads)]
 
     def zero(self) -> None:
-        """Start a new accumulation window: the next gradients overwrite `acc`."""
+        """Free the gradients (set_to_none) and start a new accumulation window."""
+        self.acc = [None] * len(self.buckets)
         self.fresh = True
 
     def bytes(self) -> dict[str, int]:
-        acc = sum(a.numel() * a.element_size() for a in self.acc)
-        pool = sum(self.allocated) * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of the gradients while they exist, and the most the reduce-buffer pool has held."""
+        size = torch.empty((), dtype=self.acc_dtype).element_size()
+        acc = sum((b.shard_numel if self.sharded_grads else b.numel) * size for b in self.buckets)
+        pool = self.pool_peak * torch.empty((), dtype=self.dtype).element_size()
         return {"gradients": acc, "reduce_buckets": pool}
