@@ -117,3 +117,34 @@ def test_bf16_model_runs_forward_and_backward():
 def test_generate_appends_tokens():
     out = tiny_gpt().eval().generate(torch.zeros(1, 3, dtype=torch.long), 5, top_k=10)
     assert out.shape == (1, 8) and out.max() < 256
+
+
+def _saved_bytes(model, x, y):
+    """Bytes autograd keeps for backward, and the loss."""
+    sizes = {}
+
+    def pack(t):
+        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    return sum(sizes.values()), loss
+
+
+def test_loss_in_chunks_matches_and_keeps_no_whole_logits():
+    torch.manual_seed(0)
+    whole = GPT(gpt_config("tiny"))
+    chunked = GPT(gpt_config("tiny", loss_chunk=40))  # 3 x 64 tokens: pieces of 40, the last of 32
+    chunked.load_state_dict(whole.state_dict())
+    x = torch.randint(0, 256, (3, 64))
+    y = x.roll(-1, dims=1)
+    y[0, :7] = -1  # ignored targets count in neither the sum nor the mean
+    saved_whole, loss_whole = _saved_bytes(whole, x, y)
+    saved_chunked, loss_chunked = _saved_bytes(chunked, x, y)
+    torch.testing.assert_close(loss_chunked, loss_whole, rtol=1e-6, atol=0)
+    loss_whole.backward()
+    loss_chunked.backward()
+    for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    logits_fp32 = 3 * 64 * 256 * 4
+    assert saved_whole - saved_chunked > logits_fp32, (saved_whole, saved_chunked)

@@ -43,7 +43,7 @@ MODES = {
     "zerodp2": "zerodp stage 2",
     "deepspeed2": "DeepSpeed ZeRO-2",
 }
-FAKE_MODES = ("zerodp2", "fsdp2")
+FAKE_MODES = ("zerodp2", "fsdp2", "fsdp2-noreshard")
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device-name substring (first match wins).
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),
@@ -120,7 +120,8 @@ def checkpoint_blocks(model: GPT) -> str:
 
 
 def _config(args: argparse.Namespace):
-    return gpt_config(args.model, block_size=max(gpt_config(args.model).block_size, args.seq))
+    return gpt_config(args.model, block_size=max(gpt_config(args.model).block_size, args.seq),
+                      loss_chunk=args.loss_chunk)
 
 
 def flops_per_token(args: argparse.Namespace) -> int:
@@ -335,7 +336,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
             "--lr", str(args.lr), "--threads", str(args.threads), "--grad-clip", str(args.grad_clip),
             "--seed", str(args.seed), "--bucket", str(args.bucket),
-            "--overlap-param-gather" if args.overlap_param_gather else "--no-overlap-param-gather"]
+            "--overlap-param-gather" if args.overlap_param_gather else "--no-overlap-param-gather",
+            "--loss-chunk", str(args.loss_chunk)]
     return argv + (["--checkpointing"] if args.checkpointing else []) + (["--compile"] if args.compile else [])
 
 
@@ -425,6 +427,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket", type=int, default=0,
                    help="reduce_bucket_size in elements for zerodp and DeepSpeed (0: each one's own "
                         "default, 5e7 for zerodp and 5e8 for DeepSpeed)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per piece of the output head and loss, in every mode (GPTConfig.loss_chunk)")
     p.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
                    help="zerodp stages 1-2: the next forward waits for each bucket's parameter gather")
     p.add_argument("--lr", type=float, default=1e-4)
