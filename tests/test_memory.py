@@ -174,7 +174,8 @@ def test_parse_bytes_reads_units():
 PEAK_MODEL = dict(n_layer=2, n_head=2, n_embd=128, vocab_size=256, block_size=64)
 PEAK_RUNS = {(mode, stage): {"mode": mode, "stage": stage, "world": 8, "model": PEAK_MODEL, "micro_batch": 2,
                              "seq": 32, "dtype": "bf16", "checkpointing": True, "reduce_bucket_size": BUCKET}
-             for mode, stage in [("zerodp", 1), ("zerodp", 2), ("zerodp", 3), ("fsdp2", 0)]}
+             for mode, stage in [("zerodp", 1), ("zerodp", 2), ("zerodp", 3), ("fsdp2", 0), ("plain", 0)]}
+PEAK_RUNS[("plain", 0)]["world"] = 1
 PEAK_RUNS[("real", 2)] = {**PEAK_RUNS[("zerodp", 2)], "fake": False}  # real CPU tensors, same step
 
 
@@ -228,10 +229,20 @@ def test_fsdp2_on_fake_tensors_holds_fp32_shards_and_adamw_states_only():
     assert at["gathered"] > 0
 
 
+def test_plain_pytorch_on_fake_tensors_holds_fp32_params_and_adamw_states():
+    r = peaks()[("plain", 0)]
+    psi, held, at = r["num_params"], r["after_step"], r["at_peak"]
+    assert held["params"] == pytest.approx(4 * psi, rel=0.01)
+    assert held["optimizer"] == pytest.approx(8 * psi, rel=0.01)
+    assert held["grads"] == 0  # zero_grad(set_to_none=True)
+    assert r["peak"] >= 16 * psi  # fp32 gradients of every parameter exist before the step
+
+
 def test_estimate_fake_tensors_prints_the_peak_and_its_parts(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")
-    memory.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fake-tensors", "--fsdp2", "--seq", "16"])
+    memory.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fake-tensors", "--fsdp2", "--plain",
+                 "--seq", "16"])
     out = capsys.readouterr().out
-    assert "zerodp 2" in out and "FSDP2 no reshard" in out and "activations" in out
+    assert "zerodp 2" in out and "FSDP2 no reshard" in out and "PyTorch AMP" in out and "activations" in out
     psi = memory._num_params(memory._model_config("tiny", None))
     assert memory.human(memory.formula(psi, 8, 2)) in out

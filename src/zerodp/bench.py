@@ -2,7 +2,7 @@
 
 Each mode runs in its own fresh process (torchrun for more than one rank), so no mode inherits
 another's allocator state, compiled kernels or process group:
-  plain            plain PyTorch: fp32 parameters, bf16 autocast (CUDA), fused AdamW (CUDA)
+  plain            plain PyTorch: fp32 parameters, bf16 autocast (CUDA), fused AdamW
   ddp              DistributedDataParallel around the same
   fsdp2            torch.distributed.fsdp.fully_shard per block and root, bf16 params / fp32 reduce
   fsdp2-noreshard  the same with reshard_after_forward=False (ZeRO-2-like: no regather in backward)
@@ -144,7 +144,8 @@ def build_model(args: argparse.Namespace, device: torch.device) -> tuple[GPT, st
 
 
 def _adamw(params, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, fused=device.type == "cuda")
+    # fused in every mode and on every device: one kernel per tensor, no full-size temporaries
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, fused=True)
 
 
 def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, args, amp: bool, device: torch.device):

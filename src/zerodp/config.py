@@ -171,10 +171,12 @@ class OptimizerConfig(_Section):
         cls, kwargs = self._torch_class_and_kwargs()
         groups = list(params)
         tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
-        # Adam(W) on CUDA: one fused kernel over each flat master shard (DeepSpeed's FusedAdam),
-        # unless the config picks foreach or fused itself.
+        # Adam(W): one fused kernel over each flat master shard (DeepSpeed's FusedAdam on GPUs, its
+        # CPUAdam for offload), unless the config picks foreach or fused itself. On the CPU the
+        # foreach form allocates full-size temporaries every step, which on one flat shard of millions
+        # of elements costs more in fresh pages than the arithmetic (5 ms fused vs 30 ms, 4.9M).
         if (cls in (torch.optim.Adam, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs
-                and tensors and all(t.is_cuda for t in tensors)):
+                and tensors and all(t.device.type in ("cuda", "cpu") for t in tensors)):
             kwargs["fused"] = True
         return cls(groups, **kwargs)
 

@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure the peak of a training step on fake tensors (any size, no memory)")
     ap.add_argument("--fsdp2", action="store_true",
                     help="with --fake-tensors: also measure FSDP2 (reshard_after_forward True and False)")
+    ap.add_argument("--plain", action="store_true",
+                    help="with --fake-tensors: also measure plain PyTorch AMP in one process (fp32 "
+                         "parameters, bf16 autocast), the baseline of zerodp bench")
     ap.add_argument("--json", help="with --fake-tensors: write the measurements here")
     ap.add_argument("--fit", type=parse_bytes, metavar="BUDGET", help="per-rank budget, e.g. 80GiB")
     args = ap.parse_args(argv)
@@ -288,8 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.loss_chunk is not None:
         cfg.loss_chunk = args.loss_chunk
     seq = args.seq or cfg.block_size
-    if args.fsdp2 and not args.fake_tensors:
-        ap.error("--fsdp2 is measured on fake tensors only: add --fake-tensors")
+    if (args.fsdp2 or args.plain) and not args.fake_tensors:
+        ap.error("--fsdp2 and --plain are measured on fake tensors only: add --fake-tensors")
     if args.fake_tensors and args.gas != 1:
         ap.error("--fake-tensors measures one micro-step per step: leave --gas at 1")
     if args.fake_tensors and args.dtype == "fp16":
@@ -351,6 +354,7 @@ def _peak_table(args, cfg, seq: int, console):
               "reduce_bucket_size": args.reduce_bucket_size} for world in args.world for stage in args.stage]
     specs += [{**base, "mode": "fsdp2", "world": world, "reshard_after_forward": reshard}
               for world in args.world for reshard in (True, False)] if args.fsdp2 else []
+    specs += [{**base, "mode": "plain", "world": 1}] if args.plain else []
     with console.status(f"measuring {len(specs)} configurations on fake tensors ..."):
         results = measure_peaks(specs)
     if args.json:
@@ -366,9 +370,13 @@ def _peak_table(args, cfg, seq: int, console):
         fsdp2 = spec["mode"] == "fsdp2"
         if fsdp2:
             mode = "FSDP2" if spec["reshard_after_forward"] else "FSDP2 no reshard"
+        elif spec["mode"] == "plain":
+            mode = "PyTorch AMP"
         else:
             mode = f"zerodp {spec['stage']}"
-        f = formula(psi, spec["world"], 3 if fsdp2 else spec["stage"], args.dtype, "adamw")
+        # Plain AMP keeps fp32 parameters (its master) and fp32 gradients: 4 + 4 + 8 bytes each.
+        f = (16 * psi if spec["mode"] == "plain" else
+             formula(psi, spec["world"], 3 if fsdp2 else spec["stage"], args.dtype, "adamw"))
         table.add_row(str(spec["world"]), mode, human(f), human(r["peak"]),
                       *[human(r["at_peak"][c]) for c in shown], r["peak_at"])
     table.caption = ("model states: DESIGN.md's formula (FSDP2 as stage 3). peak: the largest sum of live "

@@ -276,6 +276,38 @@ def _run_fsdp2(spec: dict[str, Any], device: torch.device, mesh) -> _FSDPTracker
     return tracker
 
 
+def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
+    """`zerodp bench`'s plain mode: fp32 parameters, bf16 autocast, fused AdamW, clip 1.0,
+    zero_grad(set_to_none=True); one process, no data parallelism."""
+    from zerodp.activations import checkpoint_blocks
+    from zerodp.train.model import Block
+
+    model = _gpt(spec, device)
+    if spec["checkpointing"]:
+        checkpoint_blocks(model, (Block,))
+    opt = _adamw(model.parameters())
+    x, y = _batch(spec, model.config.vocab_size, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["dtype"] != "fp32")
+    tracker = ZeroTracker()
+    tracker.track_external(model, opt)
+    for t in (x, y):
+        tracker.label(t, Ref.OTH)
+    with tracker:
+        for _ in range(2):
+            tracker.phase = "forward"
+            with autocast:
+                loss = model(x, y)
+            tracker.phase = "backward"
+            loss.backward()
+            tracker.phase = "step"
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()
+        tracker.after_step = _snapshot(tracker, "current")
+    return tracker
+
+
 def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -292,8 +324,9 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         with FakeTensorMode() if spec.get("fake", True) else nullcontext():
-            tracker = (_run_fsdp2(spec, device, mesh) if spec["mode"] == "fsdp2"
-                       else _run_zerodp(spec, device))
+            run = {"fsdp2": lambda: _run_fsdp2(spec, device, mesh), "plain": lambda: _run_plain(spec, device),
+                   "zerodp": lambda: _run_zerodp(spec, device)}[spec["mode"]]
+            tracker = run()
     finally:
         dist.destroy_process_group()
     with torch.device("meta"):
@@ -307,7 +340,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
 def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
     """Each spec's peak in one fresh Python process (a process group is created per spec).
 
-    spec: mode ("zerodp" | "fsdp2"), stage (zerodp), world, model (GPTConfig fields), micro_batch,
+    spec: mode ("zerodp" | "fsdp2" | "plain": one process, PyTorch AMP), stage (zerodp), world, model (GPTConfig fields), micro_batch,
     seq, dtype ("bf16" | "fp32"; fp16's overflow check reads a value), checkpointing,
     reduce_bucket_size (zerodp; None: the engine's default), zero_optimization (zerodp: more config
     keys), reshard_after_forward (FSDP2, default True), fake (default True; False runs real CPU
