@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from zerodp import memory
+from zerodp import estimate, memory
 from zerodp.reducer import POOL_BUFFERS
 
 # A GPT of about 3.3 million parameters.
@@ -26,7 +26,7 @@ def spec(world: int, stage: int, gas: int, offload: str = "") -> dict:
 @functools.cache
 def measured() -> dict:
     # One subprocess for all runs (a fresh fake process group each): the CLI test covers one per run.
-    return dict(zip(RUNS, memory.measure_many([spec(*r) for r in RUNS], timeout=300)))
+    return dict(zip(RUNS, estimate.measure_many([spec(*r) for r in RUNS], timeout=300)))
 
 
 # ---- formula ------------------------------------------------------------------------------------
@@ -143,30 +143,30 @@ def test_estimate_prints_formula_and_measured_table(capsys, monkeypatch):
     main(["estimate", "--model", "tiny", "--world", "4", "--stage", "2", "--seq", "16"])
     out = capsys.readouterr().out
     assert "measured model states" in out
-    psi = memory._num_params(memory._model_config("tiny", None))
-    assert memory.human(memory.formula(psi, 4, 2)) in out
+    psi = estimate._num_params(estimate._model_config("tiny", None))
+    assert estimate.human(memory.formula(psi, 4, 2)) in out
 
 
 def test_estimate_fit_answers_a_micro_batch_and_a_model_size(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")
-    memory.main(["--fit", "80GiB", "--model", "125M", "--world", "8", "--stage", "2"])
+    estimate.main(["--fit", "80GiB", "--model", "125M", "--world", "8", "--stage", "2"])
     out = capsys.readouterr().out
     assert "largest micro-batch" in out
-    memory.main(["--fit", "80GiB", "--world", "1", "64", "--stage", "0", "2"])
+    estimate.main(["--fit", "80GiB", "--world", "1", "64", "--stage", "0", "2"])
     out = capsys.readouterr().out
     assert "largest named model" in out and "13B" in out  # 13B at N=64, stage 2: 2Ψ + 14Ψ/64 ≈ 29 GiB
 
 
 def test_human_picks_a_readable_unit():
-    assert memory.human(3 * 2 ** 30) == "3.00 GiB"
-    assert memory.human(1536) == "1.50 KiB"
-    assert memory.human(12) == "12 B"
+    assert estimate.human(3 * 2 ** 30) == "3.00 GiB"
+    assert estimate.human(1536) == "1.50 KiB"
+    assert estimate.human(12) == "12 B"
 
 
 def test_parse_bytes_reads_units():
-    assert memory.parse_bytes("80GiB") == 80 * 2 ** 30
-    assert memory.parse_bytes("16GB") == 16 * 10 ** 9
-    assert memory.parse_bytes("1.5e9") == 1_500_000_000
+    assert estimate.parse_bytes("80GiB") == 80 * 2 ** 30
+    assert estimate.parse_bytes("16GB") == 16 * 10 ** 9
+    assert estimate.parse_bytes("1.5e9") == 1_500_000_000
 
 
 # ---- peak of a step on fake tensors (zerodp.peak) -----------------------------------------------
@@ -240,9 +240,9 @@ def test_plain_pytorch_on_fake_tensors_holds_fp32_params_and_adamw_states():
 
 def test_estimate_fake_tensors_prints_the_peak_and_its_parts(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")
-    memory.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fake-tensors", "--fsdp2", "--plain",
-                 "--seq", "16"])
+    estimate.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fake-tensors", "--fsdp2", "--plain",
+                   "--seq", "16"])
     out = capsys.readouterr().out
     assert "zerodp 2" in out and "FSDP2 no reshard" in out and "PyTorch AMP" in out and "activations" in out
-    psi = memory._num_params(memory._model_config("tiny", None))
-    assert memory.human(memory.formula(psi, 8, 2)) in out
+    psi = estimate._num_params(estimate._model_config("tiny", None))
+    assert estimate.human(memory.formula(psi, 8, 2)) in out

@@ -1,0 +1,29 @@
+"""`zerodp bench`: one GPT and one batch under every data-parallel mode, side by side.
+
+Each mode runs in its own fresh process (torchrun for more than one rank), so no mode inherits
+another's allocator state, compiled kernels or process group:
+  plain            plain PyTorch: fp32 parameters, bf16 autocast (CUDA), fused AdamW
+  ddp              DistributedDataParallel around the same
+  fsdp2            torch.distributed.fsdp.fully_shard per block and root, bf16 params / fp32 reduce
+  fsdp2-noreshard  the same with reshard_after_forward=False (ZeRO-2-like: no regather in backward)
+  zerodp0/1/2      zerodp stages 0, 1, 2: bf16 working parameters, fp32 master (CUDA)
+  deepspeed2       DeepSpeed ZeRO-2 with the same torch AdamW, when `import deepspeed` works
+Every mode reports tokens/s, TFLOP/s per device (flops_per_token = 6N + 12·L·d·T), MFU against the
+device's dense bf16 peak, CUDA peak allocated / reserved memory, and its TFLOP/s ratio to `plain`
+measured in the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
+acting as rank 0 of N ranks on the fake process group (collectives are no-ops).
+
+Two files, read in this order:
+  worker.py   one mode in this process: build it, time it, return its row (Result)
+  driver.py   `zerodp bench` (main): one fresh process per mode, repeats, ratios, the table, --json
+"""
+
+# Every public name of the former single-file bench.py, so zerodp.bench.X keeps working.
+from .driver import (add_ratios, device_name, launch, main, median_result, modes_to_run, owned_total, parser,
+                     print_table, source_commit)
+from .worker import (FAKE_MODES, GIB, MODES, PEAK_TFLOPS, Result, build_model, checkpoint_blocks, engine_bytes,
+                     flops_per_token, run_worker, setup_mode)
+
+__all__ = ["FAKE_MODES", "GIB", "MODES", "PEAK_TFLOPS", "Result", "add_ratios", "build_model", "checkpoint_blocks",
+           "device_name", "engine_bytes", "flops_per_token", "launch", "main", "median_result", "modes_to_run",
+           "owned_total", "parser", "print_table", "run_worker", "setup_mode", "source_commit"]
