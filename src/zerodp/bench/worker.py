@@ -184,6 +184,8 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
             engine.backward(loss)
             engine.step()
             return loss.detach()
+        # overlap_param_gather leaves the last step's gathers in flight: the timed region ends after them
+        step.finish = engine.wait_for_parameters
         return step, note, lambda: engine_bytes(engine)
     if mode == "deepspeed2":
         import deepspeed  # the caller turned an ImportError into a 'skipped' row
@@ -262,6 +264,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         _sync(device)
         start = time.perf_counter()
         losses = [step(x, y) for _ in range(args.steps)]
+        getattr(step, "finish", lambda: None)()
         _sync(device)
         seconds = time.perf_counter() - start
         fake = args.fake_world > 0
