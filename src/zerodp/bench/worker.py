@@ -210,8 +210,6 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
 def skip_reason(mode: str, device: torch.device) -> str:
     if mode == "deepspeed2" and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed (import deepspeed fails)"
-    if mode == "deepspeed2" and device.type != "cuda":
-        return "DeepSpeed ZeRO-2 is benchmarked on CUDA only (its CPU accelerator needs extra packages)"
     if mode.startswith("fsdp2") and importlib.util.find_spec("torch.distributed.fsdp") is None:
         return "this torch has no torch.distributed.fsdp"
     return ""
