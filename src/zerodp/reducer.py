@@ -165,7 +165,10 @@ class Reducer:
         if self.sharded_grads:
             if not direct:
                 shard = self.buckets[k].shard(self._target(k), self.rank)
-                self._grad(k).copy_(shard) if self.fresh else self._grad(k).add_(shard)
+                if self.fresh:
+                    self._grad(k).copy_(shard)
+                else:
+                    self._grad(k).add_(shard)
             self.pool.append(self.buffers[k])
             self.buffers[k] = None
 
