@@ -281,6 +281,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
             result.owned_bytes = owned_bytes()
         if fake:
             result.note = ", ".join(filter(None, [note, f"fake rank 0 of {world}: collectives are no-ops"]))
+        dist.barrier()  # no rank tears down gloo while a peer still uses it (see tests/spawn.py)
         return result
     finally:
         dist.destroy_process_group()

@@ -80,6 +80,9 @@ def run_rank(opts: argparse.Namespace) -> None:
     zerodp.init_distributed()
     try:
         train(opts)
+        # Every rank done before any closes its gloo connections: a peer whose background threads
+        # still use them can otherwise abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
