@@ -262,18 +262,24 @@ def _run_fsdp2(spec: dict[str, Any], device: torch.device, mesh) -> _FSDPTracker
     tracker = _FSDPTracker(model, opt)
     tracker.track_inputs((x, y))
     with _propagation_in_its_own_fake_mode(), tracker:
-        for _ in range(2):
-            tracker.phase = "forward"
-            loss = model(x, y)
-            tracker.phase = "backward"
-            loss.backward()
-            tracker.phase = "step"
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
-        tracker.after_step = _snapshot(tracker, "current")
+        _torch_steps(tracker, model, opt, x, y, nullcontext())
     return tracker
+
+
+def _torch_steps(tracker, model, opt, x, y, autocast) -> None:
+    """Two steps of a model PyTorch itself trains (FSDP2, plain): clip 1.0, set_to_none."""
+    for _ in range(2):
+        tracker.phase = "forward"
+        with autocast:
+            loss = model(x, y)
+        tracker.phase = "backward"
+        loss.backward()
+        tracker.phase = "step"
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker.reset_mod_stats()
+    tracker.after_step = _snapshot(tracker, "current")
 
 
 def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
@@ -293,18 +299,7 @@ def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     for t in (x, y):
         tracker.label(t, Ref.OTH)
     with tracker:
-        for _ in range(2):
-            tracker.phase = "forward"
-            with autocast:
-                loss = model(x, y)
-            tracker.phase = "backward"
-            loss.backward()
-            tracker.phase = "step"
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
-        tracker.after_step = _snapshot(tracker, "current")
+        _torch_steps(tracker, model, opt, x, y, autocast)
     return tracker
 
 
