@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .comm import Comm
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError
 from .flat import plan
 from .forward_order import ForwardOrder
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient

@@ -92,12 +92,12 @@ class FlatGroup:
             if sharded:
                 b.data = torch.empty(b.numel, dtype=dtype, device=device)
                 b.owned = self.data[offset:offset + b.shard_numel]
+                b.owned.copy_(b.shard(full, rank))
                 offset += b.shard_numel
             else:
                 b.data = self.data[b.start:b.start + b.numel]
-                b.owned = b.shard(b.data, rank)
+                b.owned = b.shard(b.data, rank)  # a view: filled by the copy below
             b.data.copy_(full)
-            b.owned.copy_(b.shard(full, rank))
             for s in b.slots:
                 s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
 

@@ -15,7 +15,6 @@ The hooks live on a few modules (the wait points), not on every one, and only wa
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -29,14 +28,14 @@ class _FirstUse(TorchFunctionMode):
     def __init__(self, bucket_of: dict[int, int]):
         super().__init__()
         self.bucket_of = bucket_of
-        self.hooks_fired = 0
+        self.fired: list[int] = []           # module position of each pre-hook fired, in order
         self.first_use: dict[int, int] = {}  # bucket index -> hooks fired before its first use
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         for t in tree_leaves((args, kwargs or {})):
             k = self.bucket_of.get(id(t)) if isinstance(t, nn.Parameter) else None
             if k is not None and k not in self.first_use:
-                self.first_use[k] = self.hooks_fired
+                self.first_use[k] = len(self.fired)
         return func(*args, **(kwargs or {}))
 
 
@@ -68,13 +67,11 @@ class ForwardOrder:
         self._modules = [m for m in self.module.modules() if m is not self.module]
         for i, m in enumerate(self._modules):
             self._trace_handles.append(m.register_forward_pre_hook(self._counter(i)))
-        self._fired: list[int] = []  # module position of each pre-hook fired, in order
         self._trace.__enter__()
 
     def _counter(self, i: int):
         def hook(module, args):
-            self._fired.append(i)
-            self._trace.hooks_fired += 1
+            self._trace.fired.append(i)
         return hook
 
     def _end_trace(self) -> None:
@@ -88,17 +85,14 @@ class ForwardOrder:
         unseen = [k for k in range(n) if k not in trace.first_use]
         seen = sorted((k for k in trace.first_use), key=lambda k: (trace.first_use[k], k))
         order = unseen + seen
-        self.unseen = len(unseen)
         self.partitioned.set_gather_order(order)
         # A bucket first used after the j-th pre-hook fired is waited for in that hook's module;
-        # used before any (by the root's own forward): at the root, like an unseen one.
+        # used before any (by the root's own forward): at the root, like an unseen one. Those sort
+        # first in `order`, so the root waits for a prefix too.
+        self.unseen = sum(1 for k in order if trace.first_use.get(k, 0) == 0)
         wait_at: dict[int, int] = {}  # module position -> prefix of `order` to wait for
-        for pos, k in enumerate(order):
-            fired = trace.first_use.get(k, 0)
-            if fired == 0:
-                self.unseen = pos + 1
-            else:
-                wait_at[self._fired[fired - 1]] = pos + 1
+        for pos, k in enumerate(order[self.unseen:], start=self.unseen):
+            wait_at[trace.fired[trace.first_use[k] - 1]] = pos + 1
         for i, upto in wait_at.items():
             self._handles.append(self._modules[i].register_forward_pre_hook(self._waiter(upto)))
 
@@ -106,7 +100,3 @@ class ForwardOrder:
         def hook(module, args):
             self.partitioned.wait_for_parameters(upto=upto)
         return hook
-
-    def remove(self) -> None:
-        for h in self._handles + self._trace_handles:
-            h.remove()

@@ -94,9 +94,7 @@ class Gatherer:
             if b.index not in self.gathered:
                 self._start(b)
         for b in units:
-            work = self.pending.pop(b.index, None)
-            if work is not None:
-                work.wait()
+            self._wait(b)
 
     def _start(self, b: Bucket) -> None:
         b.data.untyped_storage().resize_(b.numel * b.data.element_size())
@@ -104,6 +102,11 @@ class Gatherer:
             p.data = view
         self.gathered.add(b.index)
         self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
+
+    def _wait(self, b: Bucket) -> None:
+        work = self.pending.pop(b.index, None)
+        if work is not None:
+            work.wait()
 
     def _prefetch_after(self, last: Bucket) -> None:
         """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
@@ -121,13 +124,11 @@ class Gatherer:
     def release(self, units: list[Bucket]) -> None:
         for b in units:
             if b.index in self.gathered and b.index not in self.persistent:
-                work = self.pending.pop(b.index, None)
-                if work is not None:
-                    work.wait()
+                self._wait(b)
                 self._free(b)
 
     def release_all(self) -> None:
-        self.release([self.buckets[i] for i in list(self.gathered)] if self.buckets else [])
+        self.release([self.buckets[i] for i in list(self.gathered)])
 
     def _free(self, b: Bucket) -> None:
         b.data.untyped_storage().resize_(0)
@@ -154,6 +155,4 @@ class Gatherer:
             self.gathered.discard(b.index)
             self._start(b)
         for b in stale:
-            work = self.pending.pop(b.index, None)
-            if work is not None:
-                work.wait()
+            self._wait(b)
