@@ -28,9 +28,14 @@ BUCKET_VARIANTS = {1: [("overlap_comm", False), ("reduce_bucket_size", 10**9), (
                    3: [("overlap_comm", False), ("stage3_prefetch_bucket_size", 0),
                        ("stage3_param_persistence_threshold", 10**9)]}
 BUCKET_JOBS = [("plain", stage, "fp32", False, 0, *kw) for stage, kws in BUCKET_VARIANTS.items() for kw in kws]
-# Parameters gathered while the next forward runs, with many small buckets so the waits matter.
-OVERLAP_JOBS = [(name, stage, "fp32", False, 0, "overlap_param_gather", True, "reduce_bucket_size", 64)
-                for name in oracle.CASES for stage in (1, 2)]
+
+
+def overlap_job(name: str, stage: int) -> tuple:
+    """Parameters gathered while the next forward runs, with many small buckets so the waits matter."""
+    return (name, stage, "fp32", False, 0, "overlap_param_gather", True, "reduce_bucket_size", 64)
+
+
+OVERLAP_JOBS = [overlap_job(name, stage) for name in oracle.CASES for stage in (1, 2)]
 
 
 def _kw(job):
@@ -92,8 +97,7 @@ def test_matches_single_process_fp32(case, stage, world):
 @pytest.mark.parametrize("stage", [1, 2], ids=lambda s: f"stage={s}")
 @pytest.mark.parametrize("case", list(oracle.CASES))
 def test_parameter_gather_overlapped_with_next_forward_matches(case, stage, world):
-    job = (case, stage, "fp32", False, 0, "overlap_param_gather", True, "reduce_bucket_size", 64)
-    ours, ref = engine_runs(world)[job], reference(case, world)
+    ours, ref = engine_runs(world)[overlap_job(case, stage)], reference(case, world)
     assert_matches(ours["state"], ref["state"], rtol=1e-6, atol=1e-6)
     assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
 

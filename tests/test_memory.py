@@ -231,7 +231,7 @@ def test_fsdp2_on_fake_tensors_holds_fp32_shards_and_adamw_states_only():
 
 def test_plain_pytorch_on_fake_tensors_holds_fp32_params_and_adamw_states():
     r = peaks()[("plain", 0)]
-    psi, held, at = r["num_params"], r["after_step"], r["at_peak"]
+    psi, held = r["num_params"], r["after_step"]
     assert held["params"] == pytest.approx(4 * psi, rel=0.01)
     assert held["optimizer"] == pytest.approx(8 * psi, rel=0.01)
     assert held["grads"] == 0  # zero_grad(set_to_none=True)

@@ -43,11 +43,16 @@ def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any
 def measure_many(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
     """Several measured steps one after another in one fresh Python process (cheaper to start);
     the process group is destroyed and created anew between them."""
-    out = subprocess.run([sys.executable, "-m", "zerodp.estimate", "--_measure", json.dumps(specs)],
-                         capture_output=True, text=True, timeout=timeout)
+    where = ", ".join(f"world={s['world']} stage={s['stage']}" for s in specs)
+    return run_child(["zerodp.estimate", "--_measure", json.dumps(specs)], f"the measuring subprocess for {where}",
+                     timeout)
+
+
+def run_child(module_argv: list[str], what: str, timeout: float | None) -> Any:
+    """`python -m <module_argv>` in a fresh process; its last stdout line, parsed as JSON."""
+    out = subprocess.run([sys.executable, "-m", *module_argv], capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
-        where = ", ".join(f"world={s['world']} stage={s['stage']}" for s in specs)
-        raise RuntimeError(f"the measuring subprocess for {where} failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

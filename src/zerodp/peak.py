@@ -33,7 +33,6 @@ Measuring code works around one PyTorch issue from outside (see
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -341,11 +340,8 @@ def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> 
     keys), reshard_after_forward (FSDP2, default True), fake (default True; False runs real CPU
     tensors, for small models).
     """
-    out = subprocess.run([sys.executable, "-m", "zerodp.peak", json.dumps(specs)],
-                         capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"the fake-tensor measuring subprocess failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from .estimate import run_child
+    return run_child(["zerodp.peak", json.dumps(specs)], "the fake-tensor measuring subprocess", timeout)
 
 
 if __name__ == "__main__":

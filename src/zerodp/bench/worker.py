@@ -146,6 +146,16 @@ def _torch_step(model: nn.Module, opt: torch.optim.Optimizer, args, amp: bool, d
     return step
 
 
+def _engine_step(engine):
+    """forward / backward / step of an engine that owns them (zerodp's, DeepSpeed's)."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step
+
+
 def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world: int):
     """Build the mode's model and optimizer; returns (step function, note, owned-bytes function)."""
     bf16 = args.dtype == "bf16"
@@ -178,12 +188,7 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         if args.bucket:
             config["zero_optimization"]["reduce_bucket_size"] = args.bucket
         engine = zerodp.initialize(model, _adamw(model.parameters(), args, device), config)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach()
+        step = _engine_step(engine)
         # overlap_param_gather leaves the last step's gathers in flight: the timed region ends after them
         step.finish = engine.wait_for_parameters
         return step, note, lambda: engine_bytes(engine)
@@ -197,13 +202,7 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
             config["zero_optimization"].update(reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket)
         optimizer = _adamw(model.parameters(), args, device)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-
-        def ds_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach()
-        return ds_step, note, None
+        return _engine_step(engine), note, None
     raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
 
 
