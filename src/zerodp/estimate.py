@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps([_measure_here(spec) for spec in json.loads(argv[1])]))
         return
     ap = argparse.ArgumentParser(prog="zerodp estimate", description=(
-        "Per-rank memory for a GPT: DESIGN.md's formula and one measured training step as rank 0 of "
+        "Per-rank memory for a GPT: docs/DESIGN.md's formula and one measured training step as rank 0 of "
         "N (fake process group, local device). --fit answers from the formula plus an activation "
         "estimate: the largest micro-batch for --model, or the largest named size without it."))
     ap.add_argument("--model", help="named size (tiny, small, 125M ... 13B) or a JSON file of GPTConfig fields")
@@ -233,7 +233,7 @@ def _estimate_table(args, cfg, seq: int, console):
             table.add_row(*row, human(rep["model_states"]), human(rep["gradients"]),
                           human(rep["fp32_master"] + rep["optimizer_states"]), human(rep["reduce_buckets"]),
                           human(rep["step_transient"]), human(peak))
-    table.caption = ("formula: DESIGN.md (2/14 bytes split, fp32 grads when --gas > 1); measured: bytes of the "
+    table.caption = ("formula: docs/DESIGN.md (2/14 bytes split, fp32 grads when --gas > 1); measured: bytes of the "
                      "tensors the engine owns after one step, padding included. Peak is CUDA's "
                      "max_memory_allocated; on CPU only the process's peak RSS, which includes torch itself.")
     return table
@@ -276,7 +276,7 @@ def _peak_table(args, cfg, seq: int, console):
              formula(psi, spec["world"], 3 if fsdp2 else spec["stage"], args.dtype, "adamw"))
         table.add_row(str(spec["world"]), mode, human(f), human(r["peak"]),
                       *[human(r["at_peak"][c]) for c in shown], r["peak_at"])
-    table.caption = ("model states: DESIGN.md's formula (FSDP2 as stage 3). peak: the largest sum of live "
+    table.caption = ("model states: docs/DESIGN.md's formula (FSDP2 as stage 3). peak: the largest sum of live "
                      "tensors over two steps (PyTorch's MemTracker), split by category at that moment; "
                      "allocator rounding and library workspaces are not in it. FSDP2's params are its fp32 "
                      "shards (also its master), its gathered the unsharded bf16 parameters; 'no reshard' "
