@@ -159,6 +159,8 @@ def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, 
     # The latest checkpoint (step 8) is the one-rank run's: 8 = 1 rank x 2 accumulation x 4.
     assert ("global batch is 8 (1 rank(s) x 2 accumulation x 4 micro-batch), which 1 rank(s) x --micro-batch 3 "
             "cannot split" in proc.stderr and "--micro-batch 1, 2, 4, 8 would keep it" in proc.stderr), proc.stderr
+    proc = train(*args, "--resume", "nope", check=False, timeout=60)
+    assert proc.returncode != 0 and "checkpoint tag 'nope' (given) does not exist" in proc.stderr, proc.stderr
     os.remove(out / "final.pt")
     proc = train(*args, "--resume", "global_step6")
     assert "resumed at step 6" in proc.stdout

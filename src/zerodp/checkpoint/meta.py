@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import CheckpointError
 
 FORMAT = 1  # the layout of a checkpoint directory; a reader refuses any other
-Count = Field(ge=0)
+Count = Annotated[int, Field(ge=0)]  # a counter, a size, an index
 
 
 class _Strict(BaseModel):
@@ -24,9 +24,9 @@ class _Strict(BaseModel):
 
 
 class Counters(_Strict):
-    global_steps: int = Count
-    skipped_steps: int = Count
-    micro_steps: int = Count
+    global_steps: Count
+    skipped_steps: Count
+    micro_steps: Count
 
 
 class ModelEntry(_Strict):
@@ -34,21 +34,21 @@ class ModelEntry(_Strict):
 
     name: str
     kind: Literal["trained", "frozen", "buffer"]
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Count]
     dtype: str
     alias_of: str | None
     group: int | None = Field(default=None, ge=0)
 
 
 class LayoutBucket(_Strict):
-    group: int = Count
-    numel: int = Count
+    group: Count
+    numel: Count
     partitions: int = Field(ge=1)
     params: list[tuple[str, int, int]]
 
 
 class FileRecord(_Strict):
-    size: int = Count
+    size: Count
     crc32: int = Field(ge=0, lt=2**32)
 
 

@@ -12,7 +12,6 @@ resume falls back on when `latest` is broken.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import warnings
