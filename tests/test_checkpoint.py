@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -577,3 +578,142 @@ def _evil_metadata(p):
 def test_error_corrupt_checkpoint_names_the_file(tmp_path, edit, expected):
     msg = load_error(corrupted_copy(tmp_path, edit))
     assert "is corrupt" in msg and expected in msg, msg
+
+
+# ---- no path out of the checkpoint directory ------------------------------------------------------
+_opened: list[str] | None = None
+
+
+@functools.cache
+def _audit_opens() -> None:
+    """Every open() of this process (builtins, io, os.open) is seen by an audit hook; it records
+    paths only while `opened_files` is active. Hooks cannot be removed, hence installed once."""
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and _opened is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+            _opened.append(os.path.realpath(os.fsdecode(args[0])))
+    sys.addaudithook(hook)
+
+
+@contextlib.contextmanager
+def opened_files():
+    global _opened
+    _audit_opens()
+    _opened = []
+    try:
+        yield _opened
+    finally:
+        _opened = None
+
+
+def _escape(how: str, outside: str):
+    """Point the tensor file of a checkpoint at `outside` (a real copy of it, so that reading it
+    would succeed): by an absolute path or a `../` path in .metadata and zerodp.json, or by a symlink."""
+    import dataclasses
+    import pickle
+
+    def edit(p):
+        name = "__0_0.distcp"
+        shutil.copy(os.path.join(p, name), outside)
+        if how == "symlink":
+            os.remove(os.path.join(p, name))
+            os.symlink(outside, os.path.join(p, name))
+            return
+        rel = outside if how == "absolute" else os.path.relpath(outside, p)
+        md = ck.read.read_metadata(p)
+        md.storage_data = {idx: dataclasses.replace(info, relative_path=rel) if info.relative_path == name else info
+                           for idx, info in md.storage_data.items()}
+        with open(os.path.join(p, ".metadata"), "wb") as f:
+            pickle.dump(md, f)
+        meta = json.load(open(os.path.join(p, "zerodp.json")))
+        meta["files"][rel] = ck_files.record(outside)  # a matching size and checksum: only the path is wrong
+        meta["files"][".metadata"] = ck_files.record(os.path.join(p, ".metadata"))
+        json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
+    return edit
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "symlink"])
+def test_tensor_path_out_of_the_checkpoint_is_refused_before_any_file_opens(tmp_path, how):
+    outside = str(tmp_path / "outside.distcp")
+    d = corrupted_copy(tmp_path, _escape(how, outside))
+    with opened_files() as opened:
+        msg = load_error(d)
+    assert "is unsafe" in msg and "outside the checkpoint directory" in msg, msg
+    assert any(f.endswith("zerodp.json") for f in opened)  # the hook sees the opens that do happen
+    assert os.path.realpath(outside) not in opened
+    with opened_files() as opened, pytest.raises(ck.CheckpointError, match="outside the checkpoint directory"):
+        ck.read.read_metadata(os.path.join(d, "global_step1"))  # the .metadata check alone, for consolidate
+    assert os.path.realpath(outside) not in opened
+
+
+# ---- zerodp.json: every field by type and range -----------------------------------------------------
+def _set(keys: tuple, value):
+    def edit(p):
+        meta = json.load(open(os.path.join(p, "zerodp.json")))
+        node = meta
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+        json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
+    return edit
+
+
+@pytest.mark.parametrize("keys,value,expected", [
+    (("counters", "global_steps"), "forty", "field 'counters.global_steps' = 'forty': Input should be a valid integer"),
+    (("counters", "global_steps"), -3, "field 'counters.global_steps' = -3: Input should be greater than or equal to 0"),
+    (("stage",), 7, "field 'stage' = 7: Input should be less than or equal to 3"),
+    (("stage",), "2", "field 'stage' = '2': Input should be a valid integer"),
+    (("world_size",), 0, "field 'world_size' = 0: Input should be greater than or equal to 1"),
+    (("files", "__0_0.distcp", "size"), "12", "field 'files.__0_0.distcp.size' = '12'"),
+    (("model", 0, "kind"), "weights", "field 'model.0.kind' = 'weights'"),
+], ids=["step_string", "step_negative", "stage_7", "stage_string", "world_0", "size_string", "model_kind"])
+def test_bad_zerodp_json_field_is_refused_naming_the_field_and_file(tmp_path, keys, value, expected):
+    msg = load_error(corrupted_copy(tmp_path, _set(keys, value)))
+    assert "zerodp.json is not a valid zerodp checkpoint description" in msg and expected in msg, msg
+
+
+# ---- housekeeping ------------------------------------------------------------------------------------
+def test_keep_last_keeps_the_newest_by_global_step_and_never_latest(tmp_path):
+    d = tmp_path / "c"
+    (d / "notes").mkdir(parents=True)  # not a checkpoint: never removed
+    with world_of_one():
+        engine = make_engine(1, 2)
+        for tag in ("zz", "mm", "aa"):  # names sort against the steps (1, 2, 3)
+            train(engine, 0, 1, range(engine.global_steps, engine.global_steps + 1))
+            engine.save_checkpoint(d, tag=tag, keep_last=2)
+        assert sorted(os.listdir(d)) == ["aa", "latest", "mm", "notes"]
+        rewound = make_engine(1, 2, seed=1)
+        rewound.load_checkpoint(d, "mm")
+        rewound.save_checkpoint(d, tag="rewound", keep_last=1)  # step 2 again: `latest`, not the newest
+        with pytest.raises(ck.CheckpointError, match="keep_last=0: expected a positive integer"):
+            rewound.save_checkpoint(d, keep_last=0)
+    assert sorted(os.listdir(d)) == ["aa", "latest", "notes", "rewound"]
+    assert ck.resolve(d)[0] == str(d / "rewound")
+
+
+def test_next_save_removes_the_temp_dirs_of_killed_saves(tmp_path):
+    d = tmp_path / "c"
+    with world_of_one():
+        engine = make_engine(1, 2)
+        engine.save_checkpoint(d, tag="a")
+        for junk in (".tmp.global_step9", ".tmp.a", ".old.a", ".old.gone"):
+            (d / junk).mkdir()
+            (d / junk / "__0_0.distcp").write_bytes(b"half")
+        engine.save_checkpoint(d, tag="b")
+    # .old.gone is the only copy of tag 'gone' (a crash between a re-save's renames): kept
+    assert sorted(os.listdir(d)) == [".old.gone", "a", "b", "latest"]
+
+
+def test_newest_intact_skips_a_corrupt_latest(tmp_path):
+    d = str(tmp_path / "c")
+    with world_of_one():
+        engine = make_engine(1, 2)
+        for step in range(2):
+            train(engine, 0, 1, range(step, step + 1))
+            engine.save_checkpoint(d)
+    _truncate(os.path.join(d, "global_step2"))
+    with pytest.raises(ck.CheckpointError, match="truncated"):
+        ck.resolve(d)
+    path, meta = ck.newest_intact(d)
+    assert path == os.path.join(d, "global_step1") and meta["counters"]["global_steps"] == 1
+    open(os.path.join(d, "latest"), "w").write("??")
+    assert ck.newest_intact(d)[0] == path

@@ -92,18 +92,91 @@ def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
     return out
 
 
-def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights(tmp_path):
-    data = corpus(tmp_path)
-    # Killed after step 5; its last checkpoint is step 3, so the resumed run redoes steps 4 and 5.
-    reference = _run(tmp_path, "reference", data, crash_after=None)
-    resumed = _run(tmp_path, "crashed", data, crash_after=5)
-    a = torch.load(reference / "final.pt", weights_only=True)
-    b = torch.load(resumed / "final.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[str, Path]:
+    """(corpus, run dir) of the uninterrupted 8-step 2-rank run that resumed runs must end equal to."""
+    tmp = tmp_path_factory.mktemp("reference")
+    data = corpus(tmp)
+    return data, _run(tmp, "reference", data, crash_after=None)
+
+
+def assert_same_weights(a_out: Path, b_out: Path, atol: float) -> None:
+    a = torch.load(a_out / "final.pt", weights_only=True)
+    b = torch.load(b_out / "final.pt", weights_only=True)
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights(tmp_path, reference):
+    data, ref = reference
+    # Killed after step 5; its last checkpoint is step 3, so the resumed run redoes steps 4 and 5.
+    resumed = _run(tmp_path, "crashed", data, crash_after=5)
+    assert_same_weights(ref, resumed, atol=1e-6)
     train_steps = [r["step"] for r in metrics(resumed) if r["kind"] == "train"]
     assert train_steps == list(range(1, 9))  # the crashed run's lost steps are not logged twice
+
+
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(tmp_path_factory, reference) -> tuple[Path, list, subprocess.CompletedProcess]:
+    """2 ranks, a checkpoint every 2 steps keeping the last 2, SIGKILLed after step 7; the newest
+    checkpoint (step 6) is then truncated, and `--resume` continues on 1 rank."""
+    data, _ = reference
+    out = tmp_path_factory.mktemp("one_rank") / "run"
+    common = [*TINY, "--steps", "8", "--save-every", "2", "--keep-last", "2", "--eval-every", "100", "--data",
+              data, "--out", str(out), "--dtype", "fp32", "--warmup", "2"]
+    proc = train(*common, "--nproc", "2", "--crash-after", "7", check=False)
+    assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
+    kept = sorted(os.listdir(out / "checkpoints"))
+    step6 = out / "checkpoints" / "global_step6" / "__0_0.distcp"
+    os.truncate(step6, step6.stat().st_size // 2)
+    return out, kept, train(*common, "--nproc", "1", "--resume")
+
+
+def test_keep_last_leaves_the_newest_checkpoints_and_latest(resumed_on_one_rank):
+    out, kept_when_killed, _ = resumed_on_one_rank
+    assert kept_when_killed == ["global_step4", "global_step6", "latest"]  # saved at 2, 4, 6
+    assert sorted(os.listdir(out / "checkpoints")) == ["global_step6", "global_step8", "latest"]
+
+
+def test_resume_falls_back_past_a_corrupt_latest_and_keeps_the_global_batch_on_fewer_ranks(
+        resumed_on_one_rank, reference):
+    out, _, proc = resumed_on_one_rank
+    assert "warning:" in proc.stderr and "global_step6" in proc.stderr and "truncated" in proc.stderr
+    assert "resuming from the newest intact checkpoint" in proc.stderr and "global_step4" in proc.stderr
+    assert "--grad-accum 1 -> 2 keeps the checkpoint's global batch of 8 (2 rank(s)" in proc.stderr
+    assert "resumed at step 4" in proc.stdout and "1 rank(s)" in proc.stdout
+    # The same data each step (StepBatches), so the same weights as the uninterrupted 2-rank run.
+    assert_same_weights(reference[1], out, atol=1e-5)
+
+
+def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, reference):
+    out, _, _ = resumed_on_one_rank
+    args = [*TINY, "--steps", "8", "--eval-every", "100", "--data", reference[0], "--out", str(out),
+            "--dtype", "fp32", "--warmup", "2", "--nproc", "1"]
+    proc = train(*args, "--micro-batch", "3", "--resume", check=False, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    # The latest checkpoint (step 8) is the one-rank run's: 8 = 1 rank x 2 accumulation x 4.
+    assert ("global batch is 8 (1 rank(s) x 2 accumulation x 4 micro-batch), which 1 rank(s) x --micro-batch 3 "
+            "cannot split" in proc.stderr and "--micro-batch 1, 2, 4, 8 would keep it" in proc.stderr), proc.stderr
+    proc = train(*args, "--resume", "nope", check=False, timeout=60)
+    assert proc.returncode != 0 and "checkpoint tag 'nope' (given) does not exist" in proc.stderr, proc.stderr
+    os.remove(out / "final.pt")
+    proc = train(*args, "--resume", "global_step6")
+    assert "resumed at step 6" in proc.stdout
+    assert_same_weights(reference[1], out, atol=1e-5)
+
+
+def test_explicit_grad_accum_on_resume_wins_with_a_warning(capsys):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import keep_global_batch
+
+    meta = {"world_size": 2, "client_state": {"options": {"micro_batch": 4, "grad_accum": 1}}}
+    opts = parse_options(["--micro-batch", "4", "--grad-accum", "1", "--nproc", "1"])
+    keep_global_batch(opts, meta, world=1)
+    assert opts.grad_accum == 1
+    assert "global batch changes from 8 (2 rank(s) x 1 accumulation x 4 micro-batch) in the checkpoint to 4 " \
+           "(1 rank(s) x 1 accumulation x 4 micro-batch)" in capsys.readouterr().err
 
 
 def test_step_data_is_the_same_for_any_world_size_at_a_fixed_global_batch():

@@ -188,11 +188,12 @@ class Engine:
                 out[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
         return out
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
         from .checkpoint import save_checkpoint
         self.wait_for_parameters()
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> dict:
         """Restore a checkpoint saved on any world size; returns its client_state (collective)."""

@@ -17,9 +17,12 @@ rank 0 renames what all ranks wrote.
 One concept per file, read in this order:
   pieces.py   the layout-free view of an engine (why pieces rather than buckets)
   errors.py   CheckpointError, and the agreement that raises it on every rank before any change
-  files.py    the directory on disk: temp dir, rename, `latest`, size + crc32 of each file
+  meta.py     zerodp.json's fields by type and range: one strict model for the writer and the reader
+  files.py    the directory on disk: temp dir, rename, `latest`, size + crc32 of each file, no path
+              out of the directory; housekeeping (stale temp dirs, keep_last)
   save.py     save_checkpoint
-  read.py     finding and checking a checkpoint; the restricted unpickler; chunked tensor reads
+  read.py     finding and checking a checkpoint (and the newest intact one); the restricted
+              unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
   export.py   consolidate / write_consolidated / `zerodp consolidate` (main)
 """
@@ -28,8 +31,8 @@ from .errors import CheckpointError
 from .export import consolidate, main, write_consolidated
 from .load import load_checkpoint
 from .pieces import local_state
-from .read import resolve
+from .read import newest_intact, resolve
 from .save import save_checkpoint
 
-__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "resolve",
+__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "newest_intact", "resolve",
            "save_checkpoint", "write_consolidated"]

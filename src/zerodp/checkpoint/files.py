@@ -5,6 +5,11 @@ has finished; `latest` is replaced atomically after that. Re-saving a tag moves 
 aside as `.old.{tag}` first, which `read.resolve` falls back on if a crash comes between the renames.
 Every file's size and crc32 (`record`) go into `zerodp.json`, so that a truncated or changed file is
 found on load.
+
+Housekeeping, on rank 0 only and never while a save is writing: `prepare` removes the `.tmp.*`
+directories of killed saves (and `.old.*` copies whose re-save completed) before a save writes;
+`prune` keeps the newest `keep_last` checkpoints (by global step, from zerodp.json) after a save has
+committed, never the one `latest` names, never a directory that is not a zerodp checkpoint.
 """
 
 from __future__ import annotations
@@ -15,21 +20,78 @@ import re
 import shutil
 import zlib
 
-FORMAT = 1
+from .errors import CheckpointError
+from .meta import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
+
 META = "zerodp.json"
 LATEST = "latest"
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def fresh_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)  # a temp dir left by a crashed save
-    os.makedirs(path)
+def prepare(save_dir: str, tmp: str) -> None:
+    """Clear what killed saves left in save_dir, then make the fresh temp dir `tmp`."""
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
+        path = os.path.join(save_dir, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if name.startswith(".tmp."):  # a save killed before its rename: never a checkpoint
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".old.") and os.path.isfile(os.path.join(save_dir, name[len(".old."):], META)):
+            shutil.rmtree(path, ignore_errors=True)  # its re-save completed; else resolve still needs it
+    os.makedirs(tmp)
 
 
-def finish(save_dir: str, tmp: str, tag: str, meta: dict) -> None:
-    """Write zerodp.json last, so a temp dir without it is an unfinished save; then commit."""
-    write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
+def finish(save_dir: str, tmp: str, tag: str, meta: dict, keep_last: int | None = None) -> None:
+    """Write zerodp.json last, so a temp dir without it is an unfinished save; commit; prune."""
+    path = os.path.join(tmp, META)
+    text = json.dumps(meta, indent=1)
+    validate(text, path)  # the reader's own check: never write what a load would refuse
+    write_atomic(path, text)
     commit(save_dir, tmp, tag)
+    if keep_last is not None:
+        prune(save_dir, keep_last, tag)
+
+
+def prune(save_dir: str, keep_last: int, latest: str) -> list[str]:
+    """Remove the checkpoints of save_dir beyond the newest `keep_last` (by global step, then time),
+    never `latest`; returns the removed tags. Directories that are not zerodp checkpoints stay."""
+    found = []
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        step = saved_step(path)
+        if step is not None:
+            found.append((step, os.path.getmtime(os.path.join(path, META)), name))
+    doomed = [name for _, _, name in sorted(found, reverse=True)[keep_last:] if name != latest]
+    for name in doomed:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return doomed
+
+
+def check_keep_last(keep_last: int | None) -> None:
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r}: expected a positive integer (how many checkpoints "
+                              "to keep) or None to keep them all")
+
+
+def saved_step(path: str) -> int | None:
+    """The global step of checkpoint directory `path`, or None if it is not a valid zerodp checkpoint."""
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            return validate(f.read(), path)["counters"]["global_steps"]
+    except (OSError, ValueError):  # CheckpointError is a ValueError
+        return None
+
+
+def inside(root: str, name: str) -> str | None:
+    """The real path of `root/name` if it lies inside root, else None: an absolute name, a `..`
+    or a symlink that leads out of the checkpoint directory is never followed."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, name))
+    if real == real_root or os.path.commonpath([real_root, real]) != real_root:
+        return None
+    return real
 
 
 def commit(save_dir: str, tmp: str, tag: str) -> None:

@@ -1,15 +1,17 @@
 """Reading a checkpoint directory safely: find it, check it, read its tensors in bounded chunks.
 
-Nothing is trusted before it is checked: `resolve` checks zerodp.json and every file's size, and
-`read_tensors` the crc32 of each file it reads. No unrestricted unpickling: the DCP `.metadata` file
-(a pickle) is read with an unpickler that admits only DCP's own metadata classes; tensors are read
-with torch.load(weights_only=True).
+Nothing is trusted before it is checked: `resolve` checks zerodp.json (meta.py: every field by type
+and range) and every file's size, and `read_tensors` the crc32 of each file it reads. No path is
+followed out of the checkpoint directory: every file named in zerodp.json or in the DCP `.metadata`
+must resolve inside it (no absolute path, `..` or symlink out), checked before any of them is opened.
+No unrestricted unpickling: `.metadata` (a pickle) is read with an unpickler that admits only DCP's
+own metadata classes; tensors are read with torch.load(weights_only=True). `newest_intact` is what a
+resume falls back on when `latest` is broken.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import warnings
@@ -23,7 +25,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 
 from . import files
 from .errors import CheckpointError
-from .files import FORMAT, LATEST, META, TAG
+from .files import LATEST, META, TAG
+from .meta import validate
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28
@@ -57,15 +60,15 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"'{path}' is not a complete zerodp checkpoint: {META} is missing "
                               "(an interrupted save?)")
+    _inside(path, META, "the checkpoint itself")
     try:
         with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"unknown format {meta.get('format')!r}")
-        for key in ("model", "files", "counters", "param_groups"):
-            meta[key]  # noqa: B018 - presence check
-    except (OSError, ValueError, KeyError, AttributeError) as e:
+            text = f.read()
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint '{path}' is corrupt: {meta_path} cannot be read ({e})") from None
+    meta = validate(text, f"checkpoint '{path}' is corrupt: {meta_path}")
+    for name in meta["files"]:
+        _inside(path, name, meta_path)
     for name, rec in meta["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -75,6 +78,36 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} has {size} bytes, "
                                   f"{rec['size']} were written (truncated?)")
     return path, meta
+
+
+def newest_intact(save_dir: str) -> tuple[str, dict]:
+    """(path, zerodp.json) of the newest checkpoint in save_dir (by global step, then time) that
+    `resolve` accepts: what a resume falls back on when `latest` is corrupt or names a broken one.
+    Its crc32s are checked when it is read."""
+    save_dir = os.fspath(save_dir)
+    found, broken = [], []
+    for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
+        if name.startswith(".") or not os.path.isdir(os.path.join(save_dir, name)):
+            continue
+        try:
+            path, meta = resolve(save_dir, name)
+        except CheckpointError as e:
+            broken.append(str(e))
+            continue
+        found.append((meta["counters"]["global_steps"], os.path.getmtime(os.path.join(path, META)), path, meta))
+    if not found:
+        why = f": {'; '.join(broken)}" if broken else ""
+        raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
+    _, _, path, meta = max(found, key=lambda f: f[:2])
+    return path, meta
+
+
+def _inside(path: str, name: str, named_in: str) -> None:
+    """Refuse a file name that leads out of checkpoint directory `path` before anything opens it."""
+    if files.inside(path, name) is None:
+        raise CheckpointError(f"checkpoint '{path}' is unsafe: file {name!r} (named in {named_in}) resolves "
+                              f"to '{os.path.realpath(os.path.join(path, name))}', outside the checkpoint "
+                              "directory; refusing to read it")
 
 
 def _verify_files(path: str, meta: dict, names: set[str]) -> None:
@@ -109,8 +142,12 @@ class SafeReader(FileSystemReader):
     """FileSystemReader whose metadata is read by the restricted unpickler."""
 
     def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as f:
+        path = os.fspath(self.path)
+        _inside(path, ".metadata", "the checkpoint itself")
+        with open(Path(path) / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        for info in (metadata.storage_data or {}).values():  # DCP opens these: none may lead out
+            _inside(path, os.fspath(info.relative_path), os.path.join(path, ".metadata"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -121,6 +158,8 @@ def read_metadata(path: str):
     """The DCP metadata of checkpoint `path`: which tensors it holds, in which files."""
     try:
         return SafeReader(path).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure here means an unreadable file
         raise CheckpointError(f"checkpoint '{path}' is corrupt: {os.path.join(path, '.metadata')} "
                               f"cannot be read ({type(e).__name__}: {e})") from None

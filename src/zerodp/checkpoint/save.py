@@ -23,17 +23,20 @@ from .files import FORMAT, LATEST, META, TAG
 from .pieces import bucket_params, group_states, local_state, signature
 
 
-def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                    keep_last: int | None = None) -> str:
     """Write `save_dir/{tag}` (default `global_step{N}`) and point `save_dir/latest` at it.
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
-    Returns the tag.
+    keep_last=N then removes all but the N newest checkpoints of save_dir (by global step; never
+    the new one); None keeps them all. Returns the tag.
     """
     comm = engine.comm
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)
     err = None
     try:
+        files.check_keep_last(keep_last)
         meta = _metadata(engine, tag, client_state)
     except CheckpointError as e:
         err, meta = str(e), None
@@ -42,7 +45,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     rng = _host_rng()
     agree(comm, err)
     tmp = os.path.join(save_dir, f".tmp.{tag}")
-    agree(comm, on_rank0(comm, files.fresh_dir, tmp))
+    agree(comm, on_rank0(comm, files.prepare, save_dir, tmp))  # also clears killed saves' leftovers
     dcp.save(local_state(engine), storage_writer=FileSystemWriter(tmp), process_group=comm.group)
     agree(comm, None)  # every rank's files are on disk before any rank lists them
     names = sorted(f for f in os.listdir(tmp) if f != META)
@@ -51,7 +54,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     if comm.rank == 0:
         meta["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
         meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
-    agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta))
+    agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta, keep_last))
     return tag
 
 

@@ -30,12 +30,15 @@ import zerodp
 from .build import build_model, build_optimizer, warmup_cosine
 from .data import Batches, load_corpus, val_batches
 from .options import ds_config, parse_options
+from .resume import plan_resume
 from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
 
 
 # ---- launch -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
+    # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
+    plan_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this is one rank
         run_rank(opts)
     elif opts.nproc == 1:
@@ -136,9 +139,9 @@ def train(opts: argparse.Namespace) -> None:
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, block, opts.micro_batch, opts.eval_batches, rank, world)
 
-    resumed = opts.resume and (ckpt_dir / "latest").exists()
+    resumed = opts.resume_from is not None  # main's plan_resume: latest, the newest intact one, or TAG
     if resumed:
-        client = engine.load_checkpoint(str(ckpt_dir))
+        client = engine.load_checkpoint(opts.resume_from)
         data.load_state_dict(client["data"])
     log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if rank == 0:
@@ -180,7 +183,8 @@ def train(opts: argparse.Namespace) -> None:
             memory = gather_memory(engine, shape, opts)
             log.write(kind="memory", step=step, ranks=memory)
         if (opts.save_every and step % opts.save_every == 0) or step == opts.steps:
-            engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts)})
+            engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts)},
+                                   keep_last=opts.keep_last)
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} {tokens_per_step / dt:,.0f} tok/s "

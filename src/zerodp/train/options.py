@@ -24,7 +24,7 @@ from .model import SIZES
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
-    eval_every=20, eval_batches=4, save_every=50, out=None, resume=False, seed=1337,
+    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, seed=1337,
     nproc=None, ds_config=None, crash_after=None,
 )
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
@@ -58,9 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
+    p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
     p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
-    p.add_argument("--resume", action="store_true", default=None,
-                   help="continue from OUT/checkpoints' latest checkpoint if there is one")
+    p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
+                   help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
+                   "intact one, with a warning, if latest is broken), or from checkpoint TAG; on "
+                   "another number of ranks --grad-accum is adjusted to keep the global batch")
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
@@ -81,6 +84,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
     ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), world)
     opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
+    opts["explicit"] = sorted({*ds, *from_file, *given})  # what a resume must not change (resume.py)
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if cuda else "fp32"
     if opts["out"] is None:
@@ -142,6 +146,10 @@ def _check(o: dict[str, Any]) -> None:
         if not isinstance(o[key], int) or o[key] < 1:
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
                              "positive integer")
+    if o["keep_last"] is not None and (type(o["keep_last"]) is not int or o["keep_last"] < 1):
+        raise SystemExit(f"zerodp train: --keep-last {o['keep_last']!r}: expected a positive integer")
+    if not isinstance(o["resume"], (bool, str)):
+        raise SystemExit(f"zerodp train: --resume {o['resume']!r}: expected true/false or a checkpoint tag")
     if o["data"] is not None and not os.path.exists(o["data"]):
         raise SystemExit(f"zerodp train: --data {o['data']!r} does not exist")
     if o["dtype"] not in DTYPES:

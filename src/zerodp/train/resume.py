@@ -1,0 +1,98 @@
+"""What `--resume` continues, settled once before any rank starts: the checkpoint, and the batch.
+
+`--resume` alone takes OUT/checkpoints' `latest`; when that is corrupt or names a broken checkpoint,
+the newest intact one (zerodp.checkpoint.newest_intact), with a warning that names the bad one and
+why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch.
+
+The global batch (ranks x gradient accumulation x micro-batch) is part of what a run is: the data of
+each step depends on it (loop.StepBatches). Resumed on another number of ranks, the job keeps it by
+adjusting --grad-accum, or stops with the numbers and the --micro-batch values that would fit. A
+--grad-accum given explicitly wins, with a warning that the global batch changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from zerodp.checkpoint import CheckpointError, newest_intact, resolve
+from zerodp.checkpoint.files import LATEST
+
+
+def plan_resume(opts: argparse.Namespace, world: int) -> None:
+    """Set opts.resume_from (a checkpoint directory, or None) and adjust opts.grad_accum to it."""
+    opts.resume_from = None
+    if not opts.resume:
+        return
+    ckpt_dir = Path(opts.out) / "checkpoints"
+    try:
+        if opts.resume is not True:
+            path, meta = resolve(ckpt_dir, opts.resume)
+        elif not (ckpt_dir / LATEST).exists() and not _any_checkpoint(ckpt_dir):
+            return  # nothing to continue: from scratch
+        else:
+            path, meta = _latest_or_newest_intact(ckpt_dir)
+    except CheckpointError as e:
+        raise SystemExit(f"zerodp train: --resume: {e}")
+    opts.resume_from = path
+    keep_global_batch(opts, meta, world)
+
+
+def _latest_or_newest_intact(ckpt_dir: Path) -> tuple[str, dict]:
+    try:
+        return resolve(ckpt_dir)
+    except CheckpointError as bad:
+        path, meta = newest_intact(ckpt_dir)
+        warn(f"{bad}; resuming from the newest intact checkpoint '{path}' (step "
+             f"{meta['counters']['global_steps']}) instead")
+        return path, meta
+
+
+def _any_checkpoint(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any(not p.name.startswith(".") and p.is_dir() for p in ckpt_dir.iterdir())
+
+
+def keep_global_batch(opts: argparse.Namespace, meta: dict, world: int) -> None:
+    """Keep the checkpoint's global batch on `world` ranks by setting opts.grad_accum (see module)."""
+    saved_opts = (meta.get("client_state") or {}).get("options") or {}
+    if not {"micro_batch", "grad_accum"} <= saved_opts.keys():
+        return  # not written by this job: nothing to keep
+    saved = (meta["world_size"], saved_opts["grad_accum"], saved_opts["micro_batch"])
+    now = (world, opts.grad_accum, opts.micro_batch)
+    if _product(saved) == _product(now):
+        return
+    if "grad_accum" in opts.explicit:
+        warn(f"the global batch changes from {_describe(saved)} in the checkpoint to {_describe(now)}: "
+             "--grad-accum was given; steps from here on see other data than the saved run would have")
+        return
+    accum, rest = divmod(_product(saved), world * opts.micro_batch)
+    if rest == 0:
+        note(f"resuming on {world} rank(s): --grad-accum {opts.grad_accum} -> {accum} keeps the "
+             f"checkpoint's global batch of {_describe(saved)}")
+        opts.grad_accum = accum
+        return
+    fits = [m for m in range(1, _product(saved) + 1) if _product(saved) % (world * m) == 0]
+    hint = (f"--micro-batch {', '.join(map(str, fits))} would keep it" if fits else
+            f"no --micro-batch keeps it on {world} rank(s); use a number of ranks that divides {_product(saved)}")
+    raise SystemExit(f"zerodp train: --resume: the checkpoint's global batch is {_describe(saved)}, "
+                     f"which {world} rank(s) x --micro-batch {opts.micro_batch} cannot split into whole "
+                     f"accumulation steps; {hint}, or pass --grad-accum to change the global batch")
+
+
+def _product(t: tuple[int, int, int]) -> int:
+    return t[0] * t[1] * t[2]
+
+
+def _describe(t: tuple[int, int, int]) -> str:
+    return f"{_product(t)} ({t[0]} rank(s) x {t[1]} accumulation x {t[2]} micro-batch)"
+
+
+def warn(msg: str) -> None:
+    note(f"warning: {msg}")
+
+
+def note(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank plans; one says so
+        print(f"zerodp train: {msg}", file=sys.stderr, flush=True)
