@@ -106,11 +106,16 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
-        return (self.micro_steps + 1) % self.gas == 0
+        return self.micro_steps - self._stepped_at + 1 >= self.gas
 
     def step(self) -> None:
-        """At an accumulation boundary: reduce, unscale, clip, update, all-gather. Otherwise nothing."""
-        if self.micro_steps == self._stepped_at or self.micro_steps % self.gas != 0:
+        """Once gradient_accumulation_steps backward() calls have been made since the last update:
+        reduce, unscale, clip, update, all-gather. Otherwise nothing.
+
+        More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
+        add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
+        with no backward() since the last update changes nothing, as PyTorch's does without grads."""
+        if self.micro_steps - self._stepped_at < self.gas:
             return
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
