@@ -39,6 +39,7 @@ class Engine:
                                   "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
+        _check_model(module, groups)
         self._check_same_everywhere()
 
         self.device = _device_of(module, comm)
@@ -240,6 +241,21 @@ class Engine:
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
             self.comm.broadcast(t.data)
+
+
+def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
+    """What this rank can tell about the model on its own, before any collective. (A fake tensor,
+    as the memory planner uses, reports the device it stands for, not 'meta'.)"""
+    meta = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+            if t.device.type == "meta"]
+    if meta:
+        raise ValueError(f"the model has {len(meta)} tensor(s) on the 'meta' device (first: '{meta[0]}'), "
+                         "which hold no values; materialize it with model.to_empty(device=...) and "
+                         "initialise the weights, or load a state dict, before zerodp.initialize")
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
+                         "optimizer holds none), so there is nothing to train; set requires_grad=True on "
+                         "the parameters to train before zerodp.initialize")
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:
