@@ -298,6 +298,9 @@ class Config(_Section):
     gradient_predivide_factor: Annotated[float, Field(gt=0)] = 1.0
     dump_state: bool = False
     seed: int | None = None
+    # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
+    # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
+    broadcast_buffers: bool = True
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .buffers import BufferSync
 from .comm import Comm
 from .config import Config, ConfigError
 from .flat import plan
@@ -46,6 +47,8 @@ class Engine:
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(self.device)  # only when needed: a model already there may hold fake tensors
         self._cast_and_sync_untrained(groups)
+        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
+                            else None)
         units = owning_modules(module) if self.stage == 3 else None
         layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.rank if self.stage > 0 else 0
@@ -90,6 +93,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_forward()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
