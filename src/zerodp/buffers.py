@@ -7,6 +7,8 @@ broadcast per dtype, into buffers made once at initialise time. Buffers are read
 each sync, as DDP does, so one the module reassigns is still synced. Repeated forwards in eval mode
 under no_grad broadcast nothing after the first: they do not change the buffers. Between the last
 training forward and the next forward each rank holds its own update, as under DDP.
+Such a forward is therefore collective, as DDP's is: to run the model on one rank only (an
+evaluation on rank 0), call engine.module(...) there, which syncs nothing.
 """
 
 from __future__ import annotations
