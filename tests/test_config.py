@@ -143,7 +143,8 @@ def test_whole_floats_are_integers_and_integers_are_numbers_in_every_section():
         "activation_checkpointing": {"number_checkpoints": 4.0},
         "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1e4, "warmup_max_lr": 1}}})
     assert type(config.train_batch_size) is int and config.train_batch_size == 32
-    assert type(config.fp16.loss_scale_window) is int and type(config.activation_checkpointing.number_checkpoints) is int
+    assert type(config.fp16.loss_scale_window) is int
+    assert type(config.activation_checkpointing.number_checkpoints) is int
     assert config.gradient_clipping == 1.0 and type(config.gradient_clipping) is float
     assert config.scheduler._parsed_params().total_num_steps == 10_000
 

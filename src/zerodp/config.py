@@ -41,7 +41,8 @@ class _Section(BaseModel):
     def _integral_float_as_int(cls, value: Any, info: ValidationInfo) -> Any:
         # JSON configs write sizes as 5e8, which JSON parsers read as a float: a whole float is
         # accepted where an integer is expected (5.5 is still an error).
-        if isinstance(value, float) and value.is_integer() and _expects_int(cls.model_fields[info.field_name].annotation):
+        wants_int = _expects_int(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, float) and value.is_integer() and wants_int:
             return int(value)
         return value
 
