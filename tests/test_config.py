@@ -107,6 +107,53 @@ def test_wrong_type_names_key_and_expected_form():
     assert "'fp16.loss_scale_window' = \"often\"" in message and "integer" in message
 
 
+WRONG_TYPES = [
+    ({"fp16": {"enabled": "yes"}}, "fp16.enabled", '"yes"', "true or false"),
+    ({"bf16": {"enabled": 1}}, "bf16.enabled", "1", "true or false"),
+    ({"zero_optimization": {"overlap_comm": "false"}}, "zero_optimization.overlap_comm", '"false"', "true or false"),
+    ({"zero_optimization": {"offload_optimizer": {"pin_memory": "no"}}},
+     "zero_optimization.offload_optimizer.pin_memory", '"no"', "true or false"),
+    ({"broadcast_buffers": "true"}, "broadcast_buffers", '"true"', "true or false"),
+    ({"train_batch_size": True}, "train_batch_size", "true", "an integer"),
+    ({"train_micro_batch_size_per_gpu": "4"}, "train_micro_batch_size_per_gpu", '"4"', "an integer"),
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage", '"2"', "an integer"),
+    ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, "zero_optimization.reduce_bucket_size", '"5e8"',
+     "an integer"),
+    ({"activation_checkpointing": {"number_checkpoints": True}}, "activation_checkpointing.number_checkpoints",
+     "true", "an integer"),
+    ({"gradient_clipping": "1e-3"}, "gradient_clipping", '"1e-3"', "a number"),
+    ({"fp16": {"min_loss_scale": True}}, "fp16.min_loss_scale", "true", "a number"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "100"}}},
+     "scheduler.params.warmup_num_steps", '"100"', "an integer"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                                         "cos_min_ratio": "0.1"}}},
+     "scheduler.params.cos_min_ratio", '"0.1"', "a number"),
+]
+
+
+@pytest.mark.parametrize("config, path, shown, expected", WRONG_TYPES,
+                         ids=[f"{path}={shown}" for _, path, shown, _ in WRONG_TYPES])
+def test_value_of_another_json_type_is_rejected_naming_key_value_and_form(config, path, shown, expected):
+    assert error_of(config).startswith(f"config key '{path}' = {shown}: expected {expected}")
+
+
+def test_whole_floats_are_integers_and_integers_are_numbers_in_every_section():
+    config = load_config({
+        "train_batch_size": 32.0, "gradient_clipping": 1, "fp16": {"loss_scale_window": 1e3, "loss_scale": 0},
+        "activation_checkpointing": {"number_checkpoints": 4.0},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 1e4, "warmup_max_lr": 1}}})
+    assert type(config.train_batch_size) is int and config.train_batch_size == 32
+    assert type(config.fp16.loss_scale_window) is int
+    assert type(config.activation_checkpointing.number_checkpoints) is int
+    assert config.gradient_clipping == 1.0 and type(config.gradient_clipping) is float
+    assert config.scheduler._parsed_params().total_num_steps == 10_000
+
+
+def test_optimizer_params_of_the_wrong_type_are_rejected_by_torch():
+    assert "'optimizer.params' rejected by torch.optim.AdamW" in error_of(
+        {"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}})
+
+
 def test_every_problem_gets_its_own_line():
     message = error_of({"steps_per_print": 0, "fp16": {"hysteresis": 0}})
     lines = message.splitlines()

@@ -33,6 +33,30 @@ def test_trainable_parameter_missing_from_optimizer_is_named():
         zerodp.initialize(model, opt, CFG)
 
 
+def test_model_on_meta_device_is_rejected_saying_how_to_materialize_it():
+    with torch.device("meta"):
+        model = Toy()
+    with pytest.raises(ValueError, match=r"'meta' device \(first: 'inp.weight'\).*model.to_empty\(device=...\)"):
+        zerodp.initialize(model, one_group(model), CFG)
+
+
+def test_model_with_only_a_meta_buffer_is_rejected():
+    model = nn.BatchNorm1d(4)
+    model.running_mean = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match=r"first: 'running_mean'"):
+        zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG)
+
+
+@pytest.mark.parametrize("optimizer", ["instance", "factory"])
+def test_model_without_trainable_parameters_is_rejected(optimizer):
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "instance" else \
+        (lambda params: torch.optim.SGD(params, lr=0.1))
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters.*set requires_grad=True"):
+        zerodp.initialize(model, opt, CFG)
+
+
 def test_missing_optimizer_says_how_to_give_one():
     with pytest.raises(zerodp.ConfigError, match="no optimizer"):
         zerodp.initialize(Toy(), None, CFG)

@@ -15,10 +15,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Annotated, Any, Iterable, Literal
+import types
+from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -29,8 +31,32 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    # A misspelt key must be an error, not a silently ignored setting.
-    model_config = ConfigDict(extra="forbid")
+    # A misspelt key must be an error, not a silently ignored setting; so must a value of the wrong
+    # JSON type (strict): "yes" is not a boolean, true is not a batch size, "2" is not a stage, the
+    # string "1e-3" is not a number. An integer is still a number where a float is expected.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_float_as_int(cls, value: Any, info: ValidationInfo) -> Any:
+        # JSON configs write sizes as 5e8, which JSON parsers read as a float: a whole float is
+        # accepted where an integer is expected (5.5 is still an error).
+        wants_int = _expects_int(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, float) and value.is_integer() and wants_int:
+            return int(value)
+        return value
+
+
+def _expects_int(annotation: Any) -> bool:
+    """True for int, Annotated[int, ...] and their optional forms (not bool, not float)."""
+    if annotation is int:
+        return True
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _expects_int(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return any(_expects_int(a) for a in get_args(annotation))
+    return False
 
 
 class FP16Config(_Section):
@@ -298,6 +324,9 @@ class Config(_Section):
     gradient_predivide_factor: Annotated[float, Field(gt=0)] = 1.0
     dump_state: bool = False
     seed: int | None = None
+    # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
+    # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
+    broadcast_buffers: bool = True
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
@@ -378,6 +407,14 @@ def _section_at(model: type[BaseModel], loc: Iterable[str]) -> type[BaseModel] |
     return model
 
 
+# The strict types' expected forms, in JSON's words.
+_EXPECTED = {
+    "bool_type": "true or false (a JSON boolean, not a string or a number)",
+    "int_type": "an integer (a JSON number without a fraction, not a string or a boolean)",
+    "float_type": "a number (a JSON number, not a string or a boolean)",
+}
+
+
 def _format_error(err: dict[str, Any], model: type[BaseModel], prefix: str) -> str:
     loc = [str(part) for part in err["loc"]]
     path = ".".join(([prefix] if prefix else []) + loc)
@@ -393,6 +430,8 @@ def _format_error(err: dict[str, Any], model: type[BaseModel], prefix: str) -> s
         return f"config key {path!r} = \"auto\": {_AUTO} {'a boolean' if kind.startswith('bool') else 'a number'}"
     if cause is not None:
         problem = str(cause)
+    elif kind in _EXPECTED:
+        problem = "expected " + _EXPECTED[kind]
     else:
         problem = "expected " + err["msg"].removeprefix("Input should be ")
     if cause is not None and _section_at(model, loc) is not None:  # a check across a section's keys

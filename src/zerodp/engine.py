@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .buffers import BufferSync
 from .comm import Comm
 from .config import Config, ConfigError
 from .flat import plan
@@ -39,12 +40,15 @@ class Engine:
                                   "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
+        _check_model(module, groups)
         self._check_same_everywhere()
 
         self.device = _device_of(module, comm)
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(self.device)  # only when needed: a model already there may hold fake tensors
         self._cast_and_sync_untrained(groups)
+        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
+                            else None)
         units = owning_modules(module) if self.stage == 3 else None
         layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.rank if self.stage > 0 else 0
@@ -89,6 +93,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_forward()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -106,11 +112,16 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
-        return (self.micro_steps + 1) % self.gas == 0
+        return self.micro_steps - self._stepped_at + 1 >= self.gas
 
     def step(self) -> None:
-        """At an accumulation boundary: reduce, unscale, clip, update, all-gather. Otherwise nothing."""
-        if self.micro_steps == self._stepped_at or self.micro_steps % self.gas != 0:
+        """Once gradient_accumulation_steps backward() calls have been made since the last update:
+        reduce, unscale, clip, update, all-gather. Otherwise nothing.
+
+        More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
+        add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
+        with no backward() since the last update changes nothing, as PyTorch's does without grads."""
+        if self.micro_steps - self._stepped_at < self.gas:
             return
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
@@ -236,6 +247,21 @@ class Engine:
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
             self.comm.broadcast(t.data)
+
+
+def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
+    """What this rank can tell about the model on its own, before any collective. (A fake tensor,
+    as the memory planner uses, reports the device it stands for, not 'meta'.)"""
+    meta = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
+            if t.device.type == "meta"]
+    if meta:
+        raise ValueError(f"the model has {len(meta)} tensor(s) on the 'meta' device (first: '{meta[0]}'), "
+                         "which hold no values; materialize it with model.to_empty(device=...) and "
+                         "initialise the weights, or load a state dict, before zerodp.initialize")
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
+                         "optimizer holds none), so there is nothing to train; set requires_grad=True on "
+                         "the parameters to train before zerodp.initialize")
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:

@@ -53,6 +53,8 @@ class Reducer:
         self.inflight: deque = deque()
         # `fresh`: the accumulation window has just begun: a first arrival is copied, not added.
         self.fresh = True
+        # `reduced`: a full bucket (stages 0, 1) already holds this window's reduced gradients.
+        self.reduced = False
         self.active = False
         self.communicate = False
         self._handles = []
@@ -64,6 +66,8 @@ class Reducer:
     # ---- backward -------------------------------------------------------------------------------
     def begin(self, communicate: bool) -> None:
         """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""
+        if self.reduced:
+            self._reopen()
         self.active, self.communicate = True, communicate or self.sharded_grads
         self.pending = [len(b.slots) for b in self.buckets]
         self.arrived = [bytearray(len(b.slots)) for b in self.buckets]
@@ -131,6 +135,23 @@ class Reducer:
             self.live.clear()
         self.fresh = False
 
+    def _reopen(self) -> None:
+        """Another backward() in a window whose full buckets were already reduced (two backward()
+        calls before one step() at gradient_accumulation_steps 1): the next reduction must give the
+        reduced mean so far plus the new gradients' mean. Its reductions may still be in flight,
+        so wait before any hook adds into them. Stage 0 holds the mean on every rank, which the next
+        all_reduce of (mean + g) / N sums back; stage 1's reduce_scatter left only the owned chunk
+        reduced (the rest is this rank's own gradient / N): that chunk becomes N x mean, the rest 0."""
+        self.wait()
+        self.reduced = False
+        if self.stage == 0 or self.comm.world_size == 1:
+            return
+        for b, acc in zip(self.buckets, self.acc):
+            if acc is not None:
+                owned = b.shard(acc, self.rank) * self.comm.world_size
+                acc.zero_()
+                b.shard(acc, self.rank).copy_(owned)
+
     def _grad(self, k: int) -> torch.Tensor:
         """Bucket k's gradient buffer, made on first use in a window: zeroed for a full bucket (its
         padding and any parameter without a gradient must read 0); a shard is wholly overwritten."""
@@ -155,6 +176,7 @@ class Reducer:
         else:
             out = self._grad(k) if direct else b.shard(buf, self.rank)
             work = self.comm.reduce_scatter(out, buf, async_op=True)
+        self.reduced = not self.sharded_grads
         self.inflight.append((k, work, direct))
         if not self.overlap:
             self._retire_oldest()
@@ -205,6 +227,7 @@ class Reducer:
         """Free the gradients (set_to_none) and start a new accumulation window."""
         self.acc = [None] * len(self.buckets)
         self.fresh = True
+        self.reduced = False
 
     def bytes(self) -> dict[str, int]:
         """Bytes of the gradients while they exist, and the most the reduce-buffer pool has held."""

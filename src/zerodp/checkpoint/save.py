@@ -63,12 +63,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     if not TAG.fullmatch(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
                               "'_.+-', not starting with '.', and not 'latest'")
-    if engine.micro_steps % engine.gas != 0 or engine.micro_steps != engine._stepped_at:
-        if engine.micro_steps != 0:
-            raise CheckpointError(
-                f"save_checkpoint in the middle of a gradient accumulation (micro step "
-                f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
-                "save right after engine.step() at an accumulation boundary")
+    if engine.micro_steps != engine._stepped_at:  # backward() calls not yet applied by a step()
+        raise CheckpointError(
+            f"save_checkpoint in the middle of a gradient accumulation (micro step "
+            f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
+            "save right after engine.step() at an accumulation boundary")
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as e:
