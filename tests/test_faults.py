@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ import torch.distributed as dist
 import zerodp
 from oracle import D_IN, D_OUT, Toy, one_group
 from spawn import run_ranks
+from test_train import REPO, TINY, corpus
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
 PROMPT_S = 5.0  # "promptly": far below the spawned group's 30 s timeout, which is what main waits for
@@ -122,3 +128,77 @@ def test_comm_timeout_is_a_strict_positive_number():
     for bad in ("10", True, 0, -1.5):
         with pytest.raises(zerodp.ConfigError, match="comm_timeout_s"):
             zerodp.load_config({"comm_timeout_s": bad})
+
+
+# ---- the train job: a stalled rank, a killed rank, a preemption ------------------------------------
+def _job(out: Path, data: str, *extra: str) -> subprocess.Popen:
+    """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    args = [*TINY, "--steps", "40", "--eval-every", "1000", "--save-every", "1000", "--data", data,
+            "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2", *extra]
+    return subprocess.Popen([sys.executable, "-m", "zerodp.train", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _seconds_after_step(proc: subprocess.Popen, out: Path, step: int, send=None) -> tuple[float, str, str]:
+    """Wait (bounded) until the job has logged `step`, optionally send it a signal, then time its exit."""
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    if send is not None:
+        proc.send_signal(send)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job did not end within 90 s:\n{stderr[-3000:]}")
+    return time.monotonic() - t0, stdout, stderr
+
+
+TIMEOUT_S = 4
+
+
+def test_stalled_rank_ends_the_job_within_the_timeout_naming_the_collective(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--timeout", str(TIMEOUT_S), "--crash-after", "3", "--crash-rank", "1",
+                "--crash-signal", "SIGSTOP")
+    seconds, _, stderr = _seconds_after_step(proc, out, 3)
+    print(f"SIGSTOP of rank 1 after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode != 0
+    assert re.search(rf"rank 0: \w+ in engine\.\w+\(\) .* at step 4 timed out after {TIMEOUT_S} s: a peer rank "
+                     r"stopped responding", stderr), stderr[-3000:]
+    assert seconds < TIMEOUT_S + 15, seconds  # the timeout, plus the launcher's shutdown and teardown
+
+
+def test_launcher_names_the_rank_killed_first_not_the_rank_that_failed_after_it(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--crash-after", "3", "--crash-rank", "1")
+    seconds, _, stderr = _seconds_after_step(proc, out, 3)
+    print(f"SIGKILL of rank 1 after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode != 0
+    assert "zerodp train: rank 1 was killed by SIGKILL (exit code -9)" in stderr, stderr[-3000:]
+    assert "rank 0 failed" not in stderr
+
+
+def test_sigterm_checkpoints_the_step_reached_and_exits_143_in_one_line_then_resumes(tmp_path):
+    out, data = tmp_path / "run", corpus(tmp_path)
+    proc = _job(out, data, "--timeout", "30")
+    seconds, stdout, stderr = _seconds_after_step(proc, out, 3, send=signal.SIGTERM)
+    print(f"SIGTERM to the launcher after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode == 143, stderr[-3000:]
+    lines = [line for line in stdout.splitlines() if "stopped by" in line]
+    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], stdout
+    assert "Traceback" not in stderr, stderr[-3000:]
+    step = int(re.search(r"after step (\d+)", lines[0]).group(1))
+    assert step >= 3 and (out / "checkpoints" / "latest").read_text() == f"global_step{step}"
+    resumed = _job(out, data, "--resume", "--steps", str(step + 2))
+    _, stdout, stderr = _seconds_after_step(resumed, out, step + 2)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resumed at step {step}" in stdout

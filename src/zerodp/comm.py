@@ -147,20 +147,20 @@ class Comm:
             raise failures[0].exception(what)
         return [p for _, p in results]
 
-    def peer_failure(self, e: BaseException, where: str) -> PeerFailure | None:
+    def peer_failure(self, e: BaseException, where: str, op: str | None = None) -> PeerFailure | None:
         """The error to raise instead of `e` when `e` says a peer stalled or died; None otherwise.
 
         gloo says only "Timed out waiting 10000ms for recv" or "Connection closed by peer": this
         adds which zerodp collective (`where`, and the kind issued last) and what it means.
         """
-        text = _message(e)
+        text, op = _message(e), op or self.last_op
         low = text.lower()
         if "timed out" in low or "timeout" in low:
-            return PeerFailure(f"{self.last_op} {where} timed out after {self._timeout_s(text)}: a peer rank "
+            return PeerFailure(f"{op} {where} timed out after {self._timeout_s(text)}: a peer rank "
                                "stopped responding (stalled or dead); the limit is the config key "
                                "'comm_timeout_s' (--timeout in zerodp train)")
         if any(k in low for k in ("connection closed", "connection reset", "broken pipe")):
-            return PeerFailure(f"{self.last_op} {where} failed: a peer rank died ({text.splitlines()[0]})")
+            return PeerFailure(f"{op} {where} failed: a peer rank died ({text.splitlines()[0]})")
         return None
 
     def _timeout_s(self, text: str) -> str:
