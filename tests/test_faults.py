@@ -130,6 +130,17 @@ def test_comm_timeout_is_a_strict_positive_number():
             zerodp.load_config({"comm_timeout_s": bad})
 
 
+
+def test_comm_timeout_is_the_timeout_of_the_group_initialize_creates():
+    script = ("import torch, zerodp; from torch import nn; m = nn.Linear(2, 2); "
+              "zerodp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "
+              "{'train_micro_batch_size_per_gpu': 1, 'comm_timeout_s': 7}); "
+              "print(zerodp.Comm().group._get_backend(torch.device('cpu')).options._timeout.total_seconds())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "7.0", proc.stderr[-2000:]
+
+
 # ---- the train job: a stalled rank, a killed rank, a preemption ------------------------------------
 def _job(out: Path, data: str, *extra: str) -> subprocess.Popen:
     """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves."""
