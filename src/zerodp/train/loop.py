@@ -138,7 +138,8 @@ def describe_exit(rank: int, code: int) -> str:
 
 def _launched_rank(opts: argparse.Namespace) -> None:
     """A rank that this job started: its error is printed once, plainly, then the rank exits."""
-    Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))  # for FirstExit
+    if PID_DIR in os.environ:  # for FirstExit
+        Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     try:
         code = run_rank(opts)
     except zerodp.PeerFailure as e:  # one line says it all: which collective, and why
