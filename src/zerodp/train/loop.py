@@ -305,7 +305,8 @@ def train(opts: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
             if rank == 0:
-                saved = f"checkpoint {ckpt_dir / f'global_step{step}'} written" if opts.save_on_signal else "no checkpoint written (--no-save-on-signal)"
+                saved = (f"checkpoint {ckpt_dir / f'global_step{step}'} written" if opts.save_on_signal
+                         else "no checkpoint written (--no-save-on-signal)")
                 print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
                       "--resume continues", flush=True)
             return 128 + stopping
