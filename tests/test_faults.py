@@ -213,3 +213,13 @@ def test_sigterm_checkpoints_the_step_reached_and_exits_143_in_one_line_then_res
     _, stdout, stderr = _seconds_after_step(resumed, out, step + 2)
     assert resumed.returncode == 0, stderr[-3000:]
     assert f"resumed at step {step}" in stdout
+
+
+def test_sigterm_to_a_one_rank_job_with_no_save_on_signal_stops_without_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--nproc", "1", "--no-save-on-signal")
+    seconds, stdout, stderr = _seconds_after_step(proc, out, 2, send=signal.SIGTERM)
+    print(f"SIGTERM to a one-rank job after step 2: it exited {seconds:.1f} s later")
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "no checkpoint written (--no-save-on-signal)" in stdout and "Traceback" not in stderr
+    assert not (out / "checkpoints").exists()
