@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args, timeout_s: float) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -28,11 +29,12 @@ def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args) -> No
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args) -> list:
+def run_ranks(fn, world: int, *args, timeout_s: float = 300) -> list:
     """fn(rank, world, *args) on `world` spawned gloo ranks; returns every rank's result in order.
 
     fn must be importable (module level). A rank that raises fails the call with its traceback.
+    timeout_s bounds each collective: a rank left waiting for a peer fails instead of hanging.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args, timeout_s), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world)]

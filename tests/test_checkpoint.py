@@ -393,7 +393,9 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypatc
         assert open(os.path.join(d, "latest")).read() == "global_step1"
         assert ck.resolve(d)[0] == os.path.join(d, "global_step1")
         if where != "before_latest":
-            assert ".tmp.global_step2" in os.listdir(d) and "global_step2" not in os.listdir(d)
+            # An error while writing: the save removes its own temp dir; later, rank 0's rename failed.
+            assert (".tmp.global_step2" in os.listdir(d)) == (where != "tensor_files")
+            assert "global_step2" not in os.listdir(d)
             with pytest.raises(ck.CheckpointError, match="does not exist"):
                 ck.resolve(d, "global_step2")
         fresh = make_engine(1, 2, seed=1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .activations import checkpoint_blocks
-from .comm import Comm, init_distributed
+from .comm import DEFAULT_TIMEOUT_S, Comm, PeerFailure, init_distributed
 from .config import Config, ConfigError, load_config
 from .engine import Engine
 from .optimizer import OptimizerLike
@@ -20,7 +20,7 @@ from .optimizer import OptimizerLike
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
 # zerodp.checkpoint belongs to the sharded save/load module (DESIGN.md's layout).
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init_distributed",
-           "checkpoint_blocks"]
+           "checkpoint_blocks", "PeerFailure"]
 
 
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
@@ -36,7 +36,16 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     process_group: the data-parallel group; by default the world, initialised from torchrun's
       environment (NCCL on CUDA, gloo otherwise) or as a world of one when there is none.
     lr_scheduler: a callable optimizer -> scheduler, stepped after every step that is not skipped.
+
+    A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
+    collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
-    cfg = load_config(config)  # a bad config fails here, on every rank, before any collective
-    init_distributed()
-    return Engine(model, optimizer, cfg, Comm(process_group), lr_scheduler)
+    try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
+        cfg, error = load_config(config), None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        cfg, error = None, e
+    init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
+    comm = Comm(process_group)
+    if error is not None:
+        comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
+    return Engine(model, optimizer, cfg, comm, lr_scheduler)

@@ -4,13 +4,22 @@
 receives it. It also hides a torch rename: torch >= 2.13 calls the flat collectives
 `all_gather_single` / `reduce_scatter_single` and warns on the old names, which are all that
 torch 2.11 has.
+
+It also owns the two ways a problem on one rank reaches every rank instead of hanging the others:
+`Comm.agree` (every rank reports ok or its error in one small collective, before the collectives that
+a local error would leave half-entered) and `Comm.peer_failure` (a collective that timed out because a
+peer stalled or died, named by where it was waited for).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,19 +28,57 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed from torchrun's environment, or as a world of one without it."""
+# gloo's own default is 30 minutes: a stalled peer would hold every other rank that long.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise torch.distributed from torchrun's environment, or as a world of one without it.
+
+    timeout_s bounds every collective of the group zerodp creates: a peer that stops responding ends
+    the job after it. A group that already exists (the user's own) keeps its own timeout.
+    """
     if dist.is_initialized():
         return
+    timeout = timedelta(seconds=timeout_s)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+class PeerFailure(RuntimeError):
+    """A collective that could not complete because another rank stopped responding or died."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's error as `Comm.agree` reports it: plain strings, so no rank unpickles an object."""
+
+    rank: int
+    kind: str      # the exception class, "module:qualname"
+    message: str
+
+    def exception(self, what: str) -> Exception:
+        """The error a rank raises for a peer's failure: the same class where it can be rebuilt."""
+        text = f"{what} failed on rank {self.rank}: {self.message}"
+        module, _, name = self.kind.partition(":")
+        cls = sys.modules.get(module)
+        for part in name.split("."):
+            cls = getattr(cls, part, None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            try:
+                err = cls(text)
+                if str(err) == text:  # a class whose constructor takes one message
+                    return err
+            except Exception:  # noqa: BLE001 - any other signature: fall back to RuntimeError
+                pass
+        return RuntimeError(f"{text} ({name})")
 
 
 @dataclass
@@ -73,11 +120,62 @@ class Comm:
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
         self.traffic = Traffic()
+        self.last_op = "collective"  # the kind issued last: names a timed-out collective (peer_failure)
+
+    def agree(self, error: BaseException | None, what: str, payload=None,
+              raise_for: Callable[[list[Failure]], BaseException] | None = None) -> list:
+        """Collective: every rank reports ok or its error (and a payload); returns the payloads.
+
+        If any rank failed, every rank raises: the failing rank its own exception, the others
+        `Failure.exception` (the same class, naming the rank and its message), or whatever
+        `raise_for(failures)` builds. Call it after the local work that may fail and before the
+        collectives it guards, so a rank that failed never leaves the others waiting.
+        """
+        report = None if error is None else (f"{type(error).__module__}:{type(error).__qualname__}",
+                                              _message(error))
+        if self.world_size == 1 or self.backend == "fake":
+            results = [(report, payload)]
+        else:
+            results = [None] * self.world_size
+            dist.all_gather_object(results, (report, payload), group=self.group)
+        failures = [Failure(r, *rep) for r, (rep, _) in enumerate(results) if rep is not None]
+        if failures:
+            if raise_for is not None:
+                raise raise_for(failures)
+            if error is not None:
+                raise error
+            raise failures[0].exception(what)
+        return [p for _, p in results]
+
+    def peer_failure(self, e: BaseException, where: str, op: str | None = None) -> PeerFailure | None:
+        """The error to raise instead of `e` when `e` says a peer stalled or died; None otherwise.
+
+        gloo says only "Timed out waiting 10000ms for recv" or "Connection closed by peer": this
+        adds which zerodp collective (`where`, and the kind issued last) and what it means.
+        """
+        text, op = _message(e), op or self.last_op
+        low = text.lower()
+        if "timed out" in low or "timeout" in low:
+            return PeerFailure(f"{op} {where} timed out after {self._timeout_s(text)}: a peer rank "
+                               "stopped responding (stalled or dead); the limit is the config key "
+                               "'comm_timeout_s' (--timeout in zerodp train)")
+        if any(k in low for k in ("connection closed", "connection reset", "broken pipe")):
+            return PeerFailure(f"{op} {where} failed: a peer rank died ({text.splitlines()[0]})")
+        return None
+
+    def _timeout_s(self, text: str) -> str:
+        try:
+            seconds = self.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - private API: read the milliseconds gloo printed instead
+            ms = re.search(r"(\d+)\s*ms", text)
+            return f"{int(ms.group(1)) / 1000:g} s" if ms else "the process group's timeout"
+        return f"{seconds:g} s"
 
     def _ring(self, nbytes: int) -> float:
         return nbytes * (self.world_size - 1) / self.world_size
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
+        self.last_op = "all_reduce"
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()))
         if self.world_size == 1:
             return _Done() if async_op else None
@@ -85,6 +183,7 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum `inp` over ranks and keep this rank's 1/N chunk in `out` (which may alias it)."""
+        self.last_op = "reduce_scatter"
         self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()))
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
@@ -92,6 +191,7 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
+        self.last_op = "all_gather"
         self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()))
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
@@ -106,6 +206,7 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         if self.world_size == 1:
             return
+        self.last_op = "broadcast"
         self.traffic.add("broadcast", t.numel() * t.element_size())
         dist.broadcast(t, dist.get_global_rank(self.group, src_rank), group=self.group)
 
@@ -116,3 +217,11 @@ class Comm:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _message(e: BaseException) -> str:
+    """The exception's text, never failing (an agreement must not break on a bad __str__)."""
+    try:
+        return str(e) or type(e).__name__
+    except Exception:  # noqa: BLE001
+        return type(e).__name__

@@ -327,6 +327,9 @@ class Config(_Section):
     # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
     # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
     broadcast_buffers: bool = True
+    # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
+    # when zerodp creates the group); strict, so "600" or true is an error rather than a guess.
+    comm_timeout_s: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] = 600.0
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)

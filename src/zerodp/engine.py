@@ -3,6 +3,7 @@ into forward / backward / step. See DESIGN.md, "One training step, as data"."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from contextlib import contextmanager
@@ -23,6 +24,23 @@ from .reducer import Reducer
 from .stage3 import Gatherer, owning_modules
 
 
+def _names_peer_failure(where: str):
+    """A collective that timed out or lost its peer inside the wrapped method is raised again as one
+    PeerFailure naming the method and the step (gloo's own error names neither). Free unless it raises."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except RuntimeError as e:
+                failure = self.comm.peer_failure(e, f"in {where} at step {self.global_steps + 1}")
+                if failure is None:
+                    raise
+                raise failure from e
+        return run
+    return wrap
+
+
 class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
@@ -30,22 +48,16 @@ class Engine:
                  comm: Comm, lr_scheduler: Callable | None = None):
         self.config, self.comm, self.module = config, comm, module
         zero = config.zero_optimization
-        self.stage = zero.stage
-        self.batch = config.batch(comm.world_size)
-        self.gas = self.batch.gradient_accumulation_steps
-        self.dtype = config.dtype
-        if optimizer is None:
-            if config.optimizer is None:
-                raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
-                                  "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
-            optimizer = config.optimizer.build
-        groups = _trainable_groups(module, optimizer)
-        _check_model(module, groups)
+        error = None
+        try:
+            optimizer, groups = self._local_checks(optimizer)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+            error = e
+        # The first collective: a set-up error on any rank raises on every rank (zerodp.initialize
+        # meets this agreement directly when its config failed to load).
+        comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
 
-        self.device = _device_of(module, comm)
-        if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
-            module.to(self.device)  # only when needed: a model already there may hold fake tensors
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
@@ -90,6 +102,7 @@ class Engine:
         comm.traffic.reset()
 
     # ---- the training step ----------------------------------------------------------------------
+    @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
@@ -97,6 +110,7 @@ class Engine:
             self.buffer_sync.before_forward()
         return self.module(*args, **kwargs)
 
+    @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
         """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
         self._scale_used = self.scaler.scale
@@ -114,6 +128,7 @@ class Engine:
         """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
         return self.micro_steps - self._stepped_at + 1 >= self.gas
 
+    @_names_peer_failure("engine.step() (gradient reduction, norm all_reduce, parameter all_gather)")
     def step(self) -> None:
         """Once gradient_accumulation_steps backward() calls have been made since the last update:
         reduce, unscale, clip, update, all-gather. Otherwise nothing.
@@ -217,6 +232,26 @@ class Engine:
         return memory_report(self)
 
     # ---- set-up checks --------------------------------------------------------------------------
+    def _local_checks(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
+        """Everything about the set-up that this rank can check alone, and the local moves (the module
+        to its device). No collective here: whatever raises is agreed on by every rank just after."""
+        config, module = self.config, self.module
+        self.stage = config.zero_optimization.stage
+        self.batch = config.batch(self.comm.world_size)
+        self.gas = self.batch.gradient_accumulation_steps
+        self.dtype = config.dtype
+        if optimizer is None:
+            if config.optimizer is None:
+                raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
+                                  "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
+            optimizer = config.optimizer.build
+        groups = _trainable_groups(module, optimizer)
+        _check_model(module, groups)
+        self.device = _device_of(module, self.comm)
+        if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
+            module.to(self.device)  # only when needed: a model already there may hold fake tensors
+        return optimizer, groups
+
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same model with the same config, or collectives would mismatch."""
         if self.comm.world_size == 1 or self.comm.backend == "fake":

@@ -17,14 +17,42 @@ class CheckpointError(ValueError):
 def agree(comm, err: str | None, payload=None) -> list:
     """Collective: gather (error, payload) from every rank; raise the first error everywhere.
 
-    No branch for a world of one: Comm.all_gather_object is already a local [obj] there.
+    Comm.agree is the one agreement; a checkpoint's rule on top: every rank raises the same
+    CheckpointError, its message alone when every rank failed alike, else prefixed by the rank.
     """
-    results = comm.all_gather_object((err, payload))
-    for r, (e, _) in enumerate(results):
-        if e:
-            same = all(x[0] == e for x in results)
-            raise CheckpointError(e if same else f"on rank {r}: {e}")
-    return [p for _, p in results]
+    def same_everywhere(failures) -> CheckpointError:
+        e = failures[0]
+        alike = len(failures) == comm.world_size and all(f.message == e.message for f in failures)
+        return CheckpointError(e.message if alike else f"on rank {e.rank}: {e.message}")
+
+    return comm.agree(CheckpointError(err) if err else None, "checkpoint", payload, raise_for=same_everywhere)
+
+
+def failure_text(e: BaseException) -> str:
+    """What went wrong, for a CheckpointError: torch.distributed.checkpoint wraps each rank's error in a
+    CheckpointException (a BaseException) whose text is a traceback dump; name the first cause."""
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items())
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"{type(cause).__name__} on rank {rank}: {cause}"
+    return f"{type(e).__name__}: {e}"
+
+
+def root_oserror(e: BaseException) -> OSError | None:
+    """The OSError behind `e` (its cause chain, or a DCP CheckpointException's per-rank failures)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        for wrapped in (getattr(x, "failures", None) or {}).values():
+            todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    return None
 
 
 def on_rank0(comm, fn: Callable, *args) -> str | None:

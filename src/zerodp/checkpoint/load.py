@@ -13,8 +13,9 @@ import random
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from .errors import CheckpointError, agree
+from .errors import CheckpointError, agree, failure_text
 from .pieces import owned_pieces, saved_pieces, signature, untrained
 from .read import read_metadata, read_tensors, resolve
 
@@ -32,8 +33,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
         staged = _stage(engine, path, meta)
     except CheckpointError as e:
         err = str(e)
-    except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
-        err = f"loading the checkpoint failed: {type(e).__name__}: {e}"
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reach the agreement, or other ranks hang
+        err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
     agree(engine.comm, err)
     _apply(engine, meta, staged)
     return meta["client_state"] if meta["client_state"] is not None else {}

@@ -8,17 +8,20 @@ each file's size and crc32 with the metadata and renames the directory into plac
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import files
-from .errors import CheckpointError, agree, on_rank0
+from .errors import CheckpointError, agree, failure_text, on_rank0, root_oserror
 from .files import FORMAT, LATEST, META, TAG
 from .pieces import bucket_params, group_states, local_state, signature
 
@@ -34,28 +37,47 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     comm = engine.comm
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)
-    err = None
+    err = state = None
     try:
         files.check_keep_last(keep_last)
         meta = _metadata(engine, tag, client_state)
+        state = local_state(engine)
     except CheckpointError as e:
         err, meta = str(e), None
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
-    agree(comm, err)
+    mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    needed = sum(agree(comm, err, mine))  # the bytes this save writes, for a "no space" message
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     agree(comm, on_rank0(comm, files.prepare, save_dir, tmp))  # also clears killed saves' leftovers
-    dcp.save(local_state(engine), storage_writer=FileSystemWriter(tmp), process_group=comm.group)
-    agree(comm, None)  # every rank's files are on disk before any rank lists them
-    names = sorted(f for f in os.listdir(tmp) if f != META)
-    mine = {f: files.record(os.path.join(tmp, f)) for i, f in enumerate(names) if i % comm.world_size == comm.rank}
-    gathered = agree(comm, None, (mine, rng))
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=comm.group)
+        names = sorted(f for f in os.listdir(tmp) if f != META)
+        mine = {f: files.record(os.path.join(tmp, f)) for i, f in enumerate(names) if i % comm.world_size == comm.rank}
+        err = None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
+        err, mine = _write_error(e, save_dir, tmp, needed), None
+    try:
+        gathered = agree(comm, err, (mine, rng))  # every rank's files are on disk before rank 0 renames
+    except CheckpointError:
+        on_rank0(comm, shutil.rmtree, tmp)  # nothing renamed: `latest` and older checkpoints stand
+        raise
     if comm.rank == 0:
         meta["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
         meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
     agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta, keep_last))
     return tag
+
+
+def _write_error(e: BaseException, save_dir: str, tmp: str, needed: int) -> str:
+    """The CheckpointError message for a failed write: the path and the cause; ENOSPC in bytes."""
+    os_error = root_oserror(e)
+    if os_error is not None and os_error.errno == errno.ENOSPC:
+        return (f"could not save checkpoint {tmp!r}: no space left on device, {needed} bytes needed at "
+                f"{save_dir!r}; the previous checkpoint and 'latest' are unchanged")
+    return (f"could not save checkpoint {tmp!r}: {failure_text(e)}; the previous checkpoint and 'latest' "
+            "are unchanged")
 
 
 def _metadata(engine, tag: str, client_state: dict | None) -> dict:

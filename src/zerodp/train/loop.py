@@ -12,11 +12,13 @@ the metrics, progress bar and report.png report.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -34,60 +36,160 @@ from .resume import plan_resume
 from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
 
 
+PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
+
+
 # ---- launch -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
     plan_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this is one rank
-        run_rank(opts)
-    elif opts.nproc == 1:
-        run_rank(opts)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
+        code = run_rank(opts)
+        if code:
+            raise SystemExit(code)  # stopped by a signal, checkpoint written: 128 + the signal number
     else:
         launch(opts)
 
 
 def launch(opts: argparse.Namespace) -> None:
     """Start opts.nproc ranks on this machine, as `torchrun --standalone --nproc-per-node N` does."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # A SIGTERM/SIGINT to this process is forwarded to the ranks (torch's launcher does that), which
+    # finish their step, checkpoint and exit; shutdown_timeout bounds the wait before it SIGKILLs them.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.5)
+                          monitor_interval=0.5, shutdown_timeout=max(10, math.ceil(opts.timeout)))
     # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    try:
-        elastic_launch(config, _launched_rank)(opts)
-    except ChildFailedError as e:
-        # The failing rank already printed its traceback; say which one failed, briefly.
-        first = e.get_first_failure()[1]
-        raise SystemExit(f"zerodp train: rank {first.local_rank} failed (exit code {first.exitcode})")
+    # Its shutdown warnings too ("Received 15 death signal"): the job says what happened in one line.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory() as pids, FirstExit(pids) as first:
+        try:
+            elastic_launch(config, _launched_rank)(opts)
+        except SignalException as e:  # the ranks were told and have stopped; rank 0 said how
+            raise SystemExit(128 + int(e.sigval))
+        except ChildFailedError as e:
+            codes = {f.exitcode for f in e.failures.values()}
+            if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT}:  # every rank stopped on a signal
+                raise SystemExit(max(codes))
+            found = first.rank_and_code or min((r, f.exitcode) for r, f in e.failures.items())
+            raise SystemExit(f"zerodp train: {describe_exit(*found)}")
+
+
+class FirstExit:
+    """Which rank exited first, and how: the one whose failure made the others fail.
+
+    torch's launcher reports one failed rank: whichever its poll saw first, often rank 0 failing in
+    a collective because its peer was SIGKILLed a moment before (and get_first_failure orders by
+    error files, which a killed rank never writes). So the launcher watches SIGCHLD itself; each rank
+    leaves its pid in `pid_dir`, and os.waitid(WNOWAIT) reads a dead rank's status without reaping it.
+    """
+
+    def __init__(self, pid_dir: str):
+        self.pid_dir, self.rank_and_code = pid_dir, None
+
+    def __enter__(self) -> "FirstExit":
+        os.environ[PID_DIR] = self.pid_dir
+        self._previous = signal.signal(signal.SIGCHLD, self._on_child_exit)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGCHLD, self._previous)
+        os.environ.pop(PID_DIR, None)
+
+    def _on_child_exit(self, signum: int, frame) -> None:
+        if self.rank_and_code is not None:
+            return
+        pids = {}
+        for name in os.listdir(self.pid_dir):
+            try:
+                pids[int(name)] = int(Path(self.pid_dir, name).read_text())
+            except (OSError, ValueError):
+                continue
+        for rank, pid in sorted(pids.items()):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0):
+                killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                self.rank_and_code = (rank, -info.si_status if killed else info.si_status)
+                # A stopped (SIGSTOP) rank cannot act on the SIGTERM the launcher sends next and
+                # would be SIGKILLed only after torch's 30 s grace: let it run, and fail at once in
+                # its next collective with the rank that is gone.
+                for other in pids.values():
+                    with contextlib.suppress(OSError):
+                        os.kill(other, signal.SIGCONT)
+                return
+
+
+def describe_exit(rank: int, code: int) -> str:
+    """'rank 1 was killed by SIGKILL (exit code -9)' or 'rank 0 failed (exit code 1)'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} was killed by {name} (exit code {code})"
+    return f"rank {rank} failed (exit code {code})"
 
 
 def _launched_rank(opts: argparse.Namespace) -> None:
     """A rank that this job started: its error is printed once, plainly, then the rank exits."""
+    if PID_DIR in os.environ:  # for FirstExit
+        Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     try:
-        run_rank(opts)
+        code = run_rank(opts)
+    except zerodp.PeerFailure as e:  # one line says it all: which collective, and why
+        print(f"zerodp train: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # no interpreter teardown: the other ranks may be waiting in a collective
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as on an error: an interpreter teardown here can stall for seconds
 
 
-def run_rank(opts: argparse.Namespace) -> None:
-    """One rank of the job: threads, process group, then train."""
+def run_rank(opts: argparse.Namespace) -> int:
+    """One rank of the job: threads, process group, then train. Returns the exit code: 0, or
+    128 + the signal number when a SIGTERM/SIGINT stopped it."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if not torch.cuda.is_available():  # ranks sharing a CPU must not oversubscribe its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    zerodp.init_distributed()
+    zerodp.init_distributed(timeout_s=opts.timeout)
     try:
-        train(opts)
+        code = train(opts)
         # Every rank done before any closes its gloo connections: a peer whose background threads
         # still use them can otherwise abort ("terminate called without an active exception").
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    return code
+
+
+class StopSignal:
+    """SIGTERM/SIGINT (a preemption, Ctrl-C) only set a flag here; the step's loss all_reduce carries
+    it to every rank (a signal may reach some ranks only), which then checkpoint and stop together."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+
+    def flags(self) -> list[float]:
+        """[got SIGTERM, got SIGINT] for this rank, summed over ranks by the step's all_reduce."""
+        return [float(self.signum == signal.SIGTERM), float(self.signum == signal.SIGINT)]
 
 
 # ---- data ---------------------------------------------------------------------------------------
@@ -120,7 +222,8 @@ class StepBatches:
 
 
 # ---- training -----------------------------------------------------------------------------------
-def train(opts: argparse.Namespace) -> None:
+def train(opts: argparse.Namespace) -> int:
+    """Train to opts.steps; returns 0, or 128 + the signal number when SIGTERM/SIGINT stopped it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(opts.out)
     ckpt_dir = out / "checkpoints"
@@ -163,6 +266,7 @@ def train(opts: argparse.Namespace) -> None:
     log.write(kind="memory", step=engine.global_steps, ranks=memory)
     tokens_per_step = world * opts.grad_accum * opts.micro_batch * block
     bar = progress_bar(rank, engine.global_steps, opts.steps)
+    stop = StopSignal()
     while engine.global_steps < opts.steps:
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
@@ -173,8 +277,18 @@ def train(opts: argparse.Namespace) -> None:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
-        dist.all_reduce(loss_sum)  # the mean over the global batch, for the log
-        loss = loss_sum.item() / (world * opts.grad_accum)
+        # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
+        # SIGTERM / SIGINT, so that every rank stops after the same step.
+        sums = torch.stack([loss_sum, *torch.tensor(stop.flags(), device=device)])
+        try:
+            dist.all_reduce(sums)
+        except RuntimeError as e:
+            failure = engine.comm.peer_failure(e, f"of the step's loss at step {engine.global_steps}", "all_reduce")
+            if failure is None:
+                raise
+            raise failure from e
+        loss = sums[0].item() / (world * opts.grad_accum)
+        stopping = signal.SIGINT if sums[2] > 0 else signal.SIGTERM if sums[1] > 0 else 0
         step, dt = engine.global_steps, time.perf_counter() - t0
         log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0], tokens_per_s=tokens_per_step / dt,
                   grad_norm=engine.grad_norm, loss_scale=engine.loss_scale)
@@ -182,7 +296,8 @@ def train(opts: argparse.Namespace) -> None:
             val_loss = evaluate()
             memory = gather_memory(engine, shape, opts)
             log.write(kind="memory", step=step, ranks=memory)
-        if (opts.save_every and step % opts.save_every == 0) or step == opts.steps:
+        if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
+                or (stopping and opts.save_on_signal)):
             engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts)},
                                    keep_last=opts.keep_last)
         if bar is not None:
@@ -190,8 +305,17 @@ def train(opts: argparse.Namespace) -> None:
             bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} {tokens_per_step / dt:,.0f} tok/s "
                                 f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
                                 f"mem/rank {memory_text(memory)}")
-        if opts.crash_after is not None and step == opts.crash_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if stopping:
+            if bar is not None:
+                bar.close()
+            if rank == 0:
+                saved = (f"checkpoint {ckpt_dir / f'global_step{step}'} written" if opts.save_on_signal
+                         else "no checkpoint written (--no-save-on-signal)")
+                print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
+                      "--resume continues", flush=True)
+            return 128 + stopping
+        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, rank):
+            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
     if bar is not None:
         bar.close()
     if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
@@ -204,6 +328,7 @@ def train(opts: argparse.Namespace) -> None:
         print(f"zerodp train: final validation loss {val_loss:.4f} after {engine.global_steps} steps\n"
               f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {ckpt_dir}\n"
               f"  weights {out / 'final.pt'}", flush=True)
+    return 0
 
 
 @torch.no_grad()

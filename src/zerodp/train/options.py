@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 from typing import Any
 
@@ -25,8 +26,10 @@ DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, seed=1337,
-    nproc=None, ds_config=None, crash_after=None,
+    nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
+    crash_after=None, crash_rank=None, crash_signal="SIGKILL",
 )
+HIDDEN = ("crash_after", "crash_rank", "crash_signal")  # fault injection for the tests, not for --config
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
 
 
@@ -69,8 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
-    # For the crash test: SIGKILL every rank right after step K (and its checkpoint, if any).
+    p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
+                   "peer before the job ends with an error naming it (default 600)")
+    p.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false", default=None,
+                   help="on SIGTERM/SIGINT, stop after the current step without writing a checkpoint "
+                   "(default: write one, then exit with 128 + the signal number)")
+    # For the fault tests: after step K (and its checkpoint, if any) send SIGNAL (default SIGKILL)
+    # to every rank's own process, or to rank R's only.
     p.add_argument("--crash-after", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--crash-rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--crash-signal", help=argparse.SUPPRESS)
     return p
 
 
@@ -106,7 +117,7 @@ def _read_options_file(path: str) -> dict[str, Any]:
     opts = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name not in DEFAULTS or name == "crash_after":
+        if name not in DEFAULTS or name in HIDDEN:
             close = difflib.get_close_matches(name, DEFAULTS, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(DEFAULTS)}"
             raise SystemExit(f"zerodp train: unknown key {key!r} in --config file {path!r}; {hint}")
@@ -143,13 +154,17 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --model {o['model']!r}: expected one of "
                          f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE')")
     for key in ("steps", "micro_batch", "grad_accum", "eval_every", "eval_batches", "nproc"):
-        if not isinstance(o[key], int) or o[key] < 1:
+        if type(o[key]) is not int or o[key] < 1:  # a JSON true is not a count
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
                              "positive integer")
     if o["keep_last"] is not None and (type(o["keep_last"]) is not int or o["keep_last"] < 1):
         raise SystemExit(f"zerodp train: --keep-last {o['keep_last']!r}: expected a positive integer")
     if not isinstance(o["resume"], (bool, str)):
         raise SystemExit(f"zerodp train: --resume {o['resume']!r}: expected true/false or a checkpoint tag")
+    if isinstance(o["timeout"], bool) or not isinstance(o["timeout"], (int, float)) or not 0 < o["timeout"] < math.inf:
+        raise SystemExit(f"zerodp train: --timeout {o['timeout']!r}: expected a positive number of seconds")
+    if not isinstance(o["save_on_signal"], bool):
+        raise SystemExit(f"zerodp train: save_on_signal {o['save_on_signal']!r}: expected true or false")
     if o["data"] is not None and not os.path.exists(o["data"]):
         raise SystemExit(f"zerodp train: --data {o['data']!r} does not exist")
     if o["dtype"] not in DTYPES:
@@ -168,7 +183,7 @@ def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
     for key in ("optimizer", "scheduler", "train_batch_size"):
         base.pop(key, None)
     zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
-    return {**base, "train_micro_batch_size_per_gpu": opts.micro_batch,
+    return {**base, "comm_timeout_s": opts.timeout, "train_micro_batch_size_per_gpu": opts.micro_batch,
             "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
             "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},
             "fp16": {**base.get("fp16", {}), "enabled": opts.dtype == "fp16"},

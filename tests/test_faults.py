@@ -1,0 +1,225 @@
+"""Faults injected on one rank reach every rank as one clear error; nothing hangs, nothing is lost.
+
+Set-up errors (a config error, a model on 'meta') on one rank only, a checkpoint save that runs out of
+disk on one rank only, and the process-group timeout. The failing rank stays alive after its error, as
+in a notebook: the other rank must raise anyway, promptly, rather than wait in a collective.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerodp
+from oracle import D_IN, D_OUT, Toy, one_group
+from spawn import run_ranks
+from test_train import REPO, TINY, corpus
+
+CFG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+PROMPT_S = 5.0  # "promptly": far below the spawned group's 30 s timeout, which is what main waits for
+
+
+def _initialize_on_every_rank(rank: int, fault: str) -> tuple[str, str, float]:
+    """zerodp.initialize with `fault` on rank 1 only; (error class, message, seconds until it raised)."""
+    torch.manual_seed(0)
+    model, cfg = Toy(), dict(CFG)
+    if rank == 1 and fault == "config":
+        cfg["zero_optimization"] = {"stge": 2}
+    if rank == 1 and fault == "meta":
+        model = model.to("meta")
+    t0 = time.monotonic()
+    try:
+        zerodp.initialize(model, one_group(model), cfg)
+        result = ("no error", "", time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - the test records what each rank raised
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+    if rank == 1:
+        time.sleep(1.0)  # the failing rank stays alive after its error and takes no part in anything
+    return result
+
+
+def _save_runs_out_of_disk_on_rank1(rank: int, world: int, d: str) -> dict:
+    """Save at step 1; at step 2 rank 1's file writes fail with ENOSPC; then load what is there."""
+    import torch.distributed.checkpoint.filesystem as fs
+    torch.manual_seed(0)
+    model = Toy()
+    engine = zerodp.initialize(model, one_group(model), {**CFG, "optimizer": {"type": "AdamW", "params": {}}})
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randn(4, D_IN, generator=g), torch.randn(4, D_OUT, generator=g)
+        engine.backward(engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
+        engine.step()
+
+    step()
+    engine.save_checkpoint(d)
+    saved = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    step()
+    write_item = fs._write_item
+    if rank == 1:
+        def full_disk(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fs._write_item = full_disk
+    try:
+        engine.save_checkpoint(d)
+        error = "no error"
+    except zerodp.checkpoint.CheckpointError as e:
+        error = str(e)
+    finally:
+        fs._write_item = write_item
+    dist.barrier()  # rank 0 has cleaned up before anyone lists the directory
+    listing = sorted(os.listdir(d))
+    engine.load_checkpoint(d)
+    same = all(torch.equal(v, saved[k]) for k, v in engine.full_state_dict().items())
+    return {"error": error, "listing": listing, "steps": engine.global_steps, "restored": same}
+
+
+def _faults(rank: int, world: int, d: str) -> dict:
+    zerodp.initialize(Toy(), None, {**CFG, "optimizer": {"type": "AdamW"}})  # warm: imports, connections
+    out = {fault: _initialize_on_every_rank(rank, fault) for fault in ("config", "meta")}
+    out["enospc"] = _save_runs_out_of_disk_on_rank1(rank, world, d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """One pair of spawned ranks runs every fault in turn (one spawn: each costs seconds)."""
+    d = str(tmp_path_factory.mktemp("faults") / "ckpt")
+    return run_ranks(_faults, 2, d, timeout_s=30)
+
+
+def test_config_error_on_one_rank_raises_on_every_rank_while_the_failing_rank_stays_alive(faults):
+    (kind0, msg0, seconds0), (kind1, msg1, _) = faults[0]["config"], faults[1]["config"]
+    assert kind1 == "ConfigError" and "zero_optimization.stge" in msg1  # its own error, unchanged
+    assert kind0 == "ConfigError", msg0  # the same class on the rank that had nothing wrong
+    assert "failed on rank 1" in msg0 and "zero_optimization.stge" in msg0
+    assert seconds0 < PROMPT_S
+
+
+def test_model_on_meta_on_one_rank_raises_on_every_rank(faults):
+    (kind0, msg0, seconds0), (kind1, msg1, _) = faults[0]["meta"], faults[1]["meta"]
+    assert kind1 == "ValueError" and "'meta' device" in msg1
+    assert kind0 == "ValueError" and "failed on rank 1" in msg0 and "'meta' device" in msg0
+    assert seconds0 < PROMPT_S
+
+
+def test_enospc_on_one_rank_is_the_same_checkpoint_error_everywhere_and_loses_nothing(faults):
+    r0, r1 = faults[0]["enospc"], faults[1]["enospc"]
+    assert r0["error"] == r1["error"], (r0["error"], r1["error"])
+    assert "no space left on device" in r0["error"] and "bytes needed at" in r0["error"]
+    assert ".tmp.global_step2" in r0["error"]
+    assert r0["listing"] == ["global_step1", "latest"]  # the temp dir is gone, `latest` unchanged
+    assert r0["steps"] == r1["steps"] == 1 and r0["restored"] and r1["restored"]
+
+
+def test_comm_timeout_is_a_strict_positive_number():
+    assert zerodp.load_config({}).comm_timeout_s == 600
+    assert zerodp.load_config({"comm_timeout_s": 10}).comm_timeout_s == 10
+    for bad in ("10", True, 0, -1.5):
+        with pytest.raises(zerodp.ConfigError, match="comm_timeout_s"):
+            zerodp.load_config({"comm_timeout_s": bad})
+
+
+
+def test_comm_timeout_is_the_timeout_of_the_group_initialize_creates():
+    script = ("import torch, zerodp; from torch import nn; m = nn.Linear(2, 2); "
+              "zerodp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "
+              "{'train_micro_batch_size_per_gpu': 1, 'comm_timeout_s': 7}); "
+              "print(zerodp.Comm().group._get_backend(torch.device('cpu')).options._timeout.total_seconds())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "7.0", proc.stderr[-2000:]
+
+
+# ---- the train job: a stalled rank, a killed rank, a preemption ------------------------------------
+def _job(out: Path, data: str, *extra: str) -> subprocess.Popen:
+    """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    args = [*TINY, "--steps", "40", "--eval-every", "1000", "--save-every", "1000", "--data", data,
+            "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2", *extra]
+    return subprocess.Popen([sys.executable, "-m", "zerodp.train", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _seconds_after_step(proc: subprocess.Popen, out: Path, step: int, send=None) -> tuple[float, str, str]:
+    """Wait (bounded) until the job has logged `step`, optionally send it a signal, then time its exit."""
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and f'"step": {step},' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    if send is not None:
+        proc.send_signal(send)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job did not end within 90 s:\n{stderr[-3000:]}")
+    return time.monotonic() - t0, stdout, stderr
+
+
+TIMEOUT_S = 4
+
+
+def test_stalled_rank_ends_the_job_within_the_timeout_naming_the_collective(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--timeout", str(TIMEOUT_S), "--crash-after", "3", "--crash-rank", "1",
+                "--crash-signal", "SIGSTOP")
+    seconds, _, stderr = _seconds_after_step(proc, out, 3)
+    print(f"SIGSTOP of rank 1 after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode != 0
+    assert re.search(rf"rank 0: \w+ in engine\.\w+\(\) .* at step 4 timed out after {TIMEOUT_S} s: a peer rank "
+                     r"stopped responding", stderr), stderr[-3000:]
+    assert seconds < TIMEOUT_S + 15, seconds  # the timeout, plus the launcher's shutdown and teardown
+
+
+def test_launcher_names_the_rank_killed_first_not_the_rank_that_failed_after_it(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--crash-after", "3", "--crash-rank", "1")
+    seconds, _, stderr = _seconds_after_step(proc, out, 3)
+    print(f"SIGKILL of rank 1 after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode != 0
+    assert "zerodp train: rank 1 was killed by SIGKILL (exit code -9)" in stderr, stderr[-3000:]
+    assert "rank 0 failed" not in stderr
+
+
+def test_sigterm_checkpoints_the_step_reached_and_exits_143_in_one_line_then_resumes(tmp_path):
+    out, data = tmp_path / "run", corpus(tmp_path)
+    proc = _job(out, data, "--timeout", "30")
+    seconds, stdout, stderr = _seconds_after_step(proc, out, 3, send=signal.SIGTERM)
+    print(f"SIGTERM to the launcher after step 3: the job exited {seconds:.1f} s later")
+    assert proc.returncode == 143, stderr[-3000:]
+    lines = [line for line in stdout.splitlines() if "stopped by" in line]
+    assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], stdout
+    assert "Traceback" not in stderr, stderr[-3000:]
+    step = int(re.search(r"after step (\d+)", lines[0]).group(1))
+    assert step >= 3 and (out / "checkpoints" / "latest").read_text() == f"global_step{step}"
+    resumed = _job(out, data, "--resume", "--steps", str(step + 2))
+    _, stdout, stderr = _seconds_after_step(resumed, out, step + 2)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resumed at step {step}" in stdout
+
+
+def test_sigterm_to_a_one_rank_job_with_no_save_on_signal_stops_without_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--nproc", "1", "--no-save-on-signal")
+    seconds, stdout, stderr = _seconds_after_step(proc, out, 2, send=signal.SIGTERM)
+    print(f"SIGTERM to a one-rank job after step 2: it exited {seconds:.1f} s later")
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "no checkpoint written (--no-save-on-signal)" in stdout and "Traceback" not in stderr
+    assert not (out / "checkpoints").exists()
