@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from . import files
+from ..non_finite import first_non_finite
 from .errors import CheckpointError, agree, on_rank0
 from .files import FORMAT, LATEST, META, TAG
 from .pieces import bucket_params, group_states, local_state, signature
@@ -66,6 +67,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
                 f"save_checkpoint in the middle of a gradient accumulation (micro step "
                 f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
                 "save right after engine.step() at an accumulation boundary")
+    bad = first_non_finite(engine)
+    if bad is not None:
+        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {engine.comm.rank}'s "
+                              f"fp32 master of {bad} is not finite; resume from an earlier checkpoint "
+                              "(see the non_finite config section for steps that are skipped instead)")
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as e:

@@ -33,6 +33,11 @@ from .options import ds_config, parse_options
 from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
 
 
+# A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
+# passes the code on.
+EXIT_NON_FINITE = 3
+
+
 # ---- launch -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
@@ -59,6 +64,8 @@ def launch(opts: argparse.Namespace) -> None:
     except ChildFailedError as e:
         # The failing rank already printed its traceback; say which one failed, briefly.
         first = e.get_first_failure()[1]
+        if first.exitcode == EXIT_NON_FINITE:
+            raise SystemExit(EXIT_NON_FINITE) from None
         raise SystemExit(f"zerodp train: rank {first.local_rank} failed (exit code {first.exitcode})")
 
 
@@ -83,6 +90,11 @@ def run_rank(opts: argparse.Namespace) -> None:
         # Every rank done before any closes its gloo connections: a peer whose background threads
         # still use them can otherwise abort ("terminate called without an active exception").
         dist.barrier()
+    except zerodp.NonFiniteError as e:  # raised on every rank at the same step: no traceback
+        if dist.get_rank() == 0:
+            print(f"zerodp train: stopped: {e}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(EXIT_NON_FINITE) from None
     finally:
         dist.destroy_process_group()
 
