@@ -4,7 +4,7 @@ Per step and rank, a ring all_reduce moves 2(N-1)/N of the buffer, reduce_scatte
 (N-1)/N each. Stage 0 all-reduces every gradient bucket; stages 1 and 2 reduce-scatter it and
 all-gather the updated parameters: the same 2(N-1)/N·Ψ·bytes, up to the padding of the buckets
 (stage 0 pads each bucket to ALIGN elements, stages 1-2 to N·ALIGN). The only other collective in
-a step is the all_reduce of the squared gradient norm: one fp64 scalar (8 bytes), stages 1-2.
+a step is the all_reduce of the squared gradient norm with the non-finite-loss flags: three fp64 (24 bytes), stages 1-2.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from zerodp.flat import ALIGN
 from zerodp.train.model import GPT, gpt_config
 
 STEPS, MICRO, SEQ = 3, 2, 16
-NORM_BYTES = 8  # the fp64 squared-norm scalar
+NORM_BYTES = 24  # the fp64 squared norm and the two non-finite-loss flags (non_finite.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BUCKETS = {"one_bucket": 500_000_000, "many_buckets": 30_000}
 JOBS = [(stage, dtype, bucket) for stage in (0, 1, 2) for dtype in DTYPES for bucket in BUCKETS]

@@ -15,12 +15,13 @@ from .activations import checkpoint_blocks
 from .comm import DEFAULT_TIMEOUT_S, Comm, PeerFailure, init_distributed
 from .config import Config, ConfigError, load_config
 from .engine import Engine
+from .non_finite import NonFiniteError
 from .optimizer import OptimizerLike
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
 # zerodp.checkpoint belongs to the sharded save/load module (DESIGN.md's layout).
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init_distributed",
-           "checkpoint_blocks", "PeerFailure"]
+           "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
 
 
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,

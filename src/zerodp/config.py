@@ -86,6 +86,16 @@ class OffloadOptimizerConfig(_Section):
         return device
 
 
+class NonFiniteConfig(_Section):
+    """What a step with a non-finite (nan/inf) global gradient norm leads to: zerodp's own section
+    (DeepSpeed has none). Such a step is always skipped on every rank; `policy` "raise" then raises
+    zerodp.NonFiniteError once `max_consecutive_skips` steps in a row were skipped, "skip" goes on.
+    fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs)."""
+
+    policy: Literal["raise", "skip"] = "raise"
+    max_consecutive_skips: Annotated[int, Field(ge=1, strict=True)] = 3
+
+
 class ZeroConfig(_Section):
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     # Elements, not bytes, as in DeepSpeed. Smaller than DeepSpeed's 5e8 default: a model under the
@@ -335,6 +345,7 @@ class Config(_Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
+    non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
 

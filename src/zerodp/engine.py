@@ -18,6 +18,7 @@ from .comm import Comm
 from .config import Config, ConfigError
 from .flat import plan
 from .forward_order import ForwardOrder
+from .non_finite import NonFinitePolicy, norm_is_finite, step_flags
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
 from .reducer import Reducer
@@ -99,6 +100,8 @@ class Engine:
         self._stepped_at = 0
         self._scale_used = self.scaler.scale
         self._grad_norm: torch.Tensor | None = None
+        self.non_finite = NonFinitePolicy(config, comm.rank)
+        self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         comm.traffic.reset()
 
     # ---- the training step ----------------------------------------------------------------------
@@ -113,6 +116,9 @@ class Engine:
     @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
         """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
+        # Kept on device, unsynced: step() reports which rank's loss was non-finite.
+        seen = loss.detach()
+        self._window_loss = seen if self._window_loss is None else self._window_loss + seen.float()
         self._scale_used = self.scaler.scale
         factor = self._scale_used / self.gas
         if factor != 1:
@@ -143,21 +149,27 @@ class Engine:
             self.gatherer.release_all()  # gathered copies are about to go stale
         self.reducer.wait()
         grads = self.reducer.shard_grads()
-        norm_sq = self.partitioned.grad_norm_squared(grads)
+        flags = step_flags(self._window_loss, self.comm.rank)
+        norm_sq, flags = self.partitioned.norm_and_flags(grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
-        # fp16 only: the one host sync of the step, on a value every rank already agrees on.
-        overflow = self.config.fp16.enabled and not bool(torch.isfinite(norm_sq))
-        if overflow:
+        # The one host sync of the step, in every precision, on a value every rank agrees on: a
+        # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
+        skip = not norm_is_finite(norm_sq)
+        if skip:
             self.skipped_steps += 1
         else:
             self.partitioned.step(grads, coef, defer_gather=self.forward_order is not None)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        if self.gatherer is not None and not overflow:
+        if self.gatherer is not None and not skip:
             self.gatherer.refresh_persistent()
-        self.scaler.update(overflow)
+        self.scaler.update(skip)
         self.reducer.zero()
+        self._window_loss = None
         self.global_steps += 1
+        # Last, so that a NonFiniteError leaves a consistent engine (gradients freed, step counted).
+        self.non_finite.after_step(self.global_steps, not skip, flags, self.scaler, self._scale_used,
+                                   self.grad_norm if skip else 0.0)
 
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being

@@ -62,6 +62,23 @@ class PartitionedOptimizer:
 
     def grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of the full gradient, on every rank; inf/nan if any rank overflowed."""
+        local = self._local_norm_squared(grads)
+        if self.stage > 0:  # stage 0's gradients are already identical on every rank
+            self.comm.all_reduce(local)
+        return local
+
+    def norm_and_flags(self, grads: list[torch.Tensor], flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """grad_norm_squared and every rank's step flags (non_finite.step_flags) summed, in the
+        norm's one all-reduce. Stage 0 has none: its flags are other ranks' unknowns (None) unless
+        the world is one."""
+        local = self._local_norm_squared(grads)
+        if self.stage == 0:
+            return local, flags if self.comm.world_size == 1 else None
+        both = torch.cat([local.reshape(1), flags.to(local.device)])
+        self.comm.all_reduce(both)
+        return both[0], both[1:]
+
+    def _local_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
         device = self.buckets[0].data.device if self.buckets else torch.device("cpu")
         local = torch.zeros((), dtype=torch.float64, device=device)
         if grads:
@@ -70,8 +87,6 @@ class PartitionedOptimizer:
             # every parameter starts a row.
             rows = [torch.linalg.vector_norm(g.view(-1, ALIGN), dim=1, dtype=torch.float32) for g in grads]
             local = torch.cat(rows).double().square().sum()
-        if self.stage > 0:  # stage 0's gradients are already identical on every rank
-            self.comm.all_reduce(local)
         return local
 
     def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None, defer_gather: bool = False) -> None:

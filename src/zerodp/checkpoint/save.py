@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import files
+from ..non_finite import first_non_finite
 from .errors import CheckpointError, agree, failure_text, on_rank0, root_oserror
 from .files import FORMAT, LATEST, META, TAG
 from .pieces import bucket_params, group_states, local_state, signature
@@ -90,6 +91,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
             f"save_checkpoint in the middle of a gradient accumulation (micro step "
             f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
             "save right after engine.step() at an accumulation boundary")
+    bad = first_non_finite(engine)
+    if bad is not None:
+        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {engine.comm.rank}'s "
+                              f"fp32 master of {bad} is not finite; resume from an earlier checkpoint "
+                              "(see the non_finite config section for steps that are skipped instead)")
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as e:

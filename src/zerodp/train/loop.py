@@ -37,6 +37,9 @@ from .report import Metrics, gather_memory, make_report, memory_text, progress_b
 
 
 PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
+# A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
+# passes the code on.
+EXIT_NON_FINITE = 3
 
 
 # ---- launch -------------------------------------------------------------------------------------
@@ -75,7 +78,8 @@ def launch(opts: argparse.Namespace) -> None:
             raise SystemExit(128 + int(e.sigval))
         except ChildFailedError as e:
             codes = {f.exitcode for f in e.failures.values()}
-            if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT}:  # every rank stopped on a signal
+            # Every rank stopped together, and rank 0 said why: on a signal, or on non-finite steps.
+            if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT} or codes == {EXIT_NON_FINITE}:
                 raise SystemExit(max(codes))
             found = first.rank_and_code or min((r, f.exitcode) for r, f in e.failures.items())
             raise SystemExit(f"zerodp train: {describe_exit(*found)}")
@@ -170,6 +174,11 @@ def run_rank(opts: argparse.Namespace) -> int:
         # Every rank done before any closes its gloo connections: a peer whose background threads
         # still use them can otherwise abort ("terminate called without an active exception").
         dist.barrier()
+    except zerodp.NonFiniteError as e:  # raised on every rank at the same step: no traceback
+        if dist.get_rank() == 0:
+            print(f"zerodp train: stopped: {e}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(EXIT_NON_FINITE) from None
     finally:
         dist.destroy_process_group()
     return code

@@ -26,7 +26,7 @@ DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, seed=1337,
-    nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
+    nproc=None, ds_config=None, timeout=600.0, save_on_signal=True, on_non_finite="raise",
     crash_after=None, crash_rank=None, crash_signal="SIGKILL",
 )
 HIDDEN = ("crash_after", "crash_rank", "crash_signal")  # fault injection for the tests, not for --config
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save-on-signal", dest="save_on_signal", action="store_false", default=None,
                    help="on SIGTERM/SIGINT, stop after the current step without writing a checkpoint "
                    "(default: write one, then exit with 128 + the signal number)")
+    p.add_argument("--on-non-finite", choices=["raise", "skip"], help="a step whose gradient norm is "
+                   "nan/inf is skipped on every rank; raise: stop the job after 3 such steps in a row "
+                   "(the default), skip: go on (the config's non_finite section)")
     # For the fault tests: after step K (and its checkpoint, if any) send SIGNAL (default SIGKILL)
     # to every rank's own process, or to rank R's only.
     p.add_argument("--crash-after", type=int, help=argparse.SUPPRESS)
@@ -134,7 +137,8 @@ def _from_ds_config(path: str | None, world: int) -> dict[str, Any]:
         batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
     except ConfigError as e:
         raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
-    opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping}
+    opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping,
+                            "on_non_finite": cfg.non_finite.policy}
     if batch is not None:
         opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
     if cfg.fp16.enabled or cfg.bf16.enabled:
@@ -169,6 +173,8 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --data {o['data']!r} does not exist")
     if o["dtype"] not in DTYPES:
         raise SystemExit(f"zerodp train: --dtype {o['dtype']!r}: expected one of {', '.join(DTYPES)}")
+    if o["on_non_finite"] not in ("raise", "skip"):
+        raise SystemExit(f"zerodp train: --on-non-finite {o['on_non_finite']!r}: expected raise or skip")
     if o["warmup"] >= o["steps"]:
         o["warmup"] = max(0, o["steps"] // 10)  # a short run still gets a cosine to decay over
 
@@ -187,4 +193,5 @@ def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
             "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
             "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},
             "fp16": {**base.get("fp16", {}), "enabled": opts.dtype == "fp16"},
+            "non_finite": {**base.get("non_finite", {}), "policy": opts.on_non_finite},
             "zero_optimization": zero}

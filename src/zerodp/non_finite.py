@@ -1,0 +1,136 @@
+"""Non-finite steps: a nan/inf global gradient norm skips the step on every rank; the config's
+`non_finite` policy decides when skipping becomes an error.
+
+Every rank decides from values all ranks already share, so all skip (and all raise) together:
+the global squared norm (all-reduced in stages 1-3; in stage 0 computed from all-reduced
+gradients), the loss scale, and two numbers that ride in the same all-reduce as the norm: how many
+ranks had a non-finite loss in the step, and the sum of their (rank + 1), which names the rank when
+there is one. Stage 0 over several ranks has no norm all-reduce, so there no rank is named.
+
+What counts toward `max_consecutive_skips`: every skipped step in fp32 and bf16, and in fp16 with a
+static loss scale; in fp16 with dynamic loss scaling an overflow is the scaler's routine signal to
+lower the scale, and counts only when the scale was already at `min_loss_scale` or a rank's loss
+itself was non-finite (a lower scale cannot mend a non-finite forward pass). A finite step resets
+the count; a routine overflow leaves it as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import Config
+from .precision import LossScaler
+
+logger = logging.getLogger("zerodp")
+
+# One log line names the step; the error adds where to look.
+_ADVICE = ("look at the data and loss of {where}, the learning rate (lower it or lengthen the warmup), "
+           "gradient_clipping, and for fp16 a switch to bf16 (fp16's range is 6.5e4); set "
+           "non_finite.policy to \"skip\" to go on skipping, or raise non_finite.max_consecutive_skips")
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many steps in a row had a non-finite gradient norm (config section 'non_finite').
+
+    Raised by engine.step() on every rank at the same step, after that step was skipped: the
+    parameters, fp32 masters and optimizer state are those of the last finite step."""
+
+
+def step_flags(loss: torch.Tensor | None, rank: int) -> torch.Tensor:
+    """[non-finite loss on this rank (0/1), that flag x (rank + 1)] as fp64, on device, no sync."""
+    if loss is None:  # no loss seen (a step with no backward): nothing to report
+        return torch.zeros(2, dtype=torch.float64)
+    bad = torch.isfinite(loss).logical_not().double()
+    return torch.stack([bad, bad * (rank + 1)])
+
+
+def norm_is_finite(norm_sq: torch.Tensor) -> bool:
+    """The step's one host sync: whether the agreed global squared norm is finite."""
+    if torch._subclasses.fake_tensor.is_fake(norm_sq):  # peak.py measures memory on fake tensors
+        return True
+    return bool(torch.isfinite(norm_sq))
+
+
+class NonFinitePolicy:
+    """Counts consecutive skipped steps, logs each skip (rank 0 only), raises per the config."""
+
+    def __init__(self, config: Config, rank: int):
+        self.policy = config.non_finite.policy
+        self.limit = config.non_finite.max_consecutive_skips
+        self.rank = rank
+        self.consecutive = 0
+
+    def after_step(self, step: int, finite: bool, flags: torch.Tensor | None, scaler: LossScaler,
+                   scale_used: float, norm: float) -> None:
+        """Called by engine.step() once per optimizer step, on every rank, with agreed values."""
+        if finite:
+            self.consecutive = 0
+            return
+        count = _count(flags)
+        where = _where(count, flags)
+        routine = scaler.dynamic and scale_used > scaler.min_scale and not count
+        if not routine:
+            self.consecutive += 1
+        if self.rank == 0:  # one line per job, not one per rank
+            logger.log(logging.INFO if routine else logging.WARNING, "%s",
+                       self._line(step, where, norm, scaler, scale_used, routine))
+        if self.policy == "raise" and self.consecutive >= self.limit:
+            raise NonFiniteError(
+                f"{self.consecutive} steps in a row (the last: step {step}) had a non-finite global "
+                f"gradient norm and were skipped on every rank (non_finite.max_consecutive_skips = "
+                f"{self.limit}); the loss was non-finite on {where}. The model is unchanged since the "
+                f"last finite step. To find the cause, " + _ADVICE.format(where=where if count else "every rank"))
+
+    def _line(self, step: int, where: str, norm: float, scaler: LossScaler, scale_used: float,
+              routine: bool) -> str:
+        line = f"step {step} skipped: global gradient norm {norm}; loss non-finite on {where}"
+        if scaler.dynamic:
+            line += f"; fp16 loss scale {_number(scale_used)} -> {_number(scaler.scale)}"
+        if routine:
+            return line + " (fp16 overflow, not counted toward non_finite.max_consecutive_skips)"
+        return line + f" ({self.consecutive} in a row, policy {self.policy!r}" + (
+            f", raises at {self.limit})" if self.policy == "raise" else ")")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _count(flags: torch.Tensor | None) -> int | None:
+    """How many ranks had a non-finite loss (None: not known), from the all-reduced step flags."""
+    return None if flags is None else int(flags[0])  # a second sync, on the skip path only
+
+
+def _where(count: int | None, flags: torch.Tensor | None) -> str:
+    if count is None:
+        return "an unknown rank (stage 0 over several ranks shares no per-rank flags)"
+    if count == 0:
+        return "no rank (the loss was finite everywhere: the gradients themselves overflowed)"
+    return f"rank {int(flags[1]) - 1}" if count == 1 else f"{count} ranks"
+
+
+def first_non_finite(engine) -> str | None:
+    """This rank's first non-finite fp32 master value, as "'NAME' element I (nan)", or None.
+
+    One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
+    all sums come to the host in one sync); only a master whose sum is non-finite is searched.
+    """
+    from .checkpoint.pieces import owned_pieces  # the checkpoint package imports this module
+
+    masters = engine.partitioned.masters
+    if not masters:
+        return None
+    sums = torch.stack([m.detach().sum() for m in masters])
+    for i in torch.isfinite(sums).logical_not().nonzero().flatten().tolist():
+        bad = torch.isfinite(masters[i]).logical_not().nonzero().flatten()
+        if bad.numel() == 0:  # finite values whose sum overflowed
+            continue
+        k = int(bad[0])
+        value = float(masters[i][k])
+        for p in owned_pieces(engine):
+            if p.master == i and p.offset <= k < p.offset + p.numel:
+                return f"'{p.name}' element {p.start + k - p.offset} ({value})"
+        return f"the padding of bucket {i} ({value})"
+    return None
