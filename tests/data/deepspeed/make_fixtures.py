@@ -1,0 +1,133 @@
+"""Write the DeepSpeed checkpoints that tests/test_deepspeed_checkpoint.py resumes in zerodp.
+
+Made once, with DeepSpeed 0.19.8 (built from its sdist with DS_BUILD_OPS=0, as benchmarks/gpu/wheels.sh
+does) and torch 2.13.0+cpu, on 2 gloo ranks on the CPU (DS_ACCELERATOR=cpu), in a virtual environment
+that is not the one the tests run in (the tests must pass without DeepSpeed):
+
+    python -m venv --system-site-packages /work/dsenv
+    /work/dsenv/bin/pip install hjson ninja py-cpuinfo psutil einops msgpack wheel
+    DS_BUILD_OPS=0 /work/dsenv/bin/pip install --no-deps --no-build-isolation deepspeed-0.19.8.tar.gz
+    DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py
+
+For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16): the oracle's Toy MLP (seed 0), torch's
+AdamW in two param groups (oracle.two_groups: weight decay on matrices only), DeepSpeed's WarmupLR and
+gradient clipping 1.0, micro-batch 3 per rank, no accumulation. DeepSpeed trains SAVE_AT steps on the
+fixed global batches below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
+other initial weights, loads that checkpoint and trains CONTINUE more steps on the next batches: its
+losses (the mean over both ranks, i.e. over the global batch) are what zerodp must reproduce, recorded
+with the versions and the config in fixtures.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/, for the oracle's model
+
+import oracle  # noqa: E402
+
+WORLD, MICRO, SAVE_AT, CONTINUE = 2, 3, 3, 3
+GLOBAL = WORLD * MICRO
+FIXTURES = {"stage1_fp32": (1, "fp32"), "stage2_fp32": (2, "fp32"), "stage3_fp32": (3, "fp32"),
+            "stage2_bf16": (2, "bf16")}
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2,
+                                            "warmup_num_steps": 5, "warmup_type": "linear"}}
+
+
+def batches(steps: int = SAVE_AT + CONTINUE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed global batches (GLOBAL samples each), step by step; rank r takes rows [r*MICRO, (r+1)*MICRO)."""
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(GLOBAL, oracle.D_IN, generator=g), 5 * torch.randn(GLOBAL, oracle.D_OUT, generator=g))
+            for _ in range(steps)]
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return oracle.Toy()
+
+
+def ds_config(stage: int, dtype: str) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage}, "scheduler": SCHEDULER}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _train(engine, rank: int, steps: range) -> list[float]:
+    """Global-batch mean loss of each step (both ranks' micro-batch means averaged)."""
+    out, data = [], batches()
+    for step in steps:
+        x, y = data[step]
+        sl = slice(rank * MICRO, (rank + 1) * MICRO)
+        dtype = next(engine.module.parameters()).dtype
+        loss = engine(x[sl].to(dtype), y[sl].to(dtype))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        out.append(mean.item() / WORLD)
+    return out
+
+
+def _rank(rank: int, store_path: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    import deepspeed
+    record = {}
+    for name, (stage, dtype) in FIXTURES.items():
+        m = model(0)
+        engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
+        before = _train(engine, rank, range(SAVE_AT))
+        save_dir = os.path.join(out_dir, name)  # one save_dir per fixture, DeepSpeed's default tag
+        engine.save_checkpoint(save_dir, client_state={"fixture": name})
+        m = model(1)  # other initial weights: everything must come from the checkpoint
+        engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
+        engine.load_checkpoint(save_dir)
+        lrs = [g["lr"] for g in engine.optimizer.param_groups]
+        after = _train(engine, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
+        record[name] = {"stage": stage, "dtype": dtype, "config": ds_config(stage, dtype),
+                        "losses_before_save": before, "losses_after_resume": after,
+                        "lr_at_resume": lrs, "global_steps": SAVE_AT}
+    if rank == 0:
+        with open(os.path.join(out_dir, "record.json"), "w") as f:
+            json.dump(record, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import deepspeed
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out")
+        os.makedirs(out)
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
+        with open(os.path.join(out, "record.json")) as f:
+            record = json.load(f)
+        for name in FIXTURES:
+            dest = os.path.join(HERE, name)
+            shutil.rmtree(dest, ignore_errors=True)
+            # The save_dir as DeepSpeed wrote it, less its copies of zero_to_fp32.py / zero_to_torch.py.
+            shutil.copytree(os.path.join(out, name), dest, ignore=shutil.ignore_patterns("zero_to_*.py"))
+    meta = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "world_size": WORLD,
+            "micro_batch": MICRO, "save_at": SAVE_AT, "continue": CONTINUE,
+            "model": "tests/oracle.py Toy() seed 0, optimizer oracle.two_groups (torch AdamW)",
+            "fixtures": record}
+    with open(os.path.join(HERE, "fixtures.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
