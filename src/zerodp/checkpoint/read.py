@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from . import files
+from .deepspeed import describe
 from .errors import CheckpointError
 from .files import FORMAT, LATEST, META, TAG
 
@@ -43,7 +44,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             if not os.path.isfile(latest):
                 tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, META)))
                 hint = f"; tags found: {', '.join(tags)} (pass tag=...)" if tags else ""
-                raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}")
+                raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}; neither a "
+                                      f"zerodp nor a DeepSpeed checkpoint: {describe(load_dir)}")
             with open(latest) as f:
                 tag, named_by = f.read().strip(), f"named by '{latest}'"
             if not TAG.fullmatch(tag):
@@ -55,8 +57,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             raise CheckpointError(f"checkpoint tag '{tag}' ({named_by}) does not exist in '{load_dir}'")
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"'{path}' is not a complete zerodp checkpoint: {META} is missing "
-                              "(an interrupted save?)")
+        raise CheckpointError(f"'{path}' is neither a zerodp nor a DeepSpeed checkpoint ({META} or "
+                              f"mp_rank_00_model_states.pt; an interrupted save?): {describe(path)}")
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)

@@ -140,6 +140,9 @@ def train(opts: argparse.Namespace) -> None:
     if resumed:
         client = engine.load_checkpoint(str(ckpt_dir))
         data.load_state_dict(client["data"])
+    elif opts.resume_from:  # another run's checkpoint (zerodp's or DeepSpeed's): its data order if it has one
+        client, resumed = engine.load_checkpoint(opts.resume_from), True
+        data.load_state_dict(client.get("data") or {"step": engine.global_steps, "seed": opts.seed})
     log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if rank == 0:
         where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"

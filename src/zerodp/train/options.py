@@ -24,7 +24,7 @@ from .model import SIZES
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
-    eval_every=20, eval_batches=4, save_every=50, out=None, resume=False, seed=1337,
+    eval_every=20, eval_batches=4, save_every=50, out=None, resume=False, resume_from=None, seed=1337,
     nproc=None, ds_config=None, crash_after=None,
 )
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
     p.add_argument("--resume", action="store_true", default=None,
                    help="continue from OUT/checkpoints' latest checkpoint if there is one")
+    p.add_argument("--resume-from", metavar="DIR", help="continue from the checkpoint in DIR: a zerodp or "
+                   "DeepSpeed ZeRO save_dir or tag directory (without --resume, or when OUT has none)")
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")

@@ -15,7 +15,9 @@ gradient clipping 1.0, micro-batch 3 per rank, no accumulation. DeepSpeed trains
 fixed global batches below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
 other initial weights, loads that checkpoint and trains CONTINUE more steps on the next batches: its
 losses (the mean over both ranks, i.e. over the global batch) are what zerodp must reproduce, recorded
-with the versions and the config in fixtures.json.
+with the versions and the config in fixtures.json, with what DeepSpeed held right after loading (sums
+and sums of squares of every parameter's fp32 master, exp_avg and exp_avg_sq; its step counter and lr
+scheduler state).
 """
 
 from __future__ import annotations
@@ -80,6 +82,21 @@ def _train(engine, rank: int, steps: range) -> list[float]:
     return out
 
 
+def _loaded_state(engine) -> dict:
+    """What DeepSpeed itself holds right after load_checkpoint, through its own full-tensor accessors:
+    [sum, sum of squares] (float64) of each parameter's fp32 master, exp_avg and exp_avg_sq."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # stages 1-2 link the optimizer state to the parameters at the first step
+        link()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        ts = {"master": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+              "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+        out[name] = {k: [t.double().sum().item(), t.double().square().sum().item()] for k, t in ts.items()}
+    return out
+
+
 def _rank(rank: int, store_path: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -96,10 +113,12 @@ def _rank(rank: int, store_path: str, out_dir: str) -> None:
         engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
         engine.load_checkpoint(save_dir)
         lrs = [g["lr"] for g in engine.optimizer.param_groups]
+        loaded = _loaded_state(engine)
         after = _train(engine, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
         record[name] = {"stage": stage, "dtype": dtype, "config": ds_config(stage, dtype),
                         "losses_before_save": before, "losses_after_resume": after,
-                        "lr_at_resume": lrs, "global_steps": SAVE_AT}
+                        "lr_at_resume": lrs, "global_steps": engine.global_steps - CONTINUE,
+                        "lr_scheduler": engine.lr_scheduler.state_dict(), "loaded": loaded}
     if rank == 0:
         with open(os.path.join(out_dir, "record.json"), "w") as f:
             json.dump(record, f)

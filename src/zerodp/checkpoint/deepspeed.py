@@ -1,0 +1,384 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2, 3) read into zerodp: the one place that knows DeepSpeed's names.
+
+A DeepSpeed save_dir holds `latest` (the tag) and `{tag}/` with `mp_rank_00_model_states.pt` (stages
+1-2; `zero_pp_rank_{r}_mp_rank_00_model_states.pt` per rank in stage 3) and one
+`[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt` per data-parallel rank. Each optimizer file holds
+that rank's fp32 partition of every param group and the base optimizer's state (exp_avg, exp_avg_sq,
+step) over the same partition:
+  stages 1-2  a group's parameters are flattened in `param_shapes` order (with optional padding after
+              each, `param_alignment_paddings`), the flat vector is padded to the world size and cut
+              into one contiguous partition per rank;
+  stage 3     every parameter is cut on its own: rank r holds elements [r*k, (r+1)*k) with
+              k = ceil(numel / world), the pieces of a group's parameters concatenated in order.
+`read` undoes that into whole fp32 tensors per parameter name (the layout-free form zerodp's own
+checkpoints use), and `load` hands them to load.py's `_apply` like a zerodp checkpoint: the engine
+never learns DeepSpeed's names. DeepSpeed's files are pickles: they are read with
+torch.load(weights_only=True) and an allow-list of the few DeepSpeed globals they hold (`ALLOWED`),
+mapped to inert stand-ins; anything else is refused with its name.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import math
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CheckpointError, agree
+from .pieces import owned_pieces, signature, untrained
+
+LATEST = "latest"
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# Optimizer state that is not Adam's would be loaded under the wrong names: refuse it.
+ADAM = ("Adam", "AdamW")
+# Implementation switches of torch's AdamW, not hyperparameters: the engine's own optimizer keeps its.
+_IMPLEMENTATION = {"foreach", "fused", "capturable", "differentiable", "params"}
+
+
+class _Record:
+    """Stand-in for a DeepSpeed object (a loss scaler): its attributes, nothing callable."""
+
+
+class _ZeroStage(enum.IntEnum):
+    """Stand-in for deepspeed.runtime.zero.config.ZeroStageEnum (pickled as ZeroStageEnum(n))."""
+
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+@dataclass
+class _FragmentAddress:
+    """Stand-in for deepspeed.utils.tensor_fragment.fragment_address (stages 1-2 write one per parameter)."""
+
+    numel: int = 0
+    start: int = 0
+
+
+# The DeepSpeed globals its ZeRO checkpoints hold (0.1x), each read as an inert stand-in. Everything
+# else in them (tensors, torch.Size, OrderedDict, builtins) is on torch's own weights_only list.
+ALLOWED = [(_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+           (_Record, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+           (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+           (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+
+
+def torch_load(file: str) -> dict:
+    """torch.load(weights_only=True) admitting the globals in ALLOWED; a CheckpointError names any other."""
+    try:
+        with torch.serialization.safe_globals(ALLOWED):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"the global {found.group(1)}" if found else str(e).splitlines()[-1][:200]
+        raise CheckpointError(f"refusing to load '{file}': it holds {what}, which is not among the globals "
+                              "a DeepSpeed checkpoint writes (unpickling it could run code)") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise CheckpointError(f"DeepSpeed checkpoint file '{file}' cannot be read ({type(e).__name__}: {e})") from None
+
+
+# ---- finding one ---------------------------------------------------------------------------------
+def _is_tag_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in MODEL_STATES)
+
+
+def find(load_dir: str, tag: str | None = None) -> str | None:
+    """The tag directory of a DeepSpeed checkpoint at `load_dir` (a save_dir or a tag dir), or None."""
+    load_dir = os.fspath(load_dir)
+    if tag is None and _is_tag_dir(load_dir):
+        return load_dir
+    if tag is None:
+        try:
+            with open(os.path.join(load_dir, LATEST)) as f:
+                tag = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    path = os.path.join(load_dir, tag)
+    return path if tag and "/" not in tag and _is_tag_dir(path) else None
+
+
+def describe(path: str) -> str:
+    """What a directory holds, for an error that says what was found instead of a checkpoint."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror})"
+    if not names:
+        return "it is empty"
+    shown = [n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in names[:8]]
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return f"found: {', '.join(shown)}{more}"
+
+
+# ---- reading one into whole tensors ----------------------------------------------------------------
+@dataclass
+class DeepSpeedCheckpoint:
+    """A DeepSpeed checkpoint as whole fp32 tensors per parameter name, and its host state."""
+
+    path: str
+    stage: int
+    world_size: int
+    groups: list[list[str]]                      # parameter names of each param group, DeepSpeed's order
+    shapes: dict[str, torch.Size]
+    masters: dict[str, torch.Tensor]             # name -> fp32, whole
+    states: dict[str, dict[str, torch.Tensor]]   # optimizer key -> name -> fp32, whole
+    scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim (Adam's step)
+    param_groups: list[dict]
+    model: dict                                  # mp_rank_00_model_states.pt (rank 0's in stage 3)
+    untrained: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers, frozen parameters
+    loss_scaler: dict = field(default_factory=dict)
+
+
+def read(path: str) -> DeepSpeedCheckpoint:
+    """Read every file of the DeepSpeed checkpoint in tag directory `path`; one process, no group."""
+    model = torch_load(next(os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f))))
+    world = model.get("dp_world_size")
+    if not isinstance(world, int) or world < 1 or not isinstance(model.get("param_shapes"), list):
+        raise CheckpointError(f"'{path}' is not a DeepSpeed ZeRO checkpoint zerodp can read: its model states "
+                              "have no dp_world_size / param_shapes (a checkpoint without ZeRO?)")
+    optim = [_optim_file(path, r) for r in range(world)]
+    stage = int(optim[0]["zero_stage"])
+    shapes_by_group = model["param_shapes"]
+    groups = [list(g) for g in shapes_by_group]
+    shapes = {n: torch.Size(s) for g in shapes_by_group for n, s in g.items()}
+    if stage == 3:
+        flats = [optim[r]["fp32_flat_groups"] for r in range(world)]
+        base = [optim[r]["optimizer_state_dict"] for r in range(world)]
+    elif stage in (1, 2):
+        flats = [optim[r]["single_partition_of_fp32_groups"] for r in range(world)]
+        base = [optim[r]["base_optimizer_state"] for r in range(world)]
+    else:
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' is of ZeRO stage {stage}; zerodp reads stages 1-3")
+    if len(flats[0]) != len(groups):  # stage 3 sub-groups smaller than a param group
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' has {len(flats[0])} flat partitions for "
+                              f"{len(groups)} param groups (sub_group_size split them); zerodp reads one per group")
+    unflatten = _unflatten3 if stage == 3 else _unflatten12
+    paddings = optim[0].get("param_alignment_paddings") or [[0] * len(g) for g in groups]
+    masters, states, scalars = {}, {}, {}
+    for g, names in enumerate(groups):
+        masters.update(unflatten([f[g] for f in flats], names, shapes, world, paddings[g]))
+        per_rank = [b["state"].get(g, {}) for b in base]
+        for key, v in per_rank[0].items():
+            if torch.is_tensor(v) and v.dim() == 0:
+                scalars[f"{g}/{key}"] = v.clone()
+            elif torch.is_tensor(v):
+                states.setdefault(key, {}).update(
+                    unflatten([s[key] for s in per_rank], names, shapes, world, paddings[g]))
+    ckpt = DeepSpeedCheckpoint(path, stage, world, groups, shapes, masters, states, scalars,
+                               base[0]["param_groups"], model)
+    ckpt.untrained = _untrained(path, model, shapes, world, stage)
+    scaler = optim[0].get("loss_scaler")
+    ckpt.loss_scaler = dict(vars(scaler)) if isinstance(scaler, _Record) else {}
+    return ckpt
+
+
+def _optim_file(path: str, rank: int) -> dict:
+    found = sorted(glob.glob(os.path.join(path, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")))
+    if len(found) != 1:
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' is incomplete: {'no' if not found else 'more than one'}"
+                              f" optimizer file for data-parallel rank {rank} (zero_pp_rank_{rank}_mp_rank_00_"
+                              f"optim_states.pt); {describe(path)}")
+    sd = torch_load(found[0])
+    if not isinstance(sd.get("optimizer_state_dict"), dict):
+        raise CheckpointError(f"'{found[0]}' has no optimizer_state_dict: not a DeepSpeed ZeRO optimizer file")
+    return sd["optimizer_state_dict"]
+
+
+def _unflatten12(parts: list[torch.Tensor], names: list[str], shapes: dict, world: int,
+                 paddings: list[int]) -> dict[str, torch.Tensor]:
+    """Stages 1-2: the rank partitions put end to end, then cut at each parameter (and its padding)."""
+    flat = torch.cat([p.detach().float() for p in parts])
+    out, offset = {}, 0
+    for name, pad in zip(names, paddings):
+        n = shapes[name].numel()
+        out[name] = flat[offset:offset + n].clone()
+        offset += n + pad
+    return out
+
+
+def _unflatten3(parts: list[torch.Tensor], names: list[str], shapes: dict, world: int,
+                paddings: list[int]) -> dict[str, torch.Tensor]:
+    """Stage 3: each parameter cut on its own into `world` pieces of ceil(numel / world) elements."""
+    out, offset = {}, 0
+    for name in names:
+        n = shapes[name].numel()
+        k = math.ceil(n / world)
+        out[name] = torch.cat([p.detach().float()[offset:offset + k] for p in parts])[:n].clone()
+        offset += k
+    return out
+
+
+def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters: whole in `module`, except stage 3's frozen parameters (cut per rank)."""
+    module = model.get("module") or {}
+    out = {n: t for n, t in module.items() if n not in shapes and t.numel() > 0}
+    frozen = model.get("frozen_param_shapes") or {}
+    if stage == 3 and frozen:
+        ranks = [torch_load(os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) for r in range(world)]
+        for name, shape in frozen.items():
+            out[name] = torch.cat([r["frozen_param_fragments"][name].flatten() for r in ranks])[
+                :torch.Size(shape).numel()].view(shape).clone()
+    return out
+
+
+# ---- loading one into an engine ------------------------------------------------------------------
+def load(engine, path: str) -> dict:
+    """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then load.py's apply."""
+    from .load import _apply, _Staged  # load.py dispatches here: imported late, no cycle
+
+    err = meta = staged = None
+    try:
+        ckpt = read(path)
+        _check_model(engine, ckpt)
+        meta = _meta(engine, ckpt)
+        staged = _stage(engine, ckpt, _Staged)
+    except CheckpointError as e:
+        err = str(e)
+    except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
+        err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
+    agree(engine.comm, err)
+    _apply(engine, meta, staged)
+    return meta["client_state"]
+
+
+def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
+    prefix = f"DeepSpeed checkpoint '{ckpt.path}' is of a different model:"
+    group_of = {n: g for g, names in enumerate(ckpt.groups) for n in names}
+    current = signature(engine)
+    trained = {e["name"]: e for e in current if e["kind"] == "trained" and e["alias_of"] is None}
+    for name, e in trained.items():
+        if name not in ckpt.shapes:
+            raise CheckpointError(f"{prefix} parameter '{name}' {tuple(e['shape'])} is not in it (it trains "
+                                  f"{', '.join(list(ckpt.shapes)[:6])}...)")
+        if list(ckpt.shapes[name]) != e["shape"]:
+            raise CheckpointError(f"{prefix} parameter '{name}' has shape {tuple(ckpt.shapes[name])} in the "
+                                  f"checkpoint and {tuple(e['shape'])} in the model")
+        if group_of[name] != e["group"]:
+            raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}': parameter '{name}' is in param group "
+                                  f"{group_of[name]} there and in group {e['group']} of the optimizer: build the "
+                                  "optimizer's param groups as the DeepSpeed run did")
+    for name in ckpt.shapes:
+        if name not in trained:
+            raise CheckpointError(f"{prefix} it trains parameter '{name}' {tuple(ckpt.shapes[name])}, which the "
+                                  "model does not train")
+    for name in untrained(engine):
+        if name not in ckpt.untrained:
+            raise CheckpointError(f"{prefix} buffer or frozen parameter '{name}' is not in it")
+    if type(engine.optimizer).__name__ not in ADAM:
+        raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' holds Adam state (exp_avg, exp_avg_sq, step); "
+                              f"the optimizer is {type(engine.optimizer).__name__}: use torch.optim.AdamW or Adam")
+    if len(ckpt.param_groups) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' has {len(ckpt.param_groups)} optimizer param "
+                              f"groups, the optimizer has {len(engine.optimizer.param_groups)}")
+
+
+def _stage(engine, ckpt: DeepSpeedCheckpoint, staged_type):
+    """This rank's shard of every master and optimizer state, cut from the whole tensors."""
+    part = engine.partitioned
+    masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
+    states = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.states}
+    for pc in owned_pieces(engine):
+        for dests, whole in [(masters, ckpt.masters), *((states[k], v) for k, v in ckpt.states.items())]:
+            dests[pc.master][pc.offset:pc.offset + pc.numel] = whole[pc.name][pc.start:pc.start + pc.numel]
+    wanted = untrained(engine)
+    model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in wanted.items()}
+    return staged_type(masters, states, dict(ckpt.scalars), model_state, {})
+
+
+def _meta(engine, ckpt: DeepSpeedCheckpoint) -> dict:
+    """What load.py's _apply reads from a zerodp.json, from DeepSpeed's host state."""
+    ds_config = ckpt.model.get("ds_config") or {}
+    fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))
+    schedule = _lr_scheduler(engine, ckpt, ds_config)  # first: it may set the groups' lr
+    groups = [{k: v for k, v in g.items() if k not in _IMPLEMENTATION and k in mine}
+              for g, mine in zip(ckpt.param_groups, engine.optimizer.param_groups)]
+    reserved = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+                "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+                "ds_version", "checkpoint_parallel_dimensions", "num_experts", "ds_autoep_layers"}
+    return {
+        "counters": {"global_steps": int(ckpt.model.get("global_steps", 0)),
+                     "skipped_steps": int(ckpt.model.get("skipped_steps", 0))},
+        "param_groups": groups,
+        "optim_scalars": {},
+        "dtype": str(torch.float16) if fp16 else str(torch.float32),
+        "loss_scaler": _loss_scaler(engine, ckpt.loss_scaler),
+        "lr_scheduler": schedule,
+        "config": engine.config.model_dump(mode="json"),
+        "rng": {},  # DeepSpeed saves no RNG state: every rank gets a distinct seeded stream
+        "client_state": {k: v for k, v in ckpt.model.items() if k not in reserved},
+    }
+
+
+def _loss_scaler(engine, ds: dict) -> dict:
+    """DeepSpeed's (Dynamic)LossScaler attributes in zerodp's LossScaler names; the rest keeps the config's."""
+    state = engine.scaler.state_dict()
+    names = {"cur_scale": "scale", "cur_iter": "cur_iter", "last_overflow_iter": "last_overflow_iter",
+             "cur_hysteresis": "cur_hysteresis"}
+    state.update({mine: ds[theirs] for theirs, mine in names.items() if ds.get(theirs) is not None})
+    state["scale"] = float(state["scale"])
+    return state
+
+
+def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | None:
+    """DeepSpeed's scheduler position as the engine scheduler's state.
+
+    DeepSpeed's WarmupLR-family schedulers have taken the lr for `last_batch_iteration` (one step
+    behind zerodp's, see config.SchedulerConfig); the resumed run keeps DeepSpeed's sequence by
+    setting the engine scheduler's last_epoch to it and its last lrs to the saved param groups' lrs.
+    """
+    saved, sched = ckpt.model.get("lr_scheduler"), engine.lr_scheduler
+    theirs = ds_config.get("scheduler")
+    if sched is None:
+        if saved is None:
+            return None
+        raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' has an lr scheduler and the engine has none: "
+                              f"configure the DeepSpeed run's 'scheduler' section ({theirs!r}) to continue it")
+    state = sched.state_dict()
+    if saved is None:  # a constant lr in DeepSpeed: the engine's own schedule goes on from the step count
+        if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' has no lr scheduler; the engine's "
+                                  f"{type(sched).__name__} cannot be placed at its step {ckpt.model.get('global_steps')}")
+        step = int(ckpt.model.get("global_steps", 0))
+        lrs = [base * f(step) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(ckpt.param_groups, lrs):
+            group["lr"] = lr
+        state.update(last_epoch=step, _step_count=step + 1, _last_lr=lrs)
+        return state
+    mine = engine.config.scheduler
+    if theirs is not None and mine is not None and (
+            mine.type.lower() != str(theirs.get("type", "")).lower() or mine.params != theirs.get("params", {})):
+        raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' was trained with scheduler {theirs!r}, the "
+                              f"config has {mine.model_dump()!r}: use the same 'scheduler' section")
+    if "last_batch_iteration" not in saved:
+        raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' holds lr scheduler state {sorted(saved)}, "
+                              "not DeepSpeed's (last_batch_iteration): zerodp cannot continue it")
+    last = int(saved["last_batch_iteration"])
+    state.update(last_epoch=last, _step_count=last + 1, _last_lr=[g["lr"] for g in ckpt.param_groups])
+    return state
+
+
+# ---- consolidating one ---------------------------------------------------------------------------
+def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag dir."""
+    ckpt = read(path)
+    ties = {k: v for k, v in (ckpt.model.get("shared_params") or {}).items()}
+    order = list(ckpt.model.get("module") or {}) or list(ckpt.shapes)
+    out: dict[str, torch.Tensor] = {}
+    for name in order + [n for n in ckpt.shapes if n not in order]:
+        if name in ties:
+            continue
+        if name in ckpt.masters:
+            out[name] = ckpt.masters[name].view(ckpt.shapes[name])
+        elif name in ckpt.untrained:
+            t = ckpt.untrained[name]
+            out[name] = t.float() if t.is_floating_point() else t
+    for alias, source in ties.items():
+        out[alias] = out[source]
+    return out, ties
