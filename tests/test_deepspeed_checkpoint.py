@@ -17,6 +17,8 @@ import functools
 import json
 import os
 import shutil
+import sys
+import types
 
 import pytest
 import torch
@@ -172,15 +174,30 @@ def test_consolidate_deepspeed_checkpoint_command(tmp_path, capsys):
             torch.testing.assert_close(same[k], state[k], rtol=1e-6, atol=1e-7)
 
 
+def _edited_copy(tmp_path, edit_optim, edit_model=None, ranks=(1,)) -> str:
+    """The stage 2 fixture with its files re-saved after `edit_optim(optimizer_state_dict)` (and
+    `edit_model(model states)`)."""
+    d = str(tmp_path / "edited")
+    shutil.copytree(fixture_dir("stage2_fp32"), d)
+    for r in ranks:
+        f = os.path.join(d, "global_step3", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        sd = ck_ds.torch_load(f)
+        # The reader's stand-ins are no DeepSpeed globals: re-saved, they would be refused.
+        sd["optimizer_state_dict"]["zero_stage"] = 2
+        sd["optimizer_state_dict"].pop("param_slice_mappings")
+        edit_optim(sd["optimizer_state_dict"])
+        torch.save(sd, f)
+    if edit_model is not None:
+        f = os.path.join(d, "global_step3", "mp_rank_00_model_states.pt")
+        sd = ck_ds.torch_load(f)
+        edit_model(sd)
+        torch.save(sd, f)
+    return d
+
+
 def _evil_copy(tmp_path) -> str:
     """The stage 2 fixture with one optimizer file carrying a pickled call to os.system."""
-    d = str(tmp_path / "evil")
-    shutil.copytree(fixture_dir("stage2_fp32"), d)
-    f = os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    sd = ck_ds.torch_load(f)
-    sd["optimizer_state_dict"]["loss_scaler"] = _Evil()
-    torch.save(sd, f)
-    return d
+    return _edited_copy(tmp_path, lambda o: o.update(loss_scaler=_Evil()))
 
 
 class _Evil:
@@ -198,6 +215,32 @@ def test_deepspeed_pickle_with_global_outside_allow_list_is_refused_by_name(tmp_
     with pytest.raises(ck.CheckpointError, match=r"posix\.system"):
         ck.consolidate(d)
     assert not os.path.exists(tmp_path / "PWNED")
+
+
+def test_fp16_dynamic_loss_scale_restored(tmp_path, monkeypatch):
+    """DeepSpeed on this CPU has no fp16, so no fixture has a loss scale to resume: one is written into
+    the stage 2 fixture as DeepSpeed pickles it (a DynamicLossScaler object), under its own name."""
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))  # only for pickling it here
+    cls = type("DynamicLossScaler", (), {"__module__": "deepspeed.runtime.fp16.loss_scaler"})
+    monkeypatch.setattr(sys.modules["deepspeed.runtime.fp16.loss_scaler"], "DynamicLossScaler", cls, raising=False)
+    scaler = cls()
+    scaler.__dict__.update(cur_scale=1024.0, cur_iter=7, last_overflow_iter=4, scale_factor=2.0, scale_window=2,
+                           min_scale=1, delayed_shift=2, cur_hysteresis=1, consecutive_hysteresis=False,
+                           raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)
+    d = _edited_copy(tmp_path, lambda o: o.update(loss_scaler=scaler, dynamic_loss_scale=True),
+                     lambda m: m["ds_config"].update(fp16={"enabled": True}), ranks=(0, 1))
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler"):
+        monkeypatch.delitem(sys.modules, name)  # read as without DeepSpeed
+    cfg = {**config("stage2_fp32", 1, 2), "fp16": {"enabled": True, "loss_scale_window": 2, "hysteresis": 2}}
+    with world_of_one():
+        torch.manual_seed(1)
+        model = oracle.Toy()
+        engine = zerodp.initialize(model, oracle.two_groups(model), cfg)
+        engine.load_checkpoint(d)
+        state = engine.scaler.state_dict()
+    assert (state["scale"], state["cur_iter"], state["last_overflow_iter"], state["cur_hysteresis"]) == (1024.0, 7, 4, 1)
+    assert state["dynamic"] and state["window"] == 2
 
 
 def test_error_directory_neither_zerodp_nor_deepspeed_says_what_was_found(tmp_path):
