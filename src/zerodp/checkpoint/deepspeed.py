@@ -142,6 +142,9 @@ def read(path: str) -> DeepSpeedCheckpoint:
     if not isinstance(world, int) or world < 1 or not isinstance(model.get("param_shapes"), list):
         raise CheckpointError(f"'{path}' is not a DeepSpeed ZeRO checkpoint zerodp can read: its model states "
                               "have no dp_world_size / param_shapes (a checkpoint without ZeRO?)")
+    if model.get("mp_world_size", 1) != 1:
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' was saved with model (tensor/pipeline) parallelism "
+                              f"of {model['mp_world_size']}: zerodp reads data-parallel ZeRO checkpoints only")
     optim = [_optim_file(path, r) for r in range(world)]
     stage = int(optim[0]["zero_stage"])
     shapes_by_group = model["param_shapes"]
@@ -216,8 +219,8 @@ def _unflatten3(parts: list[torch.Tensor], names: list[str], shapes: dict, world
 
 def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters: whole in `module`, except stage 3's frozen parameters (cut per rank)."""
-    module = model.get("module") or {}
-    out = {n: t for n, t in module.items() if n not in shapes and t.numel() > 0}
+    module, tied = model.get("module") or {}, model.get("shared_params") or {}
+    out = {n: t for n, t in module.items() if n not in shapes and n not in tied and t.numel() > 0}
     frozen = model.get("frozen_param_shapes") or {}
     if stage == 3 and frozen:
         ranks = [torch_load(os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) for r in range(world)]
@@ -344,7 +347,8 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
     if saved is None:  # a constant lr in DeepSpeed: the engine's own schedule goes on from the step count
         if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
             raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' has no lr scheduler; the engine's "
-                                  f"{type(sched).__name__} cannot be placed at its step {ckpt.model.get('global_steps')}")
+                                  f"{type(sched).__name__} cannot be placed at its step "
+                                  f"{ckpt.model.get('global_steps')}")
         step = int(ckpt.model.get("global_steps", 0))
         lrs = [base * f(step) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
         for group, lr in zip(ckpt.param_groups, lrs):

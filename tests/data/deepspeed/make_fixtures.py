@@ -9,10 +9,11 @@ that is not the one the tests run in (the tests must pass without DeepSpeed):
     DS_BUILD_OPS=0 /work/dsenv/bin/pip install --no-deps --no-build-isolation deepspeed-0.19.8.tar.gz
     DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py
 
-For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16): the oracle's Toy MLP (seed 0), torch's
-AdamW in two param groups (oracle.two_groups: weight decay on matrices only), DeepSpeed's WarmupLR and
-gradient clipping 1.0, micro-batch 3 per rank, no accumulation. DeepSpeed trains SAVE_AT steps on the
-fixed global batches below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
+For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16; stages 2 and 3 of the Toy with tied and
+frozen parameters, in fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups
+(oracle.two_groups: weight decay on matrices only), DeepSpeed's WarmupLR and gradient clipping 1.0,
+micro-batch 3 per rank, no accumulation. DeepSpeed trains SAVE_AT steps on the fixed global batches
+below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
 other initial weights, loads that checkpoint and trains CONTINUE more steps on the next batches: its
 losses (the mean over both ranks, i.e. over the global batch) are what zerodp must reproduce, recorded
 with the versions and the config in fixtures.json, with what DeepSpeed held right after loading (sums
@@ -39,8 +40,12 @@ import oracle  # noqa: E402
 
 WORLD, MICRO, SAVE_AT, CONTINUE = 2, 3, 3, 3
 GLOBAL = WORLD * MICRO
-FIXTURES = {"stage1_fp32": (1, "fp32"), "stage2_fp32": (2, "fp32"), "stage3_fp32": (3, "fp32"),
-            "stage2_bf16": (2, "bf16")}
+# name: (ZeRO stage, precision, Toy options). The tied/frozen ones: a matrix used twice in one forward, one
+# shared by two modules (DeepSpeed's shared_params) and a frozen inp.weight (stage 3 cuts it per rank).
+TIED_FROZEN = {"tied": True, "frozen": True}
+FIXTURES = {"stage1_fp32": (1, "fp32", {}), "stage2_fp32": (2, "fp32", {}), "stage3_fp32": (3, "fp32", {}),
+            "stage2_bf16": (2, "bf16", {}), "stage2_fp32_tied_frozen": (2, "fp32", TIED_FROZEN),
+            "stage3_fp32_tied_frozen": (3, "fp32", TIED_FROZEN)}
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2,
                                             "warmup_num_steps": 5, "warmup_type": "linear"}}
 
@@ -52,9 +57,9 @@ def batches(steps: int = SAVE_AT + CONTINUE) -> list[tuple[torch.Tensor, torch.T
             for _ in range(steps)]
 
 
-def model(seed: int = 0) -> torch.nn.Module:
+def model(seed: int = 0, **kw) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return oracle.Toy()
+    return oracle.Toy(**kw)
 
 
 def ds_config(stage: int, dtype: str) -> dict:
@@ -90,7 +95,9 @@ def _loaded_state(engine) -> dict:
     if link is not None:  # stages 1-2 link the optimizer state to the parameters at the first step
         link()
     out = {}
-    for name, p in engine.module.named_parameters():
+    for name, p in engine.module.named_parameters():  # tied ones once, under their first name
+        if not p.requires_grad:
+            continue
         ts = {"master": safe_get_full_fp32_param(p), "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
               "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
         out[name] = {k: [t.double().sum().item(), t.double().square().sum().item()] for k, t in ts.items()}
@@ -103,19 +110,19 @@ def _rank(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     import deepspeed
     record = {}
-    for name, (stage, dtype) in FIXTURES.items():
-        m = model(0)
+    for name, (stage, dtype, kw) in FIXTURES.items():
+        m = model(0, **kw)
         engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
         before = _train(engine, rank, range(SAVE_AT))
         save_dir = os.path.join(out_dir, name)  # one save_dir per fixture, DeepSpeed's default tag
         engine.save_checkpoint(save_dir, client_state={"fixture": name})
-        m = model(1)  # other initial weights: everything must come from the checkpoint
+        m = model(1, **kw)  # other initial weights: everything must come from the checkpoint
         engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
         engine.load_checkpoint(save_dir)
         lrs = [g["lr"] for g in engine.optimizer.param_groups]
         loaded = _loaded_state(engine)
         after = _train(engine, rank, range(SAVE_AT, SAVE_AT + CONTINUE))
-        record[name] = {"stage": stage, "dtype": dtype, "config": ds_config(stage, dtype),
+        record[name] = {"stage": stage, "dtype": dtype, "model": kw, "config": ds_config(stage, dtype),
                         "losses_before_save": before, "losses_after_resume": after,
                         "lr_at_resume": lrs, "global_steps": engine.global_steps - CONTINUE,
                         "lr_scheduler": engine.lr_scheduler.state_dict(), "loaded": loaded}
