@@ -137,6 +137,16 @@ class DeepSpeedCheckpoint:
 
 def read(path: str) -> DeepSpeedCheckpoint:
     """Read every file of the DeepSpeed checkpoint in tag directory `path`; one process, no group."""
+    try:
+        return _read(path)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' is not laid out as DeepSpeed 0.1x writes ZeRO "
+                              f"checkpoints ({type(e).__name__}: {e}): corrupt, or from another version") from None
+
+
+def _read(path: str) -> DeepSpeedCheckpoint:
     model = torch_load(next(os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f))))
     world = model.get("dp_world_size")
     if not isinstance(world, int) or world < 1 or not isinstance(model.get("param_shapes"), list):
@@ -146,7 +156,7 @@ def read(path: str) -> DeepSpeedCheckpoint:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' was saved with model (tensor/pipeline) parallelism "
                               f"of {model['mp_world_size']}: zerodp reads data-parallel ZeRO checkpoints only")
     optim = [_optim_file(path, r) for r in range(world)]
-    stage = int(optim[0]["zero_stage"])
+    stage = int(optim[0].get("zero_stage", 1))  # BF16_Optimizer (bf16 stage 1, fp32 accumulation) has none
     shapes_by_group = model["param_shapes"]
     groups = [list(g) for g in shapes_by_group]
     shapes = {n: torch.Size(s) for g in shapes_by_group for n, s in g.items()}
@@ -202,7 +212,7 @@ def _unflatten12(parts: list[torch.Tensor], names: list[str], shapes: dict, worl
         n = shapes[name].numel()
         out[name] = flat[offset:offset + n].clone()
         offset += n + pad
-    return out
+    return _whole(out, shapes)
 
 
 def _unflatten3(parts: list[torch.Tensor], names: list[str], shapes: dict, world: int,
@@ -214,6 +224,14 @@ def _unflatten3(parts: list[torch.Tensor], names: list[str], shapes: dict, world
         k = math.ceil(n / world)
         out[name] = torch.cat([p.detach().float()[offset:offset + k] for p in parts])[:n].clone()
         offset += k
+    return _whole(out, shapes)
+
+
+def _whole(out: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
+    for name, t in out.items():
+        if t.numel() != shapes[name].numel():
+            raise ValueError(f"the DeepSpeed partitions hold {t.numel()} of the {shapes[name].numel()} "
+                                  f"elements of '{name}' (truncated, or not the layout of param_shapes)")
     return out
 
 

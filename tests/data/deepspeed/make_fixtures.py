@@ -9,8 +9,8 @@ that is not the one the tests run in (the tests must pass without DeepSpeed):
     DS_BUILD_OPS=0 /work/dsenv/bin/pip install --no-deps --no-build-isolation deepspeed-0.19.8.tar.gz
     DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py
 
-For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16; stages 2 and 3 of the Toy with tied and
-frozen parameters, in fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups
+For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16; stage 1 in bf16 with fp32 gradient
+accumulation, DeepSpeed's BF16_Optimizer; stages 2 and 3 of the Toy with tied and frozen parameters, in fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups
 (oracle.two_groups: weight decay on matrices only), DeepSpeed's WarmupLR and gradient clipping 1.0,
 micro-batch 3 per rank, no accumulation. DeepSpeed trains SAVE_AT steps on the fixed global batches
 below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
@@ -45,7 +45,9 @@ GLOBAL = WORLD * MICRO
 TIED_FROZEN = {"tied": True, "frozen": True}
 FIXTURES = {"stage1_fp32": (1, "fp32", {}), "stage2_fp32": (2, "fp32", {}), "stage3_fp32": (3, "fp32", {}),
             "stage2_bf16": (2, "bf16", {}), "stage2_fp32_tied_frozen": (2, "fp32", TIED_FROZEN),
-            "stage3_fp32_tied_frozen": (3, "fp32", TIED_FROZEN)}
+            "stage3_fp32_tied_frozen": (3, "fp32", TIED_FROZEN),
+            # bf16 with fp32 gradient accumulation in stage 1 is DeepSpeed's BF16_Optimizer: other files
+            "stage1_bf16_fp32_accum": (1, "bf16-fp32-accum", {})}
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2,
                                             "warmup_num_steps": 5, "warmup_type": "linear"}}
 
@@ -66,8 +68,10 @@ def ds_config(stage: int, dtype: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0, "steps_per_print": 1 << 30, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": stage}, "scheduler": SCHEDULER}
-    if dtype == "bf16":
+    if dtype.startswith("bf16"):
         cfg["bf16"] = {"enabled": True}
+    if dtype == "bf16-fp32-accum":
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
