@@ -253,7 +253,8 @@ def test_fp16_dynamic_loss_scale_restored(tmp_path, monkeypatch):
         engine = zerodp.initialize(model, oracle.two_groups(model), cfg)
         engine.load_checkpoint(d)
         state = engine.scaler.state_dict()
-    assert (state["scale"], state["cur_iter"], state["last_overflow_iter"], state["cur_hysteresis"]) == (1024.0, 7, 4, 1)
+    restored = (state["scale"], state["cur_iter"], state["last_overflow_iter"], state["cur_hysteresis"])
+    assert restored == (1024.0, 7, 4, 1)
     assert state["dynamic"] and state["window"] == 2
 
 

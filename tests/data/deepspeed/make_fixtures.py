@@ -10,9 +10,10 @@ that is not the one the tests run in (the tests must pass without DeepSpeed):
     DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py
 
 For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16; stage 1 in bf16 with fp32 gradient
-accumulation, DeepSpeed's BF16_Optimizer; stages 2 and 3 of the Toy with tied and frozen parameters, in fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups
-(oracle.two_groups: weight decay on matrices only), DeepSpeed's WarmupLR and gradient clipping 1.0,
-micro-batch 3 per rank, no accumulation. DeepSpeed trains SAVE_AT steps on the fixed global batches
+accumulation, DeepSpeed's BF16_Optimizer; stages 2 and 3 of the Toy with tied and frozen parameters, in
+fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups (oracle.two_groups: weight decay
+on matrices only), DeepSpeed's WarmupLR and gradient clipping 1.0, micro-batch 3 per rank, no
+accumulation. DeepSpeed trains SAVE_AT steps on the fixed global batches
 below and saves `{name}/` (its default tag, global_step3). Then a fresh DeepSpeed engine, built from
 other initial weights, loads that checkpoint and trains CONTINUE more steps on the next batches: its
 losses (the mean over both ranks, i.e. over the global batch) are what zerodp must reproduce, recorded
