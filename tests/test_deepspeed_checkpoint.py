@@ -275,7 +275,8 @@ def test_error_deepspeed_checkpoint_truncated_or_incomplete(tmp_path):
     def shorten(o):
         o["single_partition_of_fp32_groups"][0] = o["single_partition_of_fp32_groups"][0][:-10]
     d = _edited_copy(tmp_path, shorten)
-    with pytest.raises(ck.CheckpointError, match=r"partitions hold 175 of the 185 elements of 'out.weight'"):
+    with pytest.raises(ck.CheckpointError, match=r"rank 1's DeepSpeed partition has 1007 elements, 'out.weight' "
+                                                 r"needs 1017"):
         ck.consolidate(d)
     os.remove(os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with world_of_one():

@@ -10,9 +10,11 @@ step) over the same partition:
               into one contiguous partition per rank;
   stage 3     every parameter is cut on its own: rank r holds elements [r*k, (r+1)*k) with
               k = ceil(numel / world), the pieces of a group's parameters concatenated in order.
-`read` undoes that into whole fp32 tensors per parameter name (the layout-free form zerodp's own
-checkpoints use), and `load` hands them to load.py's `_apply` like a zerodp checkpoint: the engine
-never learns DeepSpeed's names. DeepSpeed's files are pickles: they are read with
+`read` works out where each parameter's elements lie in those partitions (`Segment`s, by parameter
+name: the layout-free view zerodp's own checkpoints use); `load` copies out the pieces this rank now
+owns, on any world size and stage, and hands them to load.py's `_apply` like a zerodp checkpoint's: the
+engine never learns DeepSpeed's names. The optimizer files are memory-mapped, so a rank reads about
+its own share of them. DeepSpeed's files are pickles: they are read with
 torch.load(weights_only=True) and an allow-list of the few DeepSpeed globals they hold (`ALLOWED`),
 mapped to inert stand-ins; anything else is refused with its name.
 """
@@ -69,11 +71,11 @@ ALLOWED = [(_Record, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
            (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
 
 
-def torch_load(file: str) -> dict:
+def torch_load(file: str, mmap: bool = False) -> dict:
     """torch.load(weights_only=True) admitting the globals in ALLOWED; a CheckpointError names any other."""
     try:
         with torch.serialization.safe_globals(ALLOWED):
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"the global {found.group(1)}" if found else str(e).splitlines()[-1][:200]
@@ -116,27 +118,56 @@ def describe(path: str) -> str:
     return f"found: {', '.join(shown)}{more}"
 
 
-# ---- reading one into whole tensors ----------------------------------------------------------------
+# ---- reading one: where each parameter's elements lie in the rank partitions -----------------------
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, start + numel) of a parameter, at `offset` in rank `rank`'s partition of its group."""
+
+    rank: int
+    offset: int
+    start: int
+    numel: int
+
+
 @dataclass
 class DeepSpeedCheckpoint:
-    """A DeepSpeed checkpoint as whole fp32 tensors per parameter name, and its host state."""
+    """A DeepSpeed checkpoint: its rank partitions (memory-mapped) and where each parameter lies in them."""
 
     path: str
     stage: int
     world_size: int
     groups: list[list[str]]                      # parameter names of each param group, DeepSpeed's order
     shapes: dict[str, torch.Size]
-    masters: dict[str, torch.Tensor]             # name -> fp32, whole
-    states: dict[str, dict[str, torch.Tensor]]   # optimizer key -> name -> fp32, whole
+    parts: dict[str, list[list[torch.Tensor]]]   # "master" or optimizer key -> [group][rank] flat partition
+    segments: dict[str, tuple[int, list[Segment]]]  # name -> (group, its segments)
     scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim (Adam's step)
     param_groups: list[dict]
     model: dict                                  # mp_rank_00_model_states.pt (rank 0's in stage 3)
     untrained: dict[str, torch.Tensor] = field(default_factory=dict)  # buffers, frozen parameters
     loss_scaler: dict = field(default_factory=dict)
 
+    def copy(self, kind: str, name: str, start: int, dest: torch.Tensor) -> None:
+        """dest[:] = elements [start, start + dest.numel()) of `kind` ("master", "exp_avg", ...) of `name`."""
+        g, segments = self.segments[name]
+        end = start + dest.numel()
+        for s in segments:
+            lo, hi = max(s.start, start), min(s.start + s.numel, end)
+            if lo < hi:
+                src = self.parts[kind][g][s.rank]
+                dest[lo - start:hi - start].copy_(src[s.offset + lo - s.start:s.offset + hi - s.start])
+
+    def whole(self, kind: str, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=torch.float32)
+        self.copy(kind, name, 0, out.view(-1))
+        return out
+
 
 def read(path: str) -> DeepSpeedCheckpoint:
-    """Read every file of the DeepSpeed checkpoint in tag directory `path`; one process, no group."""
+    """Read the DeepSpeed checkpoint in tag directory `path`; one process, no group.
+
+    The optimizer files are memory-mapped: a rank that copies out only the pieces it owns reads
+    only those pages (about 1/N of the optimizer state), not every rank's file whole.
+    """
     try:
         return _read(path)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as e:
@@ -157,38 +188,37 @@ def _read(path: str) -> DeepSpeedCheckpoint:
                               f"of {model['mp_world_size']}: zerodp reads data-parallel ZeRO checkpoints only")
     optim = [_optim_file(path, r) for r in range(world)]
     stage = int(optim[0].get("zero_stage", 1))  # BF16_Optimizer (bf16 stage 1, fp32 accumulation) has none
-    shapes_by_group = model["param_shapes"]
-    groups = [list(g) for g in shapes_by_group]
-    shapes = {n: torch.Size(s) for g in shapes_by_group for n, s in g.items()}
+    groups = [list(g) for g in model["param_shapes"]]
+    shapes = {n: torch.Size(s) for g in model["param_shapes"] for n, s in g.items()}
     if stage == 3:
-        flats = [optim[r]["fp32_flat_groups"] for r in range(world)]
-        base = [optim[r]["optimizer_state_dict"] for r in range(world)]
+        flats, base = "fp32_flat_groups", [o["optimizer_state_dict"] for o in optim]
     elif stage in (1, 2):
-        flats = [optim[r]["single_partition_of_fp32_groups"] for r in range(world)]
-        base = [optim[r]["base_optimizer_state"] for r in range(world)]
+        flats, base = "single_partition_of_fp32_groups", [o["base_optimizer_state"] for o in optim]
     else:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' is of ZeRO stage {stage}; zerodp reads stages 1-3")
-    if len(flats[0]) != len(groups):  # stage 3 sub-groups smaller than a param group
-        raise CheckpointError(f"DeepSpeed checkpoint '{path}' has {len(flats[0])} flat partitions for "
+    if len(optim[0][flats]) != len(groups):  # stage 3 sub-groups smaller than a param group
+        raise CheckpointError(f"DeepSpeed checkpoint '{path}' has {len(optim[0][flats])} flat partitions for "
                               f"{len(groups)} param groups (sub_group_size split them); zerodp reads one per group")
-    unflatten = _unflatten3 if stage == 3 else _unflatten12
-    paddings = optim[0].get("param_alignment_paddings") or [[0] * len(g) for g in groups]
-    masters, states, scalars = {}, {}, {}
-    for g, names in enumerate(groups):
-        masters.update(unflatten([f[g] for f in flats], names, shapes, world, paddings[g]))
+    parts = {"master": [[o[flats][g].detach() for o in optim] for g in range(len(groups))]}
+    scalars = {}
+    for g in range(len(groups)):
         per_rank = [b["state"].get(g, {}) for b in base]
         for key, v in per_rank[0].items():
             if torch.is_tensor(v) and v.dim() == 0:
                 scalars[f"{g}/{key}"] = v.clone()
             elif torch.is_tensor(v):
-                states.setdefault(key, {}).update(
-                    unflatten([s[key] for s in per_rank], names, shapes, world, paddings[g]))
-    ckpt = DeepSpeedCheckpoint(path, stage, world, groups, shapes, masters, states, scalars,
-                               base[0]["param_groups"], model)
-    ckpt.untrained = _untrained(path, model, shapes, world, stage)
+                parts.setdefault(key, [None] * len(groups))[g] = [s[key].detach() for s in per_rank]
+    paddings = optim[0].get("param_alignment_paddings") or [[0] * len(g) for g in groups]
+    locate = _segments3 if stage == 3 else _segments12
+    segments = {}
+    for g, names in enumerate(groups):
+        for name, segs in locate(names, shapes, world, parts["master"][g][0].numel(), paddings[g]).items():
+            _check_segments(name, shapes[name], segs, [p[g] for p in parts.values()])
+            segments[name] = (g, segs)
     scaler = optim[0].get("loss_scaler")
-    ckpt.loss_scaler = dict(vars(scaler)) if isinstance(scaler, _Record) else {}
-    return ckpt
+    return DeepSpeedCheckpoint(path, stage, world, groups, shapes, parts, segments, scalars,
+                               base[0]["param_groups"], model, _untrained(path, model, shapes, world, stage),
+                               dict(vars(scaler)) if isinstance(scaler, _Record) else {})
 
 
 def _optim_file(path: str, rank: int) -> dict:
@@ -197,42 +227,46 @@ def _optim_file(path: str, rank: int) -> dict:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' is incomplete: {'no' if not found else 'more than one'}"
                               f" optimizer file for data-parallel rank {rank} (zero_pp_rank_{rank}_mp_rank_00_"
                               f"optim_states.pt); {describe(path)}")
-    sd = torch_load(found[0])
+    sd = torch_load(found[0], mmap=True)
     if not isinstance(sd.get("optimizer_state_dict"), dict):
         raise CheckpointError(f"'{found[0]}' has no optimizer_state_dict: not a DeepSpeed ZeRO optimizer file")
     return sd["optimizer_state_dict"]
 
 
-def _unflatten12(parts: list[torch.Tensor], names: list[str], shapes: dict, world: int,
-                 paddings: list[int]) -> dict[str, torch.Tensor]:
-    """Stages 1-2: the rank partitions put end to end, then cut at each parameter (and its padding)."""
-    flat = torch.cat([p.detach().float() for p in parts])
+def _segments12(names: list[str], shapes: dict, world: int, size: int, paddings: list[int]) -> dict:
+    """Stages 1-2: the group flattened in order (padding after each parameter), cut into `size` per rank."""
     out, offset = {}, 0
     for name, pad in zip(names, paddings):
         n = shapes[name].numel()
-        out[name] = flat[offset:offset + n].clone()
+        out[name] = [Segment(r, max(offset, r * size) - r * size, max(offset, r * size) - offset,
+                             min(offset + n, (r + 1) * size) - max(offset, r * size))
+                     for r in range(offset // size, (offset + n - 1) // size + 1)] if n else []
         offset += n + pad
-    return _whole(out, shapes)
+    return out
 
 
-def _unflatten3(parts: list[torch.Tensor], names: list[str], shapes: dict, world: int,
-                paddings: list[int]) -> dict[str, torch.Tensor]:
+def _segments3(names: list[str], shapes: dict, world: int, size: int, paddings: list[int]) -> dict:
     """Stage 3: each parameter cut on its own into `world` pieces of ceil(numel / world) elements."""
     out, offset = {}, 0
     for name in names:
         n = shapes[name].numel()
         k = math.ceil(n / world)
-        out[name] = torch.cat([p.detach().float()[offset:offset + k] for p in parts])[:n].clone()
+        out[name] = [Segment(r, offset, r * k, min(k, n - r * k)) for r in range(world) if r * k < n]
         offset += k
-    return _whole(out, shapes)
-
-
-def _whole(out: dict[str, torch.Tensor], shapes: dict) -> dict[str, torch.Tensor]:
-    for name, t in out.items():
-        if t.numel() != shapes[name].numel():
-            raise ValueError(f"the DeepSpeed partitions hold {t.numel()} of the {shapes[name].numel()} "
-                                  f"elements of '{name}' (truncated, or not the layout of param_shapes)")
     return out
+
+
+def _check_segments(name: str, shape: torch.Size, segments: list[Segment], parts: list[list[torch.Tensor]]) -> None:
+    """Every element of the parameter, inside every rank's partition (masters and each optimizer state)."""
+    if sum(s.numel for s in segments) != shape.numel():
+        raise ValueError(f"the DeepSpeed partitions place {sum(s.numel for s in segments)} of the "
+                         f"{shape.numel()} elements of '{name}'")
+    for per_rank in parts:
+        for s in segments:
+            if s.rank >= len(per_rank) or s.offset + s.numel > per_rank[s.rank].numel():
+                have = per_rank[s.rank].numel() if s.rank < len(per_rank) else 0
+                raise ValueError(f"rank {s.rank}'s DeepSpeed partition has {have} elements, '{name}' needs "
+                                 f"{s.offset + s.numel} (truncated, or not the layout of param_shapes)")
 
 
 def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> dict[str, torch.Tensor]:
@@ -300,16 +334,15 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
 
 
 def _stage(engine, ckpt: DeepSpeedCheckpoint, staged_type):
-    """This rank's shard of every master and optimizer state, cut from the whole tensors."""
+    """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
     part = engine.partitioned
-    masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
-    states = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.states}
+    kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.parts}
     for pc in owned_pieces(engine):
-        for dests, whole in [(masters, ckpt.masters), *((states[k], v) for k, v in ckpt.states.items())]:
-            dests[pc.master][pc.offset:pc.offset + pc.numel] = whole[pc.name][pc.start:pc.start + pc.numel]
-    wanted = untrained(engine)
-    model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in wanted.items()}
-    return staged_type(masters, states, dict(ckpt.scalars), model_state, {})
+        for kind, dests in kinds.items():
+            ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])
+    model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in untrained(engine).items()}
+    masters = kinds.pop("master")
+    return staged_type(masters, kinds, dict(ckpt.scalars), model_state, {})
 
 
 def _meta(engine, ckpt: DeepSpeedCheckpoint) -> dict:
@@ -390,14 +423,14 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
 def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag dir."""
     ckpt = read(path)
-    ties = {k: v for k, v in (ckpt.model.get("shared_params") or {}).items()}
+    ties = dict(ckpt.model.get("shared_params") or {})
     order = list(ckpt.model.get("module") or {}) or list(ckpt.shapes)
     out: dict[str, torch.Tensor] = {}
     for name in order + [n for n in ckpt.shapes if n not in order]:
         if name in ties:
             continue
-        if name in ckpt.masters:
-            out[name] = ckpt.masters[name].view(ckpt.shapes[name])
+        if name in ckpt.shapes:
+            out[name] = ckpt.whole("master", name)
         elif name in ckpt.untrained:
             t = ckpt.untrained[name]
             out[name] = t.float() if t.is_floating_point() else t
