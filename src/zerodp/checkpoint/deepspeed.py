@@ -178,7 +178,8 @@ def read(path: str) -> DeepSpeedCheckpoint:
 
 
 def _read(path: str) -> DeepSpeedCheckpoint:
-    model = torch_load(next(os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f))))
+    model_file = next(os.path.join(path, f) for f in MODEL_STATES if os.path.isfile(os.path.join(path, f)))
+    model = torch_load(model_file, mmap=True)  # stages 1-2 hold every working-precision weight in it
     world = model.get("dp_world_size")
     if not isinstance(world, int) or world < 1 or not isinstance(model.get("param_shapes"), list):
         raise CheckpointError(f"'{path}' is not a DeepSpeed ZeRO checkpoint zerodp can read: its model states "
@@ -275,7 +276,8 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
     out = {n: t for n, t in module.items() if n not in shapes and n not in tied and t.numel() > 0}
     frozen = model.get("frozen_param_shapes") or {}
     if stage == 3 and frozen:
-        ranks = [torch_load(os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) for r in range(world)]
+        ranks = [torch_load(os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), mmap=True)
+                 for r in range(world)]
         for name, shape in frozen.items():
             out[name] = torch.cat([r["frozen_param_fragments"][name].flatten() for r in ranks])[
                 :torch.Size(shape).numel()].view(shape).clone()
