@@ -271,6 +271,38 @@ def test_error_directory_neither_zerodp_nor_deepspeed_says_what_was_found(tmp_pa
             engine.load_checkpoint(str(tmp_path))
 
 
+def _sgd(model):
+    return torch.optim.SGD([{"params": g["params"]} for g in oracle.two_groups(model).param_groups], lr=0.1)
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 6}}}, "was trained with scheduler"),
+    ({"scheduler": None}, "has an lr scheduler and the engine has none"),
+    ({"optimizer": _sgd}, r"holds Adam state \(exp_avg, exp_avg_sq, step\); the optimizer is SGD"),
+], ids=["other_schedule", "no_scheduler", "sgd"])
+def test_error_deepspeed_checkpoint_needs_the_same_optimizer_and_schedule(change, expected):
+    cfg = {k: v for k, v in {**config("stage2_fp32", 1, 2), **change}.items() if v is not None and k != "optimizer"}
+    with world_of_one():
+        torch.manual_seed(1)
+        model = oracle.Toy()
+        engine = zerodp.initialize(model, change.get("optimizer", oracle.two_groups)(model), cfg)
+        with pytest.raises(ck.CheckpointError, match=expected):
+            engine.load_checkpoint(fixture_dir("stage2_fp32"))
+
+
+def test_deepspeed_constant_lr_checkpoint_continues_the_engine_schedule_at_its_step(tmp_path):
+    def no_scheduler(m):
+        m["lr_scheduler"] = None
+        del m["ds_config"]["scheduler"]
+    d = _edited_copy(tmp_path, lambda o: None, no_scheduler, ranks=(0, 1))
+    with world_of_one():
+        engine = make_engine("stage2_fp32", 1, 2)  # WarmupLR: 1e-4 -> 1e-2 linearly over 5 steps
+        engine.load_checkpoint(d)
+        lrs = [g["lr"] for g in engine.optimizer.param_groups]
+        assert engine.lr_scheduler.state_dict()["last_epoch"] == engine.global_steps == SAVE_AT
+    assert lrs == pytest.approx([1e-4 + (1e-2 - 1e-4) * SAVE_AT / 5] * 2, rel=1e-12)
+
+
 def test_error_deepspeed_checkpoint_truncated_or_incomplete(tmp_path):
     def shorten(o):
         o["single_partition_of_fp32_groups"][0] = o["single_partition_of_fp32_groups"][0][:-10]
