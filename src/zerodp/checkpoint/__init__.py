@@ -25,6 +25,7 @@ One concept per file, read in this order:
               unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
   export.py   consolidate / write_consolidated / `zerodp consolidate` (main)
+  deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
 from .errors import CheckpointError

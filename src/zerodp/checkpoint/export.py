@@ -10,6 +10,7 @@ import json
 
 import torch
 
+from . import deepspeed
 from .errors import CheckpointError
 from .pieces import saved_pieces
 from .read import read_metadata, read_tensors, resolve
@@ -17,6 +18,9 @@ from .read import read_metadata, read_tensors, resolve
 
 def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}); one process."""
+    ds_path = deepspeed.find(load_dir, tag)
+    if ds_path is not None:  # a DeepSpeed ZeRO checkpoint
+        return deepspeed.consolidate(ds_path)
     path, meta = resolve(load_dir, tag)
     metadata = read_metadata(path)
     md = metadata.state_dict_metadata

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import deepspeed
 from .errors import CheckpointError, agree, failure_text
 from .pieces import owned_pieces, saved_pieces, signature, untrained
 from .read import read_metadata, read_tensors, resolve
@@ -26,6 +27,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
     Collective: call on every rank. Everything is read and checked before the engine is touched;
     a problem on any rank raises the same CheckpointError on every rank.
     """
+    ds_path = deepspeed.find(load_dir, tag)
+    if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, _apply below loads it
+        return deepspeed.load(engine, ds_path)
     err = staged = meta = None
     try:
         path, meta = resolve(load_dir, tag)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from . import files
+from .deepspeed import describe
 from .errors import CheckpointError
 from .files import LATEST, META, TAG
 from .meta import validate
@@ -46,7 +47,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             if not os.path.isfile(latest):
                 tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, META)))
                 hint = f"; tags found: {', '.join(tags)} (pass tag=...)" if tags else ""
-                raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}")
+                raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}; neither a "
+                                      f"zerodp nor a DeepSpeed checkpoint: {describe(load_dir)}")
             with open(latest) as f:
                 tag, named_by = f.read().strip(), f"named by '{latest}'"
             if not TAG.fullmatch(tag):
@@ -58,8 +60,8 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
             raise CheckpointError(f"checkpoint tag '{tag}' ({named_by}) does not exist in '{load_dir}'")
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"'{path}' is not a complete zerodp checkpoint: {META} is missing "
-                              "(an interrupted save?)")
+        raise CheckpointError(f"'{path}' is neither a zerodp nor a DeepSpeed checkpoint ({META} or "
+                              f"mp_rank_00_model_states.pt; an interrupted save?): {describe(path)}")
     _inside(path, META, "the checkpoint itself")
     try:
         with open(meta_path, encoding="utf-8") as f:

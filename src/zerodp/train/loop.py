@@ -251,10 +251,12 @@ def train(opts: argparse.Namespace) -> int:
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, block, opts.micro_batch, opts.eval_batches, rank, world)
 
-    resumed = opts.resume_from is not None  # main's plan_resume: latest, the newest intact one, or TAG
+    # main's plan_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
+    # DeepSpeed checkpoint; one this job did not write has no data order: go on from its step).
+    resumed = opts.resume_path is not None
     if resumed:
-        client = engine.load_checkpoint(opts.resume_from)
-        data.load_state_dict(client["data"])
+        client = engine.load_checkpoint(opts.resume_path)
+        data.load_state_dict(client.get("data") or {"step": engine.global_steps, "seed": opts.seed})
     log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if rank == 0:
         where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"

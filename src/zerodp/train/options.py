@@ -25,9 +25,9 @@ from .model import SIZES
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
-    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, seed=1337,
-    nproc=None, ds_config=None, timeout=600.0, save_on_signal=True, on_non_finite="raise",
-    crash_after=None, crash_rank=None, crash_signal="SIGKILL",
+    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
+    resume_from=None, seed=1337, nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
+    on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL",
 )
 HIDDEN = ("crash_after", "crash_rank", "crash_signal")  # fault injection for the tests, not for --config
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
                    "intact one, with a warning, if latest is broken), or from checkpoint TAG; on "
                    "another number of ranks --grad-accum is adjusted to keep the global batch")
+    p.add_argument("--resume-from", metavar="DIR", help="continue from the checkpoint in DIR: a zerodp or "
+                   "DeepSpeed ZeRO save_dir or tag directory (without --resume, or when OUT has none)")
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")

@@ -22,21 +22,38 @@ from zerodp.checkpoint.files import LATEST
 
 
 def plan_resume(opts: argparse.Namespace, world: int) -> None:
-    """Set opts.resume_from (a checkpoint directory, or None) and adjust opts.grad_accum to it."""
-    opts.resume_from = None
+    """Set opts.resume_path (a checkpoint directory, or None) and adjust opts.grad_accum to it.
+
+    --resume (this run's checkpoints) comes first; --resume-from DIR is taken when it finds none."""
+    opts.resume_path = None
     if not opts.resume:
+        _plan_resume_from(opts, world)
         return
     ckpt_dir = Path(opts.out) / "checkpoints"
     try:
         if opts.resume is not True:
             path, meta = resolve(ckpt_dir, opts.resume)
         elif not (ckpt_dir / LATEST).exists() and not _any_checkpoint(ckpt_dir):
-            return  # nothing to continue: from scratch
+            _plan_resume_from(opts, world)  # nothing of this run's to continue
+            return
         else:
             path, meta = _latest_or_newest_intact(ckpt_dir)
     except CheckpointError as e:
         raise SystemExit(f"zerodp train: --resume: {e}")
-    opts.resume_from = path
+    opts.resume_path = path
+    keep_global_batch(opts, meta, world)
+
+
+def _plan_resume_from(opts: argparse.Namespace, world: int) -> None:
+    """--resume-from DIR: another run's checkpoint. A zerodp one keeps its global batch as --resume
+    does; a DeepSpeed one (checkpoint/deepspeed.py) is checked when the engine loads it."""
+    if not opts.resume_from:
+        return
+    opts.resume_path = opts.resume_from
+    try:
+        _, meta = resolve(opts.resume_from)
+    except CheckpointError:
+        return  # not a zerodp checkpoint: the engine's load says what it is, on every rank
     keep_global_batch(opts, meta, world)
 
 
