@@ -1,6 +1,6 @@
 """`python -m zerodp.train [options]`, the same as `zerodp train [options]`."""
 
-from .loop import main
+from .launch import main
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,149 @@
+"""How `zerodp train` runs: as one rank under torchrun, or as a launcher of --nproc ranks.
+
+Under torchrun (RANK/WORLD_SIZE set) this process is one rank of the job. With no launcher it starts
+--nproc ranks itself through torchrun's own launcher API (a standalone rendezvous on localhost), so a
+newcomer types one command and sees ZeRO-2 train on 2 CPU ranks. As a launcher it says how the job
+ended in one line: the rank that died first and how (FirstExit), or the signal / non-finite stop that
+every rank agreed on (their codes: 128 + signal, EXIT_NON_FINITE). The training itself is loop.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import traceback
+import uuid
+from pathlib import Path
+
+import zerodp
+
+from .loop import EXIT_NON_FINITE, run_rank
+from .options import parse_options
+from .resume import plan_resume
+
+PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_options(argv)
+    # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
+    plan_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
+        code = run_rank(opts)
+        if code:
+            raise SystemExit(code)  # stopped by a signal, checkpoint written: 128 + the signal number
+    else:
+        launch(opts)
+
+
+def launch(opts: argparse.Namespace) -> None:
+    """Start opts.nproc ranks on this machine, as `torchrun --standalone --nproc-per-node N` does."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # A SIGTERM/SIGINT to this process is forwarded to the ranks (torch's launcher does that), which
+    # finish their step, checkpoint and exit; shutdown_timeout bounds the wait before it SIGKILLs them.
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.5, shutdown_timeout=max(10, math.ceil(opts.timeout)))
+    # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
+    # Its shutdown warnings too ("Received 15 death signal"): the job says what happened in one line.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory() as pids, FirstExit(pids) as first:
+        try:
+            elastic_launch(config, _launched_rank)(opts)
+        except SignalException as e:  # the ranks were told and have stopped; rank 0 said how
+            raise SystemExit(128 + int(e.sigval))
+        except ChildFailedError as e:
+            codes = {f.exitcode for f in e.failures.values()}
+            # Every rank stopped together, and rank 0 said why: on a signal, or on non-finite steps.
+            if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT} or codes == {EXIT_NON_FINITE}:
+                raise SystemExit(max(codes))
+            found = first.rank_and_code or min((r, f.exitcode) for r, f in e.failures.items())
+            raise SystemExit(f"zerodp train: {describe_exit(*found)}")
+
+
+class FirstExit:
+    """Which rank exited first, and how: the one whose failure made the others fail.
+
+    torch's launcher reports one failed rank: whichever its poll saw first, often rank 0 failing in
+    a collective because its peer was SIGKILLed a moment before (and get_first_failure orders by
+    error files, which a killed rank never writes). So the launcher watches SIGCHLD itself; each rank
+    leaves its pid in `pid_dir`, and os.waitid(WNOWAIT) reads a dead rank's status without reaping it.
+    """
+
+    def __init__(self, pid_dir: str):
+        self.pid_dir, self.rank_and_code = pid_dir, None
+
+    def __enter__(self) -> "FirstExit":
+        os.environ[PID_DIR] = self.pid_dir
+        self._previous = signal.signal(signal.SIGCHLD, self._on_child_exit)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGCHLD, self._previous)
+        os.environ.pop(PID_DIR, None)
+
+    def _on_child_exit(self, signum: int, frame) -> None:
+        if self.rank_and_code is not None:
+            return
+        pids = {}
+        for name in os.listdir(self.pid_dir):
+            try:
+                pids[int(name)] = int(Path(self.pid_dir, name).read_text())
+            except (OSError, ValueError):
+                continue
+        for rank, pid in sorted(pids.items()):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if info is not None and (info.si_code != os.CLD_EXITED or info.si_status != 0):
+                killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                self.rank_and_code = (rank, -info.si_status if killed else info.si_status)
+                # A stopped (SIGSTOP) rank cannot act on the SIGTERM the launcher sends next and
+                # would be SIGKILLed only after torch's 30 s grace: let it run, and fail at once in
+                # its next collective with the rank that is gone.
+                for other in pids.values():
+                    with contextlib.suppress(OSError):
+                        os.kill(other, signal.SIGCONT)
+                return
+
+
+def describe_exit(rank: int, code: int) -> str:
+    """'rank 1 was killed by SIGKILL (exit code -9)' or 'rank 0 failed (exit code 1)'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"rank {rank} was killed by {name} (exit code {code})"
+    return f"rank {rank} failed (exit code {code})"
+
+
+def _launched_rank(opts: argparse.Namespace) -> None:
+    """A rank that this job started: its error is printed once, plainly, then the rank exits."""
+    if PID_DIR in os.environ:  # for FirstExit
+        Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
+    try:
+        code = run_rank(opts)
+    except zerodp.PeerFailure as e:  # one line says it all: which collective, and why
+        print(f"zerodp train: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # no interpreter teardown: the other ranks may be waiting in a collective
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # as on an error: an interpreter teardown here can stall for seconds
