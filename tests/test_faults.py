@@ -142,7 +142,7 @@ def test_comm_timeout_is_the_timeout_of_the_group_initialize_creates():
 
 
 # ---- the train job: a stalled rank, a killed rank, a preemption ------------------------------------
-def _job(out: Path, data: str, *extra: str) -> subprocess.Popen:
+def _job(out: Path, data: str, *extra: str, session: bool = False) -> subprocess.Popen:
     """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -150,7 +150,8 @@ def _job(out: Path, data: str, *extra: str) -> subprocess.Popen:
     args = [*TINY, "--steps", "40", "--eval-every", "1000", "--save-every", "1000", "--data", data,
             "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2", *extra]
     return subprocess.Popen([sys.executable, "-m", "zerodp.train", *args], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=session)
 
 
 def _seconds_after_step(proc: subprocess.Popen, out: Path, step: int, send=None) -> tuple[float, str, str]:
@@ -162,7 +163,9 @@ def _seconds_after_step(proc: subprocess.Popen, out: Path, step: int, send=None)
             break
         time.sleep(0.05)
     t0 = time.monotonic()
-    if send is not None:
+    if callable(send):
+        send(proc)
+    elif send is not None:
         proc.send_signal(send)
     try:
         stdout, stderr = proc.communicate(timeout=90)
@@ -223,3 +226,17 @@ def test_sigterm_to_a_one_rank_job_with_no_save_on_signal_stops_without_a_checkp
     assert proc.returncode == 143, stderr[-3000:]
     assert "no checkpoint written (--no-save-on-signal)" in stdout and "Traceback" not in stderr
     assert not (out / "checkpoints").exists()
+
+
+def test_ctrl_c_to_the_whole_job_checkpoints_and_exits_130_in_one_line(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to every process of the foreground group: launcher and ranks."""
+    out = tmp_path / "run"
+    proc = _job(out, corpus(tmp_path), "--timeout", "30", session=True)
+    seconds, stdout, stderr = _seconds_after_step(proc, out, 3, send=lambda p: os.killpg(p.pid, signal.SIGINT))
+    print(f"SIGINT to the job's process group after step 3: it exited {seconds:.1f} s later")
+    assert proc.returncode == 130, stderr[-3000:]
+    lines = [line for line in stdout.splitlines() if "stopped by" in line]
+    assert len(lines) == 1 and "stopped by SIGINT after step" in lines[0], stdout
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    step = int(re.search(r"after step (\d+)", lines[0]).group(1))
+    assert (out / "checkpoints" / "latest").read_text() == f"global_step{step}"
