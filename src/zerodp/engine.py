@@ -150,7 +150,7 @@ class Engine:
         self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
-        norm_sq, flags = self.partitioned.norm_and_flags(grads, flags)
+        norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
         # The one host sync of the step, in every precision, on a value every rank agrees on: a
         # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.

@@ -60,21 +60,17 @@ class PartitionedOptimizer:
                 raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
                                 "expected a torch.optim.Optimizer")
 
-    def grad_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of squares of the full gradient, on every rank; inf/nan if any rank overflowed."""
+    def grad_norm_squared(self, grads: list[torch.Tensor], flags: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum of squares of the full gradient, on every rank (inf/nan if any rank overflowed), and
+        `flags` (non_finite.step_flags) summed over ranks in the same one all-reduce. Stage 0's
+        gradients are already identical on every rank, so it reduces nothing: its flags are known
+        only in a world of one (None otherwise)."""
         local = self._local_norm_squared(grads)
-        if self.stage > 0:  # stage 0's gradients are already identical on every rank
-            self.comm.all_reduce(local)
-        return local
-
-    def norm_and_flags(self, grads: list[torch.Tensor], flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """grad_norm_squared and every rank's step flags (non_finite.step_flags) summed, in the
-        norm's one all-reduce. Stage 0 has none: its flags are other ranks' unknowns (None) unless
-        the world is one."""
-        local = self._local_norm_squared(grads)
+        flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
             return local, flags if self.comm.world_size == 1 else None
-        both = torch.cat([local.reshape(1), flags.to(local.device)])
+        both = torch.cat([local.reshape(1), flags])
         self.comm.all_reduce(both)
         return both[0], both[1:]
 
