@@ -99,9 +99,10 @@ def run_jobs(rank: int, world: int, jobs: list[tuple[str, int]]) -> dict:
 
 # Each fixture on 2 ranks at its own stage and at another, and on 1 rank.
 JOBS = {2: [("stage1_fp32", 1), ("stage1_fp32", 3), ("stage2_fp32", 2), ("stage2_fp32", 0), ("stage3_fp32", 3),
-            ("stage3_fp32", 1), ("stage2_bf16", 2), ("stage2_bf16", 3), ("stage2_fp32_tied_frozen", 3),
-            ("stage3_fp32_tied_frozen", 2), ("stage1_bf16_fp32_accum", 1)],
-        1: [("stage1_fp32", 2), ("stage2_fp32", 1), ("stage3_fp32", 3), ("stage2_bf16", 2),
+            ("stage3_fp32", 1), ("stage2_bf16", 2), ("stage2_bf16", 3), ("stage3_bf16", 3),
+            ("stage3_bf16", 2), ("stage2_fp32_tied_frozen", 3), ("stage3_fp32_tied_frozen", 2),
+            ("stage1_bf16_fp32_accum", 1)],
+        1: [("stage1_fp32", 2), ("stage2_fp32", 1), ("stage3_fp32", 3), ("stage2_bf16", 2), ("stage3_bf16", 1),
             ("stage3_fp32_tied_frozen", 1), ("stage1_bf16_fp32_accum", 2)]}
 CASES = [(world, job) for world, jobs in JOBS.items() for job in jobs]
 IDS = [f"{name}-world={world}-stage={stage}" for world, (name, stage) in CASES]

@@ -7,9 +7,12 @@ that is not the one the tests run in (the tests must pass without DeepSpeed):
     python -m venv --system-site-packages /work/dsenv
     /work/dsenv/bin/pip install hjson ninja py-cpuinfo psutil einops msgpack wheel
     DS_BUILD_OPS=0 /work/dsenv/bin/pip install --no-deps --no-build-isolation deepspeed-0.19.8.tar.gz
-    DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py
+    DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py [NAME ...]
 
-For each fixture (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16; stage 1 in bf16 with fp32 gradient
+With names, only those fixtures are (re)written and their entries in fixtures.json replaced; the others'
+files and entries stay as they are (stage3_bf16 was added that way, after the others).
+
+For each fixture (ZeRO stage 1, 2, 3 in fp32; stages 2 and 3 in bf16; stage 1 in bf16 with fp32 gradient
 accumulation, DeepSpeed's BF16_Optimizer; stages 2 and 3 of the Toy with tied and frozen parameters, in
 fp32): the oracle's Toy MLP (seed 0), torch's AdamW in two param groups (oracle.two_groups: weight decay
 on matrices only), DeepSpeed's WarmupLR and gradient clipping 1.0, micro-batch 3 per rank, no
@@ -45,8 +48,8 @@ GLOBAL = WORLD * MICRO
 # shared by two modules (DeepSpeed's shared_params) and a frozen inp.weight (stage 3 cuts it per rank).
 TIED_FROZEN = {"tied": True, "frozen": True}
 FIXTURES = {"stage1_fp32": (1, "fp32", {}), "stage2_fp32": (2, "fp32", {}), "stage3_fp32": (3, "fp32", {}),
-            "stage2_bf16": (2, "bf16", {}), "stage2_fp32_tied_frozen": (2, "fp32", TIED_FROZEN),
-            "stage3_fp32_tied_frozen": (3, "fp32", TIED_FROZEN),
+            "stage2_bf16": (2, "bf16", {}), "stage3_bf16": (3, "bf16", {}),
+            "stage2_fp32_tied_frozen": (2, "fp32", TIED_FROZEN), "stage3_fp32_tied_frozen": (3, "fp32", TIED_FROZEN),
             # bf16 with fp32 gradient accumulation in stage 1 is DeepSpeed's BF16_Optimizer: other files
             "stage1_bf16_fp32_accum": (1, "bf16-fp32-accum", {})}
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2,
@@ -109,13 +112,14 @@ def _loaded_state(engine) -> dict:
     return out
 
 
-def _rank(rank: int, store_path: str, out_dir: str) -> None:
+def _rank(rank: int, store_path: str, out_dir: str, names: list[str]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     import deepspeed
     record = {}
-    for name, (stage, dtype, kw) in FIXTURES.items():
+    for name in names:
+        stage, dtype, kw = FIXTURES[name]
         m = model(0, **kw)
         engine, _, _, _ = deepspeed.initialize(model=m, optimizer=oracle.two_groups(m), config=ds_config(stage, dtype))
         before = _train(engine, rank, range(SAVE_AT))
@@ -138,27 +142,41 @@ def _rank(rank: int, store_path: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     import deepspeed
+    names = argv or list(FIXTURES)
+    unknown = [n for n in names if n not in FIXTURES]
+    if unknown:
+        sys.exit(f"unknown fixture(s) {unknown}; known: {list(FIXTURES)}")
+    path = os.path.join(HERE, "fixtures.json")
+    meta = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "world_size": WORLD,
+            "micro_batch": MICRO, "save_at": SAVE_AT, "continue": CONTINUE,
+            "model": "tests/oracle.py Toy() seed 0, optimizer oracle.two_groups (torch AdamW)"}
+    kept = {}
+    if argv:  # some fixtures only: the others must have been made by the same versions and settings
+        with open(path) as f:
+            old = json.load(f)
+        kept = old.pop("fixtures")
+        if old != meta:
+            sys.exit(f"fixtures.json was made with {old}, not {meta}: regenerate them all, not some")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
         os.makedirs(out)
-        mp.spawn(_rank, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
+        mp.spawn(_rank, args=(os.path.join(tmp, "store"), out, names), nprocs=WORLD, join=True)
         with open(os.path.join(out, "record.json")) as f:
             record = json.load(f)
-        for name in FIXTURES:
+        for name in names:
             dest = os.path.join(HERE, name)
             shutil.rmtree(dest, ignore_errors=True)
             # The save_dir as DeepSpeed wrote it, less its copies of zero_to_fp32.py / zero_to_torch.py.
             shutil.copytree(os.path.join(out, name), dest, ignore=shutil.ignore_patterns("zero_to_*.py"))
-    meta = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "world_size": WORLD,
-            "micro_batch": MICRO, "save_at": SAVE_AT, "continue": CONTINUE,
-            "model": "tests/oracle.py Toy() seed 0, optimizer oracle.two_groups (torch AdamW)",
-            "fixtures": record}
-    with open(os.path.join(HERE, "fixtures.json"), "w") as f:
+    if argv:  # only these fixtures: keep the others' entries (and their order) as they are
+        record = {**kept, **record}
+    meta["fixtures"] = record
+    with open(path, "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
