@@ -14,8 +14,8 @@ import inspect
 import json
 import math
 import os
-from dataclasses import dataclass
 import types
+from dataclasses import dataclass
 from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
 
 import torch
@@ -93,7 +93,7 @@ class NonFiniteConfig(_Section):
     fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs)."""
 
     policy: Literal["raise", "skip"] = "raise"
-    max_consecutive_skips: Annotated[int, Field(ge=1, strict=True)] = 3
+    max_consecutive_skips: PositiveInt = 3
 
 
 class ZeroConfig(_Section):
@@ -338,8 +338,8 @@ class Config(_Section):
     # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
     broadcast_buffers: bool = True
     # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
-    # when zerodp creates the group); strict, so "600" or true is an error rather than a guess.
-    comm_timeout_s: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] = 600.0
+    # when zerodp creates the group).
+    comm_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
