@@ -17,6 +17,7 @@ import os
 import re
 import sys
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -146,6 +147,18 @@ class Comm:
                 raise error
             raise failures[0].exception(what)
         return [p for _, p in results]
+
+    @contextmanager
+    def names_peer_failure(self, where: str, op: str | None = None):
+        """Within the block, a collective that timed out or lost its peer raises PeerFailure naming
+        `where` (gloo's own error names no zerodp collective). Free unless something raises."""
+        try:
+            yield
+        except RuntimeError as e:
+            failure = self.peer_failure(e, where, op)
+            if failure is None:
+                raise
+            raise failure from e
 
     def peer_failure(self, e: BaseException, where: str, op: str | None = None) -> PeerFailure | None:
         """The error to raise instead of `e` when `e` says a peer stalled or died; None otherwise.

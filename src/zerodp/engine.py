@@ -31,13 +31,8 @@ def _names_peer_failure(where: str):
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
-            try:
+            with self.comm.names_peer_failure(f"in {where} at step {self.global_steps + 1}"):
                 return method(self, *args, **kwargs)
-            except RuntimeError as e:
-                failure = self.comm.peer_failure(e, f"in {where} at step {self.global_steps + 1}")
-                if failure is None:
-                    raise
-                raise failure from e
         return run
     return wrap
 

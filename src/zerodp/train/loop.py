@@ -163,13 +163,8 @@ def train(opts: argparse.Namespace) -> int:
         # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
         # SIGTERM / SIGINT, so that every rank stops after the same step.
         sums = torch.stack([loss_sum, *torch.tensor(stop.flags(), device=device)])
-        try:
+        with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
             dist.all_reduce(sums)
-        except RuntimeError as e:
-            failure = engine.comm.peer_failure(e, f"of the step's loss at step {engine.global_steps}", "all_reduce")
-            if failure is None:
-                raise
-            raise failure from e
         loss = sums[0].item() / (world * opts.grad_accum)
         stopping = signal.SIGINT if sums[2] > 0 else signal.SIGTERM if sums[1] > 0 else 0
         step, dt = engine.global_steps, time.perf_counter() - t0
