@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-from contextlib import contextmanager
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -97,6 +97,7 @@ class Engine:
         self._grad_norm: torch.Tensor | None = None
         self.non_finite = NonFinitePolicy(config, comm.rank)
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
+        self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
         comm.traffic.reset()
 
     # ---- the training step ----------------------------------------------------------------------
@@ -118,7 +119,9 @@ class Engine:
         factor = self._scale_used / self.gas
         if factor != 1:
             loss = loss.float() * factor
-        self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
+        communicate = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self._unsynced = self._no_sync or (self._unsynced and not communicate)
+        self.reducer.begin(communicate=communicate)
         loss.backward()
         self.reducer.finish_backward()
         if self.gatherer is not None:
@@ -137,6 +140,10 @@ class Engine:
         More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
         add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
+        if self._no_sync or self._unsynced:
+            raise RuntimeError("step() with gradients from backward() inside no_sync() that no backward() "
+                               "outside it has reduced yet: every rank would step on its own gradients; "
+                               "run the last backward() of the accumulation outside no_sync()")
         if self.micro_steps - self._stepped_at < self.gas:
             return
         self._stepped_at = self.micro_steps
@@ -165,6 +172,23 @@ class Engine:
         # Last, so that a NonFiniteError leaves a consistent engine (gradients freed, step counted).
         self.non_finite.after_step(self.global_steps, not skip, flags, self.scaler, self._scale_used,
                                    self.grad_norm if skip else 0.0)
+
+    @contextmanager
+    def no_sync(self):
+        """As DDP's no_sync: backward() inside reduces nothing; its gradients join those of the next
+        backward() outside, which reduces them all. Stages 0-1 only: stages 2-3 reduce-scatter every
+        gradient as backward produces it, to keep only a shard."""
+        if self.stage >= 2:
+            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.stage}, which partitions "
+                               "gradients as backward produces them; use stage 0 or 1, or "
+                               "gradient_accumulation_steps, which reduces once per step in stage 1")
+        if self._no_sync:
+            raise RuntimeError("no_sync() is already active: it cannot be entered again inside itself")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
@@ -195,15 +219,18 @@ class Engine:
         """Nothing to do: gradients live in the engine's buffers and are cleared by step()."""
 
     @contextmanager
-    def gathered_parameters(self):
-        """Within the block the module's parameters are whole on every rank (stage 3 gathers and
-        releases them; other stages always hold them whole). Changes made inside are not kept."""
-        if self.gatherer is None:
-            self.wait_for_parameters()
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
+        """Within the block the given parameters (default: all) are whole on every rank (stage 3 gathers
+        and releases them; other stages always hold them whole). Changes made inside are not kept,
+        unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
+        self.wait_for_parameters()
+        wanted = None if params is None else {id(p) for p in params}
+        buckets = [b for b in self.partitioned.buckets
+                   if wanted is None or any(id(s.param) in wanted for s in b.slots)]
+        with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
-        else:
-            with self.gatherer.gathered_parameters():
-                yield
+            if modifier_rank is not None:
+                self.partitioned.adopt_working(buckets, modifier_rank)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
@@ -228,10 +255,12 @@ class Engine:
         self.wait_for_parameters()
         return save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> dict:
-        """Restore a checkpoint saved on any world size; returns its client_state (collective)."""
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
+                        lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
+        """Restore a checkpoint saved on any world size; returns its client_state (collective).
+        module_only restores the weights alone (no optimizer, scheduler, counters or RNG)."""
         from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag)
+        return load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""

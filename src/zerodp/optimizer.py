@@ -157,6 +157,17 @@ class PartitionedOptimizer:
         if not defer:
             self.wait_for_parameters()
 
+    def adopt_working(self, buckets: list[Bucket], src_rank: int) -> None:
+        """Make src_rank's working values of `buckets` (whole on every rank) the parameters and fp32
+        masters of every rank: for weights changed in place outside a step (collective)."""
+        for b in buckets:
+            self.comm.broadcast(b.data, src_rank)
+            shard = b.shard(b.data, self.rank)
+            if shard.data_ptr() != b.owned.data_ptr():  # stage 3 keeps its shard apart from b.data
+                b.owned.copy_(shard)
+            if self.separate:
+                self.masters[b.index].copy_(b.owned)
+
     def wait_for_parameters(self, upto: int | None = None) -> None:
         """Wait for the parameter gathers in flight: all, or those of gather_order[:upto]."""
         while self.pending and (upto is None or self.position[self.pending[0][0]] < upto):

@@ -137,13 +137,14 @@ class Gatherer:
         self.gathered.discard(b.index)
 
     @contextmanager
-    def gathered_parameters(self):
-        """Every parameter whole inside the block (to read or export them); released after."""
-        self.gather(self.buckets)
+    def gathered_parameters(self, buckets: list[Bucket] | None = None):
+        """These buckets' (default: every) parameters whole inside the block; released after."""
+        buckets = self.buckets if buckets is None else buckets
+        self.gather(buckets)
         try:
             yield
         finally:
-            self.release(self.buckets)
+            self.release(buckets)
 
     def refresh_persistent(self) -> None:
         """After a step (and at start): persistent buckets hold the new weights of every rank."""

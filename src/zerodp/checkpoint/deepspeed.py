@@ -285,9 +285,9 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
 
 
 # ---- loading one into an engine ------------------------------------------------------------------
-def load(engine, path: str) -> dict:
+def load(engine, path: str, parts=None) -> dict:
     """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then load.py's apply."""
-    from .load import _apply, _Staged  # load.py dispatches here: imported late, no cycle
+    from .load import _apply, _Parts, _Staged  # load.py dispatches here: imported late, no cycle
 
     err = meta = staged = None
     try:
@@ -300,7 +300,7 @@ def load(engine, path: str) -> dict:
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
     agree(engine.comm, err)
-    _apply(engine, meta, staged)
+    _apply(engine, meta, staged, parts or _Parts())
     return meta["client_state"]
 
 

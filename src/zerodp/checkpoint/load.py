@@ -21,15 +21,18 @@ from .pieces import owned_pieces, saved_pieces, signature, untrained
 from .read import read_metadata, read_tensors, resolve
 
 
-def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
+def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
+                    lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
     """Restore a checkpoint saved on any world size and stage; returns its client_state.
 
     Collective: call on every rank. Everything is read and checked before the engine is touched;
-    a problem on any rank raises the same CheckpointError on every rank.
+    a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
+    lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
+    parts = _Parts(optimizer_states and not module_only, lr_scheduler_states and not module_only, not module_only)
     ds_path = deepspeed.find(load_dir, tag)
     if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, _apply below loads it
-        return deepspeed.load(engine, ds_path)
+        return deepspeed.load(engine, ds_path, parts)
     err = staged = meta = None
     try:
         path, meta = resolve(load_dir, tag)
@@ -40,7 +43,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None) -> dict:
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reach the agreement, or other ranks hang
         err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
     agree(engine.comm, err)
-    _apply(engine, meta, staged)
+    _apply(engine, meta, staged, parts)
     return meta["client_state"] if meta["client_state"] is not None else {}
 
 
@@ -74,6 +77,15 @@ def _check_model(engine, path: str, meta: dict) -> None:
     if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(meta['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What a load restores besides the weights (which it always does)."""
+
+    optimizer: bool = True
+    lr_scheduler: bool = True
+    training_state: bool = True  # counters, loss scale, RNG
 
 
 @dataclass
@@ -130,7 +142,7 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
     return _Staged(masters, states, scalars, model_state, rng)
 
 
-def _apply(engine, meta: dict, staged: _Staged) -> None:
+def _apply(engine, meta: dict, staged: _Staged, parts: _Parts = _Parts()) -> None:
     part, opt = engine.partitioned, engine.optimizer
     with torch.no_grad():
         for m, new in zip(part.masters, staged.masters):
@@ -138,8 +150,31 @@ def _apply(engine, meta: dict, staged: _Staged) -> None:
         for name, t in untrained(engine).items():
             if name in staged.untrained:
                 t.data.copy_(staged.untrained[name])
+    if parts.optimizer:
+        _apply_optimizer(engine, meta, staged)
+    part.all_gather()  # working params from the masters, on every rank
+    if getattr(engine, "gatherer", None) is not None:
+        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+    engine.reducer.zero()
+    engine._grad_norm = None
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None and parts.lr_scheduler:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if not parts.training_state:
+        return
+    c = meta["counters"]
+    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
+    # The accumulation count restarts at a boundary: gas may differ when the world size did.
+    engine.micro_steps = engine._stepped_at = engine.global_steps * engine.gas
+    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
+        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
+    engine._scale_used = engine.scaler.scale
+    _restore_rng(engine, meta, staged.rng)
+
+
+def _apply_optimizer(engine, meta: dict, staged: _Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
+    part, opt = engine.partitioned, engine.optimizer
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
@@ -155,21 +190,6 @@ def _apply(engine, meta: dict, staged: _Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    part.all_gather()  # working params from the masters, on every rank
-    if getattr(engine, "gatherer", None) is not None:
-        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
-    c = meta["counters"]
-    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
-    # The accumulation count restarts at a boundary: gas may differ when the world size did.
-    engine.micro_steps = engine._stepped_at = engine.global_steps * engine.gas
-    engine.reducer.zero()
-    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
-        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
-    engine._scale_used = engine.scaler.scale
-    engine._grad_norm = None
-    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    _restore_rng(engine, meta, staged.rng)
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,152 @@
+"""DeepSpeed's public training API over zerodp: `import zerodp.deepspeed as deepspeed`.
+
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
+                                                                model_parameters=model.parameters())
+    loss = engine(batch); engine.backward(loss); engine.step()
+
+The one place that knows DeepSpeed's names: initialize's arguments and 4-tuple, the config's
+"auto" values (auto.py), the engine's methods (engine.py), `zero.GatheredParameters` (zero.py).
+What maps to what, and what is refused, is in docs/DEEPSPEED.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import zerodp
+from zerodp.comm import init_distributed as _init_distributed
+from zerodp.config import ConfigError, load_config
+
+from . import zero
+from .auto import resolve_auto
+from .engine import DeepSpeedEngine
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto"]
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int | None = None, verbose: bool = True, timeout: Any = None,
+                     init_method: str | None = None, dist_init_required: bool | None = None,
+                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
+    """torch.distributed from torchrun's environment (or a world of one), unless already initialised."""
+    if init_method is not None or rank != -1 or world_size != -1:
+        raise ValueError("init_distributed(init_method=/rank=/world_size=) is not supported: zerodp reads "
+                         "torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); initialise "
+                         "torch.distributed yourself for anything else")
+    if timeout is not None:
+        _init_distributed(dist_backend, timeout_s=timeout.total_seconds())
+    else:
+        _init_distributed(dist_backend)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's --deepspeed, --deepspeed_config (and the deprecated --deepscale*) flags."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, training_data: Dataset | None = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: dict | str | None = None, mesh_param: Any = None,
+               config_params: dict | str | None = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """DeepSpeed's initialize: (engine, optimizer, training_dataloader, lr_scheduler).
+
+    optimizer: a torch optimizer, a callable params -> optimizer, or None for the config's 'optimizer'
+    section (built on model_parameters: tensors or param-group dicts; default the model's).
+    lr_scheduler: a scheduler built on that optimizer, a callable optimizer -> scheduler, or None for the
+    config's 'scheduler' section. training_data: a dataset, served per rank by a DistributedSampler.
+    """
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("mpu / mesh_param (model or sequence parallelism) are not supported: zerodp is "
+                         "data parallel only")
+    if dist_init_required is False and not dist.is_initialized():
+        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; initialise "
+                           "it first, or pass dist_init_required=None")
+    raw = _config_dict(args, config if config is not None else config_params)
+    init_distributed()
+    raw = resolve_auto(raw, _known(model, optimizer, dist.get_world_size()))
+    cfg = load_config(raw)
+    if optimizer is None and cfg.optimizer is not None:
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
+    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
+        optimizer = optimizer(model_parameters)  # DeepSpeed calls the factory on model_parameters
+    engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler))
+    loader = None
+    if training_data is not None:
+        sampler = DistributedSampler(training_data, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
+        loader = DataLoader(training_data, batch_size=engine.batch.micro_batch_size, sampler=sampler,
+                            collate_fn=collate_fn)
+    wrapped = DeepSpeedEngine(engine, loader)
+    return wrapped, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_dict(args: Any, config: dict | str | None) -> dict:
+    """The raw config from config= / config_params= or args.deepspeed_config, as DeepSpeed picks it."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("a config was given both as args.deepspeed_config and as config=; give only one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file, or config=")
+    if isinstance(config, dict):
+        return config
+    try:
+        with open(os.fspath(config), encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {config!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {config!r} is not valid JSON: line {e.lineno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {config!r} must hold a JSON object")
+    return raw
+
+
+def _known(model: nn.Module, optimizer: Any, world_size: int) -> dict[str, Any]:
+    """What "auto" may be filled from: the passed optimizer's hyperparameters, the model's width and
+    precision, the world size."""
+    known: dict[str, Any] = {"world_size": world_size}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        group = optimizer.param_groups[0]
+        known.update({k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group})
+        if torch.is_tensor(known.get("lr")):
+            known["lr"] = float(known["lr"])
+    hf = getattr(model, "config", None)
+    hidden = getattr(hf, "hidden_size", None) or max(getattr(hf, "hidden_sizes", None) or [0]) or None
+    if hidden is not None:
+        known["hidden_size"] = int(hidden)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    known["fp16"], known["bf16"] = dtypes == {torch.float16}, dtypes == {torch.bfloat16}
+    return known
+
+
+def _scheduler_factory(lr_scheduler: Any) -> Callable | None:
+    """zerodp takes a callable optimizer -> scheduler; a scheduler object must be on that optimizer."""
+    if lr_scheduler is None or not hasattr(lr_scheduler, "step") or not hasattr(lr_scheduler, "optimizer"):
+        return lr_scheduler
+
+    def same(opt: torch.optim.Optimizer) -> Any:
+        if lr_scheduler.optimizer is not opt:
+            raise ValueError("the lr_scheduler object was built on another optimizer than the one the engine "
+                             "steps (the config's 'optimizer' section builds a new one); pass the optimizer "
+                             "too, or a callable optimizer -> scheduler")
+        return lr_scheduler
+    return same

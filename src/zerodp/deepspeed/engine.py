@@ -1,0 +1,215 @@
+"""DeepSpeedEngine: DeepSpeed's engine methods, each a call or two on a zerodp.Engine.
+
+What the wrapper adds is only DeepSpeed's names and return conventions (load_checkpoint's
+`(path, client_state)`, save_checkpoint's True, the batch getters as methods). Anything not defined
+here is looked up on the zerodp engine, then on the wrapped module (`parameters()`, `state_dict()`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodp.engine import Engine
+
+# The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
+# parameters, not the engine). Weak: a freed engine leaves nothing behind.
+_ENGINES: "weakref.WeakSet[DeepSpeedEngine]" = weakref.WeakSet()
+
+
+def owner_of(param: nn.Parameter) -> "DeepSpeedEngine | None":
+    """The engine training `param`, if any (its module holds this very parameter object)."""
+    return next((e for e in _ENGINES if id(param) in e._param_ids), None)
+
+
+class DeepSpeedEngine:
+    """What `zerodp.deepspeed.initialize` returns first: a zerodp engine under DeepSpeed's API."""
+
+    def __init__(self, engine: Engine, training_dataloader: Any = None):
+        self.engine = engine
+        self.training_dataloader = training_dataloader
+        self._step_applied = False
+        self._param_ids = {id(p) for p in engine.module.parameters()}
+        _ENGINES.add(self)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            raise AttributeError(name)
+        if hasattr(engine, name):
+            return getattr(engine, name)
+        return getattr(engine.module, name)
+
+    # ---- the training step ----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        if retain_graph or not scale_wrt_gas:
+            raise ValueError("backward(retain_graph=True) and backward(scale_wrt_gas=False) are not supported: "
+                             "zerodp's backward always divides the loss by gradient_accumulation_steps and "
+                             "frees the graph; call backward once per micro-batch with the defaults")
+        self.engine.backward(loss)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        if lr_kwargs:
+            raise ValueError("step(lr_kwargs=...) is not supported: the lr scheduler is stepped without "
+                             "arguments after every applied step")
+        steps, skipped = self.engine.global_steps, self.engine.skipped_steps
+        self.engine.step()
+        self._step_applied = self.engine.global_steps > steps and self.engine.skipped_steps == skipped
+
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        """Nothing to do: step() clears the gradients (DeepSpeed's engine does the same)."""
+
+    @contextmanager
+    def no_sync(self):
+        if self.engine.stage >= 2:
+            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
+                                 f"of ZeRO stage {self.engine.stage}")
+        with self.engine.no_sync():
+            yield
+
+    # ---- state DeepSpeed scripts read ------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_steps * self.train_batch_size()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.comm.rank
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.comm.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.engine.comm.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.engine.grad_norm
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gas
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.batch.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.engine.batch.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the weights (not an accumulation micro-step, not skipped)."""
+        return self._step_applied
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.dtype == torch.bfloat16
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """zerodp's sharded checkpoint (any world size can load it). client_state must be JSON."""
+        if not save_latest or exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(save_latest=False / exclude_frozen_parameters=True) is not "
+                             "supported: zerodp always updates 'latest' and saves frozen parameters")
+        self.engine.save_checkpoint(save_dir, tag, client_state or {})
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """(the checkpoint's directory, its client_state); (None, None) when load_dir has none, as
+        DeepSpeed (a zerodp or a DeepSpeed ZeRO checkpoint, saved on any world size)."""
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint(custom_load_fn=...) is not supported; load the state dict "
+                             "yourself inside zero.GatheredParameters(..., modifier_rank=0)")
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, 'latest')}; if trying to "
+                          "load the latest checkpoint please pass tag", stacklevel=2)
+            return None, None
+        if tag is None:
+            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
+                tag = f.read().strip()
+        client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
+                                                   load_lr_scheduler_states, load_module_only)
+        return os.path.join(load_dir, tag), client_state
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model in its working precision as one torch.save'd state dict, on rank 0
+        (collective). Stage 3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save."""
+        zero = self.engine.config.zero_optimization
+        if self.engine.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            warnings.warn("did not save the model: stage 3 needs "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save: true", stacklevel=2)
+            return False
+        state = self.engine.full_state_dict()
+        trained = {n for n, p in self.engine.module.named_parameters() if p.requires_grad}
+        if exclude_frozen_parameters:
+            state = {k: v for k, v in state.items() if k in trained}
+        if self.global_rank == 0:
+            dtype = self.engine.dtype
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
