@@ -1,0 +1,238 @@
+"""`import zerodp.deepspeed as deepspeed` runs a DeepSpeed ZeRO script unchanged (issue 11 §1)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+import zerodp
+import zerodp.deepspeed as deepspeed
+from oracle import Toy
+from scripts import ds_train
+from spawn import run_ranks
+
+# DeepSpeedExamples' training/cifar ds_config.json, with a short linear warmup so the lr moves.
+SCRIPT_CONFIG = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 2000,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                 "warmup_num_steps": 4, "warmup_type": "linear"}},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "reduce_scatter": True,
+                          "allgather_bucket_size": 50000000, "reduce_bucket_size": 200, "overlap_comm": True,
+                          "contiguous_gradients": True},
+}
+MICRO = {"train_micro_batch_size_per_gpu": 4}
+
+
+def _both_scripts_and_zero_features(rank: int, world: int, tmp: str) -> dict:
+    path = os.path.join(tmp, "ds_config.json")
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(SCRIPT_CONFIG, f)
+    torch.distributed.barrier()
+    out = {"deepspeed": ds_train.main(deepspeed, ["--deepspeed", "--deepspeed_config", path],
+                                      os.path.join(tmp, "ckpt")),
+           "zerodp": ds_train.zerodp_main(SCRIPT_CONFIG)}
+    # zero.GatheredParameters, stage 3: whole inside; rank 1's write is every rank's weight after.
+    torch.manual_seed(0)
+    model = Toy()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config={**MICRO, "zero_optimization": {
+                                          "stage": 3, "stage3_param_persistence_threshold": 0}})
+    out["released_numel"] = model.mid.weight.numel()
+    with deepspeed.zero.GatheredParameters(model.mid.weight, modifier_rank=1):
+        out["gathered_shape"] = tuple(model.mid.weight.shape)
+        with torch.no_grad():
+            model.mid.weight.fill_(float(rank + 1))
+    x, y = torch.ones(4, 13), torch.zeros(4, 5)
+    engine.backward(engine(x, y))
+    engine.step()  # SGD: the update starts from the kept weight 2.0 on every rank
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        out["mid_after_step"] = model.mid.weight.detach().clone()
+    return out
+
+
+def test_deepspeed_script_with_only_its_import_changed_matches_zerodp_initialize_on_two_ranks(tmp_path):
+    results = run_ranks(_both_scripts_and_zero_features, 2, str(tmp_path), timeout_s=60)
+    for r in results:
+        ds, native = r["deepspeed"], r["zerodp"]
+        assert len(ds) == 12 + 2 and ds[-2] == 6  # 2 epochs of 48 samples: 2 ranks x 4 x 2 micro-steps a step
+        assert ds == pytest.approx(native, abs=1e-6, rel=0)
+        assert ds[-1] == pytest.approx(0.001)  # the config's WarmupLR ran to its peak
+        assert r["released_numel"] == 0 and r["gathered_shape"] == (37, 37)
+    assert results[0]["deepspeed"][:12] != results[1]["deepspeed"][:12]  # each rank saw its own data
+    mid0, mid1 = results[0]["mid_after_step"], results[1]["mid_after_step"]
+    assert torch.equal(mid0, mid1) and (mid0 - 2.0).abs().max() < 0.5 and (mid0 != 2.0).any()
+
+
+# ---- initialize: DeepSpeed's arguments and 4-tuple (world of one, in-process) --------------------
+def _batches(n: int = 2):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)) for _ in range(n)]
+
+
+def _train(engine, n: int = 2) -> list[float]:
+    losses = []
+    for x, y in _batches(n):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_initialize_returns_engine_optimizer_loader_scheduler_built_from_the_config_sections():
+    model = Toy()
+    data = torch.utils.data.TensorDataset(torch.randn(10, 13), torch.randn(10, 5))
+    engine, opt, loader, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                      training_data=data, config={
+        **MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}}})
+    assert isinstance(opt, torch.optim.AdamW) and opt is engine.optimizer
+    assert sched is engine.lr_scheduler and sched is not None
+    assert isinstance(loader.sampler, torch.utils.data.DistributedSampler) and loader.batch_size == 4
+    assert engine.module is model and engine.train_batch_size() == 4 and engine.gradient_accumulation_steps() == 1
+    assert (engine.global_rank, engine.world_size, engine.local_rank) == (0, 1, 0)
+    assert engine.zero_optimization_stage() == 0 and engine.train_micro_batch_size_per_gpu() == 4
+    _train(engine)
+    assert engine.global_steps == 2 and engine.get_global_grad_norm() > 0 and engine.was_step_applied()
+    assert 0 < engine.get_lr()[0] < 0.01  # warming up
+
+
+def test_param_groups_of_model_parameters_keep_their_own_hyperparameters():
+    model = Toy()
+    groups = [{"params": [model.inp.weight, model.mid.weight, model.out.weight], "weight_decay": 0.5},
+              {"params": [p for n, p in model.named_parameters() if "weight" not in n or "norm" in n],
+               "weight_decay": 0.0}]
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config={
+        **MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}}})
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+
+
+@pytest.mark.parametrize("form", ["object", "callable"])
+def test_scheduler_given_as_an_object_or_a_callable_is_stepped_by_the_engine(form):
+    model = Toy()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if form == "object" else \
+        (lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
+    engine, _, _, returned = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=MICRO)
+    _train(engine)
+    assert engine.get_lr() == [0.25] and returned is engine.lr_scheduler
+
+
+def test_scheduler_object_on_another_optimizer_is_refused():
+    model = Toy()
+    other = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="built on another optimizer"):
+        deepspeed.initialize(model=model, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1), config={
+            **MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_args_deepspeed_config_is_read_and_a_second_config_is_refused(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**MICRO, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    engine, opt, _, _ = deepspeed.initialize(args=args, model=Toy())
+    assert isinstance(opt, torch.optim.SGD) and engine.train_micro_batch_size_per_gpu() == 4
+    with pytest.raises(ValueError, match="both as args.deepspeed_config and as config="):
+        deepspeed.initialize(args=args, model=Toy(), config=MICRO)
+    with pytest.raises(ValueError, match="requires --deepspeed_config"):
+        deepspeed.initialize(model=Toy())
+
+
+def test_optimizer_factory_is_called_on_model_parameters():
+    model = Toy()
+    seen = []
+    factory = lambda params: seen.append(params) or torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    groups = [{"params": list(model.parameters()), "momentum": 0.5}]
+    _, opt, _, _ = deepspeed.initialize(model=model, optimizer=factory, model_parameters=groups, config=MICRO)
+    assert seen == [groups] and opt.param_groups[0]["momentum"] == 0.5
+
+
+# ---- the engine's DeepSpeed methods ---------------------------------------------------------------
+def _engine(stage: int = 0, **cfg):
+    torch.manual_seed(0)
+    model = Toy()
+    config = {**MICRO, "zero_optimization": {"stage": stage}, **cfg,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10}}}
+    return deepspeed.initialize(model=model, config=config)[0]
+
+
+def test_load_checkpoint_returns_path_and_client_state_and_none_when_there_is_none(tmp_path):
+    engine = _engine()
+    _train(engine)
+    assert engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3}) is True
+    fresh = _engine()
+    path, client = fresh.load_checkpoint(str(tmp_path))
+    assert path == os.path.join(str(tmp_path), "global_step2") and client == {"epoch": 3}
+    assert fresh.global_steps == 2 and fresh.get_lr() == engine.get_lr()
+    assert _train(fresh) == _train(engine)
+    with pytest.warns(UserWarning, match="Unable to find latest file"):
+        assert fresh.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+
+
+def test_load_module_only_and_without_optimizer_or_scheduler_states(tmp_path):
+    engine = _engine()
+    _train(engine)
+    engine.save_checkpoint(str(tmp_path))
+    weights = engine.full_state_dict()
+    only = _engine()
+    only.load_checkpoint(str(tmp_path), load_module_only=True)
+    assert only.global_steps == 0 and not only.optimizer.state and only.get_lr() != engine.get_lr()
+    assert all(torch.equal(v, weights[k]) for k, v in only.full_state_dict().items())
+    no_opt = _engine()
+    no_opt.load_checkpoint(str(tmp_path), load_optimizer_states=False, load_lr_scheduler_states=False)
+    assert no_opt.global_steps == 2 and not no_opt.optimizer.state and no_opt.get_lr() != engine.get_lr()
+
+
+def test_save_16bit_model_writes_the_working_precision_weights_on_rank_0(tmp_path):
+    engine = _engine(bf16={"enabled": True})
+    _train(engine)
+    assert engine.save_16bit_model(str(tmp_path), "model.bin") is True
+    saved = torch.load(tmp_path / "model.bin")
+    assert saved["mid.weight"].dtype == torch.bfloat16
+    assert torch.equal(saved["mid.weight"], engine.full_state_dict()["mid.weight"].bfloat16())
+
+
+def test_save_16bit_model_at_stage_3_needs_the_gather_key_as_deepspeed(tmp_path):
+    with pytest.warns(UserWarning, match="stage3_gather_16bit_weights_on_model_save"):
+        assert _engine(3).save_16bit_model(str(tmp_path)) is False
+    engine = _engine(3, zero_optimization={"stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
+    assert engine.save_16bit_model(str(tmp_path)) is True and (tmp_path / "pytorch_model.bin").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_no_sync_at_stage_2_and_3_raises_deepspeeds_reason(stage):
+    with pytest.raises(AssertionError, match=f"incompatible with gradient partitioning logic of ZeRO stage {stage}"):
+        with _engine(stage).no_sync():
+            pass
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_backward_adds_to_the_next_reduced_backward(stage):
+    (x1, y1), (x2, y2) = _batches()
+    synced, summed = _engine(stage), _engine(stage)
+    with synced.no_sync():
+        synced.backward(synced(x1, y1))
+        with pytest.raises(RuntimeError, match="inside no_sync"):
+            synced.step()
+    synced.backward(synced(x2, y2))
+    synced.step()
+    summed.backward(summed(x1, y1) + summed(x2, y2))
+    summed.step()
+    assert synced.get_global_grad_norm() == pytest.approx(summed.get_global_grad_norm(), rel=1e-6)
+    for k, v in synced.full_state_dict().items():
+        assert torch.allclose(v, summed.full_state_dict()[k], atol=1e-6), k
+
+
+def test_gathered_parameters_is_a_no_op_for_parameters_of_no_engine():
+    model = Toy()
+    with deepspeed.zero.GatheredParameters(model.parameters(), modifier_rank=0):
+        assert model.mid.weight.shape == (37, 37)
