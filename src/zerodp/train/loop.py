@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import zerodp
 
-from .build import build_model, build_optimizer, warmup_cosine
+from .build import build_model
+from .ds_sections import optimizer_and_schedule
 from .data import Batches, load_corpus, val_batches
 from .options import ds_config
 from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
@@ -117,9 +118,8 @@ def train(opts: argparse.Namespace) -> int:
     if device is not None:
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    schedule = warmup_cosine(opts.warmup, opts.steps, opts.min_lr / opts.lr)
-    engine = zerodp.initialize(model, build_optimizer(model, opts), ds_config(opts),
-                               lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
+    engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler)
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, block, opts.micro_batch, opts.eval_batches, rank, world)
 
@@ -137,7 +137,7 @@ def train(opts: argparse.Namespace) -> int:
         print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
               f"{opts.stage}, {world} rank(s), {opts.dtype}, global batch "
               f"{world * opts.grad_accum * opts.micro_batch} x {block} tokens, {opts.steps} steps "
-              f"{where}\n  data: {corpus.source}\n  out: {out}", flush=True)
+              f"{where}\n  {recipe}\n  data: {corpus.source}\n  out: {out}", flush=True)
 
     def evaluate() -> float:
         loss = validation_loss(engine, val, device)

@@ -18,6 +18,7 @@ import torch
 from zerodp.config import ConfigError, load_config
 
 from .build import HF_MODELS
+from .ds_sections import job_world, read_ds_config
 from .model import SIZES
 
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
@@ -98,9 +99,10 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     nproc = given.get("nproc", from_file.get("nproc")) or (torch.cuda.device_count() if cuda else 2)
     world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
-    ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), world)
+    ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), {**DEFAULTS, **from_file, **given}, world)
     opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
     opts["explicit"] = sorted({*ds, *from_file, *given})  # what a resume must not change (resume.py)
+    opts["user_set"] = sorted({*from_file, *given})  # these win over the --ds-config's sections (ds_sections.py)
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if cuda else "fp32"
     if opts["out"] is None:
@@ -130,12 +132,13 @@ def _read_options_file(path: str) -> dict[str, Any]:
     return opts
 
 
-def _from_ds_config(path: str | None, world: int) -> dict[str, Any]:
-    """The job's options that a DeepSpeed-style config settles (validated by zerodp's loader)."""
+def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dict[str, Any]:
+    """The job's options that a DeepSpeed-style config settles (validated by zerodp's loader); its
+    "auto" values are the other layers' (`prelim`), so they settle nothing."""
     if path is None:
         return {}
     try:
-        cfg = load_config(path)
+        cfg = load_config(read_ds_config(path, prelim, world))
         batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
     except ConfigError as e:
         raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
@@ -183,11 +186,8 @@ def _check(o: dict[str, Any]) -> None:
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
     """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
-    base = {}
-    if opts.ds_config:
-        with open(opts.ds_config, encoding="utf-8") as f:
-            base = json.load(f)
-    # The job builds its own AdamW and schedule; batch sizes are the job's options.
+    base = read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else {}
+    # The job builds the optimizer and schedule (ds_sections.py); batch sizes are the job's options.
     for key in ("optimizer", "scheduler", "train_batch_size"):
         base.pop(key, None)
     zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
