@@ -236,3 +236,14 @@ def test_gathered_parameters_is_a_no_op_for_parameters_of_no_engine():
     model = Toy()
     with deepspeed.zero.GatheredParameters(model.parameters(), modifier_rank=0):
         assert model.mid.weight.shape == (37, 37)
+
+
+def test_gathered_parameters_modifier_keeps_the_other_parameters_fp32_masters():
+    engine = _engine(1, bf16={"enabled": True})
+    _train(engine)
+    before = engine.full_state_dict()
+    with deepspeed.zero.GatheredParameters([engine.module.out.bias], modifier_rank=0), torch.no_grad():
+        engine.module.out.bias.fill_(0.25)
+    after = engine.full_state_dict()
+    assert torch.equal(after["out.bias"], torch.full((5,), 0.25))
+    assert all(torch.equal(after[k], v) for k, v in before.items() if k != "out.bias")

@@ -230,7 +230,7 @@ class Engine:
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
-                self.partitioned.adopt_working(buckets, modifier_rank)
+                self.partitioned.adopt_working(buckets, modifier_rank, wanted)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""

@@ -157,16 +157,22 @@ class PartitionedOptimizer:
         if not defer:
             self.wait_for_parameters()
 
-    def adopt_working(self, buckets: list[Bucket], src_rank: int) -> None:
-        """Make src_rank's working values of `buckets` (whole on every rank) the parameters and fp32
-        masters of every rank: for weights changed in place outside a step (collective)."""
+    def adopt_working(self, buckets: list[Bucket], src_rank: int, params: set[int] | None = None) -> None:
+        """Make src_rank's working values of `params` (ids; default all) in `buckets` (whole on every
+        rank) every rank's parameters and fp32 masters: for weights changed in place outside a step
+        (collective). The other parameters' masters keep their fp32 values."""
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
-            shard = b.shard(b.data, self.rank)
-            if shard.data_ptr() != b.owned.data_ptr():  # stage 3 keeps its shard apart from b.data
-                b.owned.copy_(shard)
-            if self.separate:
-                self.masters[b.index].copy_(b.owned)
+            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
+            for s in b.slots:
+                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if (params is not None and id(s.param) not in params) or start >= end:
+                    continue
+                value = b.data[start:end]
+                if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart
+                    b.owned[start - lo:end - lo].copy_(value)
+                if self.separate:
+                    self.masters[b.index][start - lo:end - lo].copy_(value)
 
     def wait_for_parameters(self, upto: int | None = None) -> None:
         """Wait for the parameter gathers in flight: all, or those of gather_order[:upto]."""
