@@ -31,7 +31,7 @@ class Net(nn.Module):
 
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(48, 12, generator=g)
+    x = torch.randn(32, 12, generator=g)
     return TensorDataset(x, (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4] > 0).long())
 
 
@@ -60,7 +60,7 @@ def main(deepspeed, argv: list[str], save_dir: str) -> list[float]:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        engine.save_checkpoint(save_dir, client_state={"epoch": epoch})
+    engine.save_checkpoint(save_dir, client_state={"epoch": epoch})
     _, client_state = engine.load_checkpoint(save_dir)
     assert client_state["epoch"] == EPOCHS - 1
     return losses + [engine.global_steps, engine.get_lr()[0]]
