@@ -227,6 +227,10 @@ def test_no_sync_backward_adds_to_the_next_reduced_backward(stage):
     synced.step()
     summed.backward(summed(x1, y1) + summed(x2, y2))
     summed.step()
+    with synced.no_sync():
+        synced.backward(synced(x1, y1))
+    with pytest.raises(RuntimeError, match="no backward\\(\\) outside it has reduced yet"):
+        synced.step()
     assert synced.get_global_grad_norm() == pytest.approx(summed.get_global_grad_norm(), rel=1e-6)
     for k, v in synced.full_state_dict().items():
         assert torch.allclose(v, summed.full_state_dict()[k], atol=1e-6), k

@@ -140,12 +140,15 @@ class Engine:
         More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
         add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
-        if self._no_sync or self._unsynced:
+        if self._no_sync:
+            raise RuntimeError("step() inside no_sync(): call it after the block, once a backward() outside "
+                               "no_sync() has reduced the gradients")
+        if self.micro_steps - self._stepped_at < self.gas:
+            return
+        if self._unsynced:
             raise RuntimeError("step() with gradients from backward() inside no_sync() that no backward() "
                                "outside it has reduced yet: every rank would step on its own gradients; "
                                "run the last backward() of the accumulation outside no_sync()")
-        if self.micro_steps - self._stepped_at < self.gas:
-            return
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale
