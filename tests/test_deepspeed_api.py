@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-import zerodp
 import zerodp.deepspeed as deepspeed
 from oracle import Toy
 from scripts import ds_train

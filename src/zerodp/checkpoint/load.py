@@ -143,7 +143,7 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
 
 
 def _apply(engine, meta: dict, staged: _Staged, parts: _Parts = _Parts()) -> None:
-    part, opt = engine.partitioned, engine.optimizer
+    part = engine.partitioned
     with torch.no_grad():
         for m, new in zip(part.masters, staged.masters):
             m.copy_(new.view(m.shape))

@@ -80,9 +80,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; initialise "
                            "it first, or pass dist_init_required=None")
     raw = _config_dict(args, config if config is not None else config_params)
-    init_distributed()
-    raw = resolve_auto(raw, _known(model, optimizer, dist.get_world_size()))
-    cfg = load_config(raw)
+    # Before any process group: the same config fails the same way on every rank, and
+    # zerodp.initialize creates the group with the config's comm_timeout_s.
+    cfg = load_config(resolve_auto(raw, _known(model, optimizer)))
     if optimizer is None and cfg.optimizer is not None:
         params = model_parameters if model_parameters is not None else model.parameters()
         optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
@@ -120,10 +120,10 @@ def _config_dict(args: Any, config: dict | str | None) -> dict:
     return raw
 
 
-def _known(model: nn.Module, optimizer: Any, world_size: int) -> dict[str, Any]:
+def _known(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """What "auto" may be filled from: the passed optimizer's hyperparameters, the model's width and
-    precision, the world size."""
-    known: dict[str, Any] = {"world_size": world_size}
+    precision. (Batch sizes are not known here: an "auto" one is derived from the others.)"""
+    known: dict[str, Any] = {}
     if isinstance(optimizer, torch.optim.Optimizer):
         group = optimizer.param_groups[0]
         known.update({k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group})
