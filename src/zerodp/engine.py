@@ -18,6 +18,8 @@ from .comm import Comm
 from .config import Config, ConfigError
 from .flat import plan
 from .forward_order import ForwardOrder
+from .monitor.step import StepMonitor
+from .monitor.writers import check_available
 from .non_finite import NonFinitePolicy, norm_is_finite, step_flags
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
@@ -98,6 +100,9 @@ class Engine:
         self.non_finite = NonFinitePolicy(config, comm.rank)
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         comm.traffic.reset()
+        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
+        self.monitor = StepMonitor(config, comm, self.device)
+        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
 
     # ---- the training step ----------------------------------------------------------------------
     @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
@@ -106,7 +111,10 @@ class Engine:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
         if self.buffer_sync is not None:
             self.buffer_sync.before_forward()
-        return self.module(*args, **kwargs)
+        if self.module.training:
+            self.monitor.saw_inputs(args)
+        with self.monitor.span("forward"):
+            return self.module(*args, **kwargs)
 
     @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
@@ -118,11 +126,12 @@ class Engine:
         factor = self._scale_used / self.gas
         if factor != 1:
             loss = loss.float() * factor
-        self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
-        loss.backward()
-        self.reducer.finish_backward()
-        if self.gatherer is not None:
-            self.gatherer.release_all()
+        with self.monitor.span("backward"):
+            self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
+            loss.backward()
+            self.reducer.finish_backward()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -139,10 +148,18 @@ class Engine:
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
         if self.micro_steps - self._stepped_at < self.gas:
             return
+        micro, loss = self.micro_steps - self._stepped_at, self._window_loss
+        with self.monitor.span("step"):
+            self._step()
+        self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm, self.get_lr()[0],
+                                self.scaler.scale, self.skipped_steps)
+
+    def _step(self) -> None:
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale
-        self.reducer.wait()
+        with self.monitor.span("reduce_wait"):
+            self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
         norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
@@ -165,6 +182,11 @@ class Engine:
         # Last, so that a NonFiniteError leaves a consistent engine (gradients freed, step counted).
         self.non_finite.after_step(self.global_steps, not skip, flags, self.scaler, self._scale_used,
                                    self.grad_norm if skip else 0.0)
+
+    def timings(self) -> dict[str, float]:
+        """Milliseconds of each phase of the last step (forward, backward, reduce_wait, step, gather),
+        with wall_clock_breakdown; {} without it."""
+        return self.monitor.timings()
 
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
@@ -255,6 +277,7 @@ class Engine:
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
         self.device = _device_of(module, self.comm)
+        check_available(config)  # an enabled monitor's package is missing: every rank hears of it
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(self.device)  # only when needed: a model already there may hold fake tensors
         return optimizer, groups
