@@ -187,3 +187,17 @@ def test_two_ranks_rank0_alone_reports_and_comms_logger_counts_each_collective(t
     full = r1["bucket_bytes"]
     assert r1["stats"] == {"all_gather": (1, full), "all_reduce": (1, 24), "reduce_scatter": (1, full)}
     assert {k: c for k, (c, _) in r1["stats"].items()} == r1["traffic"]
+
+
+def test_deferred_reading_as_on_gpus_reports_each_step_once_one_step_late(caplog):
+    """On a GPU a step's values are read after the next step's own sync; forced here on the CPU."""
+    caplog.set_level(logging.INFO, logger="zerodp")
+    engine, losses = train({"steps_per_print": 1, "wall_clock_breakdown": True}, steps=0)
+    engine.monitor.defer = True
+    for i in range(3):
+        loss = engine(torch.randn(3, 13), torch.randn(3, 5))
+        engine.backward(loss)
+        engine.step()
+        assert len(step_lines(caplog)) == i  # step i+1's line waits for step i+2
+    assert engine.timings()["forward"] > 0  # timings() reads the last step
+    assert [int(re.match(r"zerodp step (\d+):", x).group(1)) for x in step_lines(caplog)] == [1, 2, 3]

@@ -38,6 +38,7 @@ class StepMonitor:
         self.every = config.steps_per_print
         self.rank, self.world = comm.rank, comm.world_size
         self.cuda = device.type == "cuda"
+        self.defer = self.cuda  # read a step's values one step later (see the module docstring)
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
         self.monitors = build_monitors(config, comm.rank)
         self.comms = None
@@ -110,7 +111,7 @@ class StepMonitor:
         previous, self.pending = self.pending, record
         if previous is not None:
             self._emit(previous)
-        if not self.cuda:
+        if not self.defer:
             self.flush()
 
     def flush(self) -> None:
