@@ -110,6 +110,8 @@ def run_modes(world: int, args) -> list[dict]:
                 continue
             wall, cpu = measure(build(mode, layers), args.steps, args.warmup)
             rows.append(dict(world=world, layers=layers, params=4 * layers, mode=mode, wall_ms=wall, cpu_ms=cpu))
+            if dist.get_rank() == 0 and not args.quiet:  # progress: a full run takes minutes on a CPU
+                print(f"  world {world} {layers} layers {mode}: {wall:.1f} ms wall, {cpu:.1f} ms CPU", flush=True)
     return rows
 
 
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="zerodp stage to profile at world 1 (0: no profile)")
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--quiet", action="store_true", help="no progress lines, only the table and profile")
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank: one core per rank
