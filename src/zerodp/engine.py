@@ -155,6 +155,7 @@ class Engine:
                                 self.scaler.scale, self.skipped_steps)
 
     def _step(self) -> None:
+        """The update itself (step() decided that one is due)."""
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale

@@ -19,6 +19,7 @@ What each field is:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import resource
 import sys
@@ -39,6 +40,8 @@ class StepMonitor:
         self.rank, self.world = comm.rank, comm.world_size
         self.cuda = device.type == "cuda"
         self.defer = self.cuda  # read a step's values one step later (see the module docstring)
+        if self.defer:
+            atexit.register(self.flush)  # the last step's line and events, at the end of the script
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
         self.monitors = build_monitors(config, comm.rank)
         self.comms = None
