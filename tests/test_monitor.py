@@ -189,3 +189,18 @@ def test_deferred_reading_as_on_gpus_reports_each_step_once_one_step_late(caplog
         assert len(step_lines(caplog)) == i  # step i+1's line waits for step i+2
     assert engine.timings()["forward"] > 0  # timings() reads the last step
     assert [int(re.match(r"zerodp step (\d+):", x).group(1)) for x in step_lines(caplog)] == [1, 2, 3]
+
+
+def test_wandb_monitor_starts_a_run_with_the_configs_names_and_logs_each_event(monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+    calls = []
+    stub = types.ModuleType("wandb")
+    stub.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    stub.init = lambda **kw: calls.append(("init", kw))
+    stub.log = lambda values, step: calls.append(("log", values, step))
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    engine, losses = train({"wandb": {"enabled": True, "project": "p", "group": "g", "team": "t"}}, steps=1)
+    assert calls[0] == ("init", {"project": "p", "group": "g", "entity": "t"})
+    assert ("log", {"Train/Samples/train_loss": pytest.approx(losses[0])}, 3) in calls
