@@ -133,7 +133,8 @@ def test_wandb_enabled_without_the_package_is_refused_at_initialize():
     ("flops_profiler", "no flops profiler; count a step's FLOPs with PyTorch's own"),
 ])
 def test_sections_zerodp_does_not_implement_are_refused_when_enabled(section, words):
-    with pytest.raises(zerodp.ConfigError, match=re.escape(f"config key '{section}.enabled' = true: zerodp has {words}")):
+    message = f"config key '{section}.enabled' = true: zerodp has {words}"
+    with pytest.raises(zerodp.ConfigError, match=re.escape(message)):
         train({section: {"enabled": True}}, steps=0)
     train({section: {"enabled": False}}, steps=0)  # accepted when off, as in DeepSpeed configs
 
