@@ -102,3 +102,14 @@ def test_multi_rank_modes_run_under_torchrun_on_2_gloo_ranks(tmp_path):
     assert zero2["ratio_to_plain"] == pytest.approx(zero2["tflops"] / plain["tflops"])
     # tokens/s counts both ranks; TFLOP/s is per device
     assert zero2["tflops"] == pytest.approx(zero2["tokens_per_s"] / 2 * plain["tflops"] / plain["tokens_per_s"])
+
+
+def test_overhead_benchmark_runs_every_mode_and_profiles_zerodp():
+    """Issue 13 §4's many-small-parameters benchmark, at toy size: the harness only, never speed."""
+    from zerodp.bench import overhead
+    out = overhead.main(["--layers", "2", "3", "--worlds", "1", "--steps", "1", "--warmup", "0",
+                         "--profile-stage", "3", "--profile-steps", "1", "--top", "3", "--quiet"])
+    assert [(r["layers"], r["mode"]) for r in out["rows"]] == [(n, m) for n in (2, 3) for m in overhead.MODES]
+    assert all(r["cpu_ms"] > 0 for r in out["rows"])
+    assert "| 1 | 3 (12) | zerodp3 |" in out["table"] and "x for 1.5x params" in out["table"]
+    assert "zerodp stage 3, world 1, 3 layers" in out["profile"] and "zerodp/reducer.py" in out["profile"]

@@ -115,6 +115,7 @@ def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights
     assert_same_weights(ref, resumed, atol=1e-6)
     train_steps = [r["step"] for r in metrics(resumed) if r["kind"] == "train"]
     assert train_steps == list(range(1, 9))  # the crashed run's lost steps are not logged twice
+    assert [r["step"] for r in metrics(resumed) if r["kind"] == "resume"] == [3]  # report.png marks it
 
 
 @pytest.fixture(scope="module")

@@ -322,12 +322,17 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+# After _Section, which the monitor sections build on (zerodp.monitor.config imports it from here).
+from .monitor.config import (CometConfig, CommsLoggerConfig, CSVConfig, FlopsProfilerConfig,  # noqa: E402
+                             TensorBoardConfig, WandbConfig)
+
+
 class Config(_Section):
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
     gradient_accumulation_steps: PositiveInt | None = None
     gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # 0 = off
-    steps_per_print: PositiveInt = 10
+    steps_per_print: PositiveInt | None = None  # DeepSpeed's default now: no step lines
     wall_clock_breakdown: bool = False
     zero_allow_untested_optimizer: bool = True
     prescale_gradients: bool = False
@@ -346,6 +351,13 @@ class Config(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    # What training reports (zerodp.monitor): steps_per_print and wall_clock_breakdown above, and these.
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
 

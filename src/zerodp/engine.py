@@ -18,6 +18,8 @@ from .comm import Comm
 from .config import Config, ConfigError
 from .flat import plan
 from .forward_order import ForwardOrder
+from .monitor.step import StepMonitor
+from .monitor.writers import check_available
 from .non_finite import NonFinitePolicy, norm_is_finite, step_flags
 from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
@@ -99,6 +101,9 @@ class Engine:
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
         comm.traffic.reset()
+        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
+        self.monitor = StepMonitor(config, comm, self.device)
+        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
 
     # ---- the training step ----------------------------------------------------------------------
     @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
@@ -107,7 +112,10 @@ class Engine:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
         if self.buffer_sync is not None:
             self.buffer_sync.before_forward()
-        return self.module(*args, **kwargs)
+        if self.module.training:
+            self.monitor.saw_inputs(args)
+        with self.monitor.span("forward"):
+            return self.module(*args, **kwargs)
 
     @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
@@ -121,11 +129,12 @@ class Engine:
             loss = loss.float() * factor
         communicate = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._unsynced = self._no_sync or (self._unsynced and not communicate)
-        self.reducer.begin(communicate=communicate)
-        loss.backward()
-        self.reducer.finish_backward()
-        if self.gatherer is not None:
-            self.gatherer.release_all()
+        with self.monitor.span("backward"):
+            self.reducer.begin(communicate=communicate)
+            loss.backward()
+            self.reducer.finish_backward()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
         self.micro_steps += 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -149,10 +158,19 @@ class Engine:
             raise RuntimeError("step() with gradients from backward() inside no_sync() that no backward() "
                                "outside it has reduced yet: every rank would step on its own gradients; "
                                "run the last backward() of the accumulation outside no_sync()")
+        micro, loss = self.micro_steps - self._stepped_at, self._window_loss
+        with self.monitor.span("step"):
+            self._step()
+        self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm, self.get_lr()[0],
+                                self.scaler.scale, self.skipped_steps)
+
+    def _step(self) -> None:
+        """The update itself (step() decided that one is due)."""
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale
-        self.reducer.wait()
+        with self.monitor.span("reduce_wait"):
+            self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
         norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
@@ -192,6 +210,11 @@ class Engine:
             yield
         finally:
             self._no_sync = False
+
+    def timings(self) -> dict[str, float]:
+        """Milliseconds of each phase of the last step (forward, backward, reduce_wait, step, gather),
+        with wall_clock_breakdown; {} without it."""
+        return self.monitor.timings()
 
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
@@ -287,6 +310,7 @@ class Engine:
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
         self.device = _device_of(module, self.comm)
+        check_available(config)  # an enabled monitor's package is missing: every rank hears of it
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
             module.to(self.device)  # only when needed: a model already there may hold fake tensors
         return optimizer, groups

@@ -18,7 +18,7 @@ would cost more than their memory.
 
 from __future__ import annotations
 
-import itertools
+import bisect
 from contextlib import contextmanager
 
 import torch
@@ -50,6 +50,8 @@ class Gatherer:
         self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
         self.order: list[Bucket] = []       # first-forward gather order, for prefetch
         self.position: dict[int, int] = {}  # bucket index -> place in self.order
+        self.prefix = [0]                   # prefix[i]: elements of order[:i], for the prefetch window
+        self.window = (-1, 0)               # (place of the last prefetch, end of the window it covered)
         self.buckets = buckets
         self.views = {b.index: [(s.param, s.param.data) for s in b.slots] for b in buckets}
         self._empty = {b.index: b.data.new_empty(0) for b in buckets}
@@ -91,6 +93,7 @@ class Gatherer:
             if b.index not in self.position:
                 self.position[b.index] = len(self.order)
                 self.order.append(b)
+                self.prefix.append(self.prefix[-1] + b.numel)
             if b.index not in self.gathered:
                 self._start(b)
         for b in units:
@@ -113,13 +116,17 @@ class Gatherer:
         start = self.position.get(last.index)
         if self.prefetch_numel <= 0 or start is None:
             return
-        budget = self.prefetch_numel
-        for b in itertools.islice(self.order, start + 1, None):
-            if budget < b.numel:
-                break
-            budget -= b.numel
+        # The window: the buckets after `start` whose sizes fit in the prefetch budget. It only moves
+        # forward during a forward pass, so only the part not covered by the last call is looked at
+        # (walking the whole window at every module was O(modules^2) per step with small parameters).
+        # A new pass (start moves back) looks at its whole window again.
+        end = bisect.bisect_right(self.prefix, self.prefix[start + 1] + self.prefetch_numel) - 1
+        last_start, covered = self.window
+        first = start + 1 if start < last_start else max(start + 1, covered)
+        for b in self.order[first:end]:
             if b.index not in self.gathered:
                 self._start(b)
+        self.window = (start, max(end, first))
 
     def release(self, units: list[Bucket]) -> None:
         for b in units:

@@ -130,6 +130,8 @@ def train(opts: argparse.Namespace) -> int:
         client = engine.load_checkpoint(opts.resume_path)
         data.load_state_dict(client.get("data") or {"step": engine.global_steps, "seed": opts.seed})
     log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
+    if resumed:  # report.png marks where the run picked up
+        log.write(kind="resume", step=engine.global_steps)
     if rank == 0:
         where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
         if not resumed and (ckpt_dir / "latest").exists():

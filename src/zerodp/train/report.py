@@ -75,38 +75,69 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def make_report(out: Path) -> Path:
-    """OUT/report.png: the loss curves and each rank's memory by category."""
+    """OUT/report.png: loss, memory per rank by category, throughput, lr and gradient norm; dashed
+    lines mark the steps a resumed run started from."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lines = _read_lines(out / "metrics.jsonl")
-    train = [r for r in lines if r["kind"] == "train"]
-    val = [r for r in lines if r["kind"] == "eval"]
-    memory = [r for r in lines if r["kind"] == "memory"]
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
-    ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy loss", title="loss")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-    if memory:
-        ranks = memory[-1]["ranks"]
-        categories = list(dict.fromkeys(k for r in ranks for k in r))
-        bottom = [0.0] * len(ranks)
-        for cat in categories:
-            mib = [r.get(cat, 0) / 2**20 for r in ranks]
-            ax_mem.bar(range(len(ranks)), mib, bottom=bottom, label=cat)
-            bottom = [b + m for b, m in zip(bottom, mib)]
-        ax_mem.set_xticks(range(len(ranks)), [f"rank {i}" for i in range(len(ranks))])
-        ax_mem.set(ylabel="MiB", title=f"memory per rank (step {memory[-1]['step']})")
-        ax_mem.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax_mem.text(0.5, 0.5, "no memory report", ha="center", va="center")
-        ax_mem.set_axis_off()
-    fig.tight_layout()
+    fig = report_figure(_read_lines(out / "metrics.jsonl"))
     path = out / "report.png"
     fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
     plt.close(fig)
     return path
+
+
+def report_figure(lines: list[dict[str, Any]]):
+    """The report's matplotlib figure, from metrics.jsonl's records."""
+    import matplotlib.pyplot as plt
+
+    train = [r for r in lines if r["kind"] == "train"]
+    resumes = [r["step"] for r in lines if r["kind"] == "resume"]
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    (ax_loss, ax_mem, ax_tput), (ax_lr, ax_norm, ax_none) = axes
+    _loss_panel(ax_loss, train, [r for r in lines if r["kind"] == "eval"])
+    _memory_panel(ax_mem, [r for r in lines if r["kind"] == "memory"])
+    _series(ax_tput, train, "tokens_per_s", "tokens / s", "throughput (whole job)")
+    _series(ax_lr, train, "lr", "learning rate", "learning rate")
+    _series(ax_norm, train, "grad_norm", "global gradient norm (before clipping)", "gradient norm")
+    for ax in (ax_loss, ax_tput, ax_lr, ax_norm):
+        for i, step in enumerate(resumes):
+            ax.axvline(step, color="grey", ls="--", lw=1, label="resumed" if i == 0 else None)
+        if resumes:
+            ax.legend(fontsize="small")
+    ax_none.set_axis_off()
+    fig.tight_layout()
+    return fig
+
+
+def _loss_panel(ax, train: list[dict], val: list[dict]) -> None:
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="cross-entropy loss", title="loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _series(ax, train: list[dict], key: str, ylabel: str, title: str) -> None:
+    points = [(r["step"], r[key]) for r in train if r.get(key) is not None]
+    ax.plot([s for s, _ in points], [v for _, v in points], lw=1)
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+
+
+def _memory_panel(ax, memory: list[dict]) -> None:
+    if not memory:
+        ax.text(0.5, 0.5, "no memory report", ha="center", va="center")
+        ax.set_axis_off()
+        return
+    ranks = memory[-1]["ranks"]
+    categories = list(dict.fromkeys(k for r in ranks for k in r))
+    bottom = [0.0] * len(ranks)
+    for cat in categories:
+        mib = [r.get(cat, 0) / 2**20 for r in ranks]
+        ax.bar(range(len(ranks)), mib, bottom=bottom, label=cat)
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    ax.set_xticks(range(len(ranks)), [f"rank {i}" for i in range(len(ranks))])
+    ax.set(ylabel="MiB", title=f"memory per rank (step {memory[-1]['step']})")
+    ax.legend(fontsize="small", loc="upper left")

@@ -1,0 +1,89 @@
+"""comms_logger: calls, bytes and time of each collective the engine issues.
+
+Every collective zerodp makes goes through its one `Comm`; when the comms logger is enabled its four
+collectives are wrapped on that instance (comm.py itself is unchanged and pays nothing when it is
+off). Time is host time from the call to its completion: for a blocking call the call itself, for an
+async one until the `wait()` that needed it returned, so an overlapped collective's time includes
+the work it hid behind (an upper bound of its latency). On GPUs, where wait() does not block the
+host, time stops when the wait is enqueued. Message size is the tensor's bytes (the larger side).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+log = logging.getLogger("zerodp")
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    ms: float = 0.0
+
+
+class _TimedWork:
+    """An async collective's handle whose wait() completes the record."""
+
+    def __init__(self, work, done):
+        self.work, self.done = work, done
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self.done()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class CommsLogger:
+    def __init__(self, config, rank: int):
+        self.config, self.rank = config, rank
+        self.ops = {op for op in OPS if config.prof_all or op in config.prof_ops}
+        self.stats: dict[str, OpStats] = defaultdict(OpStats)
+
+    def attach(self, comm) -> None:
+        for op in self.ops:
+            setattr(comm, op, self._wrap(op, getattr(comm, op)))
+
+    def _wrap(self, op: str, inner):
+        @functools.wraps(inner)
+        def logged(*args, **kwargs):
+            nbytes = max(t.numel() * t.element_size() for t in args[:2] if hasattr(t, "numel"))
+            name = f"{op} | {sys._getframe(1).f_code.co_name}" if self.config.debug else op
+            start = time.perf_counter()
+            work = inner(*args, **kwargs)
+            done = functools.partial(self._record, name, nbytes, start)
+            if work is None:
+                done()
+                return None
+            return _TimedWork(work, done)
+        return logged
+
+    def _record(self, name: str, nbytes: int, start: float) -> None:
+        ms = (time.perf_counter() - start) * 1e3
+        s = self.stats[name]
+        s.calls += 1
+        s.bytes += nbytes
+        s.ms += ms
+        if self.config.verbose and self.rank == 0:
+            log.info("zerodp comm: %s %d B %.3f ms", name, nbytes, ms)
+
+    def summary(self) -> dict[str, OpStats]:
+        """Totals per collective since the last `reset` (the last printed step)."""
+        return dict(self.stats)
+
+    def text(self) -> str:
+        return "; ".join(f"{name} {s.calls} calls {s.bytes / 2**20:.2f} MiB {s.ms:.1f} ms"
+                         for name, s in sorted(self.stats.items()))
+
+    def reset(self) -> None:
+        self.stats.clear()

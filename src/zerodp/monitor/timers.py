@@ -1,0 +1,96 @@
+"""wall_clock_breakdown: how long each phase of a training step takes.
+
+Phases are spans opened by the engine (forward, backward, reduce_wait, step) and by the parameter
+gathers (gather). Spans nest; each phase gets its own time, with the spans inside it taken out: a
+stage-3 gather during forward counts as gather, not forward, and the phases of a step add up to
+the time covered. Measured with CUDA events on a GPU (read later, when they are already complete,
+so timing adds no host sync) and with time.perf_counter on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+PHASES = ("forward", "backward", "reduce_wait", "step", "gather")
+_OFF = nullcontext()
+
+
+class PhaseTimers:
+    """Spans of the current step: (name, start, end, parent index); `close_step` turns them into
+    {phase: ms} for the step (`resolve`)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self.spans: list[list] = []
+        self.stack: list[int] = []
+
+    def span(self, name: str):
+        return self._span(name) if self.enabled else _OFF
+
+    @contextmanager
+    def _span(self, name: str):
+        # A span inside one of the same name (a gather that waits through another gather) is one span.
+        if self.stack and self.spans[self.stack[-1]][0] == name:
+            yield
+            return
+        record = [name, self._now(), None, self.stack[-1] if self.stack else None]
+        self.spans.append(record)
+        self.stack.append(len(self.spans) - 1)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+            record[2] = self._now()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wrap(self, obj, method: str, name: str) -> None:
+        """Time every call of obj.method (an instance attribute shadows the class's method)."""
+        if not self.enabled:
+            return
+        inner = getattr(obj, method)
+
+        @functools.wraps(inner)
+        def timed(*args, **kwargs):
+            with self._span(name):
+                return inner(*args, **kwargs)
+        setattr(obj, method, timed)
+
+    def close_step(self) -> list[list]:
+        """This step's spans (to `resolve` once complete); the next step starts empty. A span still
+        open (a step() inside a forward is not a thing, but be safe) stays with the next step."""
+        done, self.spans = self.spans, []
+        self.stack = []
+        return done
+
+
+def resolve(spans: list[list]) -> dict[str, float]:
+    """{phase: milliseconds} of one step's spans, each phase without the spans nested in it."""
+    own = dict.fromkeys(PHASES, 0.0)
+    elapsed = [_ms(s[1], s[2]) for s in spans]
+    for s, ms in zip(spans, elapsed):
+        own[s[0]] = own.get(s[0], 0.0) + ms
+    for s, ms in zip(spans, elapsed):
+        if s[3] is not None:
+            parent = spans[s[3]][0]
+            own[parent] -= ms
+    return {k: max(0.0, v) for k, v in own.items()}
+
+
+def _ms(start, end) -> float:
+    if end is None:
+        return 0.0
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    end.synchronize()  # already complete when resolve runs a step later: no wait
+    return start.elapsed_time(end)
