@@ -39,8 +39,8 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
         num_key_value_heads=2, max_position_embeddings=16))
 
 
-def dataset(n: int = 24, seq: int = 8) -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 64, (n, seq), generator=torch.Generator().manual_seed(1))
+def dataset(n: int = 24, seq: int = 8, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 64, (n, seq), generator=torch.Generator().manual_seed(seed))
     return [{"input_ids": x, "labels": x} for x in ids]
 
 
@@ -56,7 +56,7 @@ class Record(transformers.TrainerCallback):
 
 
 def train(trainer_cls, out: str, per_device: int, save: bool = False, resume: str | None = None,
-          **kwargs) -> tuple[list, dict[str, torch.Tensor], object]:
+          evaluate: bool = False, **kwargs) -> tuple[list, dict[str, torch.Tensor], float | None]:
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=GAS,
         max_steps=STEPS, learning_rate=1e-2, warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
@@ -68,7 +68,8 @@ def train(trainer_cls, out: str, per_device: int, save: bool = False, resume: st
     engine = getattr(trainer, "engine", None)
     weights = engine.full_state_dict() if engine is not None else {k: v.detach().clone()
                                                                      for k, v in trainer.model.state_dict().items()}
-    return record.steps, weights, trainer
+    eval_loss = trainer.evaluate(dataset(8, seed=2))["eval_loss"] if evaluate else None
+    return record.steps, weights, eval_loss
 
 
 @contextlib.contextmanager
@@ -90,11 +91,10 @@ def world_of_one():
 
 
 @functools.cache
-def oracle() -> tuple[list, dict[str, torch.Tensor]]:
+def oracle() -> tuple[list, dict[str, torch.Tensor], float]:
     """The plain Trainer, one process, the whole batch (2 ranks x MICRO) per step."""
     with world_of_one(), tempfile.TemporaryDirectory() as out:
-        steps, weights, _ = train(transformers.Trainer, out, per_device=2 * MICRO)
-    return steps, weights
+        return train(transformers.Trainer, out, per_device=2 * MICRO, evaluate=True)
 
 
 def rank_runs(rank: int, world: int, out: str) -> dict:
@@ -115,8 +115,12 @@ def rank_runs(rank: int, world: int, out: str) -> dict:
 
 @functools.cache
 def world2() -> dict:
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)  # the ranks must build their own (distributed) accelerate state
+    # Forked ranks inherit this process's transformers import (~6 s of CPU each when spawned).
+    fork = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as out:
-        return run_ranks(rank_runs, 2, out, timeout_s=120)[0]
+        return run_ranks(rank_runs, 2, out, timeout_s=120, start_method="fork" if fork else "spawn")[0]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -134,17 +138,19 @@ def assert_steps_close(got: list, want: list, tol: float) -> None:
 
 def test_zero_trainer_world1_stage3_offload_matches_plain_trainer():
     from zerodp.integrations.hf import ZeroTrainer
-    want_steps, want_weights = oracle()
+    want_steps, want_weights, want_eval = oracle()
     with world_of_one(), tempfile.TemporaryDirectory() as out:
-        steps, weights, _ = train(ZeroTrainer, out, per_device=2 * MICRO, zero_config=STAGE3_OFFLOAD)
+        steps, weights, eval_loss = train(ZeroTrainer, out, per_device=2 * MICRO, evaluate=True,
+                                          zero_config=STAGE3_OFFLOAD)
     assert len(steps) == STEPS
     assert_steps_close(steps, want_steps, 1e-6)
     assert max_diff(weights, want_weights) <= 1e-6
+    assert abs(eval_loss - want_eval) <= 1e-6  # trainer.evaluate() after training runs through the engine
 
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_zero_trainer_world2_matches_plain_trainer_on_the_whole_batch(run):
-    want_steps, want_weights = oracle()
+    want_steps, want_weights, _ = oracle()
     steps, weights = world2()[run]
     # The data-parallel rounding floor: the gradient is summed in another order (per rank, then
     # across ranks). Measured: losses equal to the last bit, weights within 1e-7 after 4 steps.

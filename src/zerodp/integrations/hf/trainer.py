@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import has_length
@@ -45,6 +46,12 @@ _REFUSED = {
 }
 
 
+# The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
+# train without the engine (tested with transformers 5.23).
+_SEAMS = ("_prepare_for_training", "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
+          "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
+
+
 class ZeroTrainer(Trainer):
     """A `transformers.Trainer` that trains with zerodp's ZeRO engine (stages 0-3, offload).
 
@@ -62,6 +69,10 @@ class ZeroTrainer(Trainer):
 
     def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
                  **kwargs: Any) -> None:
+        missing = [m for m in _SEAMS if not hasattr(Trainer, m)]
+        if missing:
+            raise ImportError(f"ZeroTrainer needs a transformers whose Trainer has {', '.join(missing)} (the "
+                              f"installed {transformers.__version__} has not); pip install 'zerodp[hf]'")
         super().__init__(*args, **kwargs)
         refused = [f"TrainingArguments.{k} is not supported by ZeroTrainer: {why}"
                    for k, why in _REFUSED.items() if getattr(self.args, k, None)]
@@ -139,7 +150,7 @@ class ZeroTrainer(Trainer):
 
     def _loss_is_scaled_for_ga(self, num_items_in_batch: torch.Tensor | int | None) -> bool:
         """The Trainer's own rule (Trainer.training_step) for a loss already normalised over the window."""
-        if self.loss_is_scaled_for_ga is not None:
+        if getattr(self, "loss_is_scaled_for_ga", None) is not None:
             return bool(self.loss_is_scaled_for_ga)
         return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
 
@@ -161,6 +172,8 @@ class ZeroTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         state_dict = self.engine.full_state_dict()
         self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # The sharded zerodp checkpoint (masters, optimizer, scheduler, loss scale, counters) in
