@@ -47,7 +47,7 @@ _REFUSED = {
 
 
 # The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
-# train without the engine (tested with transformers 5.23).
+# train without the engine (present since transformers 5.3; tested with 5.23).
 _SEAMS = ("_prepare_for_training", "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
           "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
 
