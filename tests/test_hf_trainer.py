@@ -215,3 +215,12 @@ def test_a_short_last_accumulation_window_is_refused_before_training():
                                              "gradient_accumulation_steps 2"):
             trainer.train()
         assert trainer.engine is None
+
+
+def test_training_arguments_that_would_bypass_the_engine_are_refused():
+    from zerodp.integrations.hf import ZeroTrainer
+    with world_of_one(), tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, auto_find_batch_size=True, use_cpu=True, report_to=[])
+        with pytest.raises(ValueError, match="TrainingArguments.auto_find_batch_size is not supported by "
+                                             "ZeroTrainer: the engine is built once per run"):
+            ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
