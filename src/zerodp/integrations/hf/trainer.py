@@ -64,7 +64,7 @@ class ZeroTrainer(Trainer):
     does for DeepSpeed (`zerodp.integrations.hf.fill_from_training_args`). Without an `optimizer` or
     `scheduler` section the Trainer's own (from TrainingArguments, or `optimizers=`) are used.
     Launch with torchrun (or accelerate launch); checkpoints hold the HF model files plus a sharded zerodp
-    checkpoint, and `train(resume_from_checkpoint=...)` resumes on any world size.
+    checkpoint, from which `train(resume_from_checkpoint=...)` resumes.
     """
 
     def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
@@ -90,9 +90,8 @@ class ZeroTrainer(Trainer):
         config = fill_from_training_args(self.zero_config, self.args, self.args.world_size, max_steps, self.model)
         _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
         optimizer = self._optimizer_for(config)
-        scheduler = None if "scheduler" in config else (lambda opt: self._hf_scheduler(opt, max_steps))
-        self.engine = initialize(self.model, optimizer, config,
-                                 lr_scheduler=scheduler)
+        scheduler = self._scheduler_for(config, max_steps)
+        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler)
         if self.engine.comm.world_size != self.args.world_size:
             raise ValueError(f"zerodp's process group has {self.engine.comm.world_size} ranks but the Trainer "
                              f"(accelerate) sees {self.args.world_size} processes; launch every rank with "
@@ -116,10 +115,16 @@ class ZeroTrainer(Trainer):
                               "an 'optimizer' section; keep one of them")
         return None
 
-    def _hf_scheduler(self, optimizer: torch.optim.Optimizer, max_steps: int):
-        """The Trainer's scheduler (TrainingArguments' lr_scheduler_type, or optimizers=) on the engine's
-        optimizer; the engine steps it after every update it does not skip."""
-        return self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+    def _scheduler_for(self, config: dict[str, Any], max_steps: int):
+        """None for the config's scheduler section (built by the engine), or a callable building the
+        Trainer's own (TrainingArguments' lr_scheduler_type, or optimizers=) on the engine's optimizer.
+        Either way the engine steps it after every update it does not skip."""
+        if "scheduler" not in config:
+            return lambda optimizer: self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+        if self.lr_scheduler is not None:
+            raise ConfigError("an lr scheduler was passed to the Trainer (optimizers=) and the zerodp config has "
+                              "a 'scheduler' section; keep one of them")
+        return None
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         # Evaluation after training runs through the engine too (stage 3 gathers the parameters).
