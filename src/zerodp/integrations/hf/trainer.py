@@ -1,0 +1,258 @@
+"""`ZeroTrainer`: Hugging Face's `transformers.Trainer` with zerodp doing the data-parallel part.
+
+The Trainer keeps everything it owns: data loading and sharding across ranks (through accelerate),
+the loss (`compute_loss`, token-count normalisation), callbacks, logging, evaluation, TrainerState,
+RNG files and checkpoint rotation. zerodp owns the model's parameters, gradients, optimizer step,
+clipping, precision and lr schedule. The seams, the same places where the Trainer branches for
+DeepSpeed (`deepspeed_init`, `accelerator.prepare`, `deepspeed_load_checkpoint`):
+
+  _prepare_for_training   builds the engine instead of `accelerator.prepare(model, optimizer)` (no
+                          DDP wrapper), and loads a zerodp checkpoint on resume
+  training_step           the Trainer's own loss, then `engine.backward` instead of `accelerator.backward`
+  optimizer.step()        the Trainer's loop calls it at each accumulation boundary: `engine.step()`
+  _clip_grad_norm /       no norm before the step (gradients live in the engine's buckets); the engine
+  _get_grad_norm          clips inside step() at max_grad_norm and reports the norm, which is logged
+  save_model /            the full fp32 weights gathered from the engine into the HF folder; the
+  _save_optimizer_and_... sharded zerodp checkpoint (`global_stepN/`, `latest`) beside it
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_utils import has_length
+
+from ... import initialize
+from ...config import ConfigError
+from ...engine import Engine
+from .auto import fill_from_training_args
+
+# TrainingArguments that would take the data-parallel part away from zerodp, or act on a model the
+# engine owns behind the Trainer's back.
+_REFUSED = {
+    "deepspeed": "zerodp replaces DeepSpeed here; give its config as zero_config",
+    "fsdp": "zerodp replaces FSDP here; leave fsdp unset",
+    "auto_find_batch_size": "the engine is built once per run for one batch size; set "
+                            "per_device_train_batch_size",
+    "load_best_model_at_end": "loading weights into a model the engine has partitioned is not supported; "
+                              "resume from the best checkpoint with train(resume_from_checkpoint=...)",
+    "torch_compile": "the Trainer would compile the model outside the engine; compile the model before "
+                     "passing it to ZeroTrainer",
+}
+
+
+# The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
+# train without the engine (present since transformers 5.3; tested with 5.23).
+_SEAMS = ("_prepare_for_training", "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
+          "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
+
+
+class ZeroTrainer(Trainer):
+    """A `transformers.Trainer` that trains with zerodp's ZeRO engine (stages 0-3, offload).
+
+        trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                              zero_config={"zero_optimization": {"stage": 2}})
+        trainer.train()
+
+    zero_config: a zerodp / DeepSpeed-style config (dict or JSON path). Its "auto" values, and the batch
+    sizes, gradient_clipping and fp16/bf16 where absent, come from the TrainingArguments as Hugging Face
+    does for DeepSpeed (`zerodp.integrations.hf.fill_from_training_args`). Without an `optimizer` or
+    `scheduler` section the Trainer's own (from TrainingArguments, or `optimizers=`) are used.
+    Launch with torchrun (or accelerate launch); checkpoints hold the HF model files plus a sharded zerodp
+    checkpoint, from which `train(resume_from_checkpoint=...)` resumes.
+    """
+
+    def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
+                 **kwargs: Any) -> None:
+        missing = [m for m in _SEAMS if not hasattr(Trainer, m)]
+        if missing:
+            raise ImportError(f"ZeroTrainer needs a transformers whose Trainer has {', '.join(missing)} (the "
+                              f"installed {transformers.__version__} has not); pip install 'zerodp[hf]'")
+        super().__init__(*args, **kwargs)
+        refused = [f"TrainingArguments.{k} is not supported by ZeroTrainer: {why}"
+                   for k, why in _REFUSED.items() if getattr(self.args, k, None)]
+        if refused:
+            raise ValueError("\n".join(refused))
+        self.zero_config = zero_config
+        self.engine: Engine | None = None
+
+    # ---- building the engine ----------------------------------------------------------------------
+    def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
+        """Build the engine where the Trainer would `accelerator.prepare` the model (DDP) and optimizer."""
+        if self.engine is not None:
+            raise RuntimeError("ZeroTrainer.train() builds its zerodp engine once; make a new ZeroTrainer "
+                               "(on a fresh model) for another run, resuming from a checkpoint if needed")
+        config = fill_from_training_args(self.zero_config, self.args, self.args.world_size, max_steps, self.model)
+        _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
+        optimizer = self._optimizer_for(config)
+        scheduler = self._scheduler_for(config, max_steps)
+        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler)
+        if self.engine.comm.world_size != self.args.world_size:
+            raise ValueError(f"zerodp's process group has {self.engine.comm.world_size} ranks but the Trainer "
+                             f"(accelerate) sees {self.args.world_size} processes; launch every rank with "
+                             "torchrun or accelerate launch so both agree")
+        self.optimizer = EngineOptimizer(self.engine)
+        self.lr_scheduler = EngineScheduler(self.optimizer)
+        self.model_wrapped = EngineModule(self.engine)
+        if resume_from_checkpoint is not None:
+            self.engine.load_checkpoint(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model_wrapped, train_dataloader
+
+    def _optimizer_for(self, config: dict[str, Any]) -> torch.optim.Optimizer | None:
+        """The config's optimizer section (built by the engine), or the Trainer's own."""
+        if "optimizer" not in config:
+            return self.create_optimizer()
+        if self.optimizer is not None:
+            raise ConfigError("an optimizer was passed to the Trainer (optimizers=) and the zerodp config has "
+                              "an 'optimizer' section; keep one of them")
+        return None
+
+    def _scheduler_for(self, config: dict[str, Any], max_steps: int):
+        """None for the config's scheduler section (built by the engine), or a callable building the
+        Trainer's own (TrainingArguments' lr_scheduler_type, or optimizers=) on the engine's optimizer.
+        Either way the engine steps it after every update it does not skip."""
+        if "scheduler" not in config:
+            return lambda optimizer: self.create_scheduler(num_training_steps=max_steps, optimizer=optimizer)
+        if self.lr_scheduler is not None:
+            raise ConfigError("an lr scheduler was passed to the Trainer (optimizers=) and the zerodp config has "
+                              "a 'scheduler' section; keep one of them")
+        return None
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        # Evaluation after training runs through the engine too (stage 3 gathers the parameters).
+        if self.engine is not None:
+            return self.model_wrapped
+        return super()._wrap_model(model, training, dataloader)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The Trainer's loss on one micro-batch, then `engine.backward`; returns the loss it reports."""
+        gas = self.engine.gas
+        if self.current_gradient_accumulation_steps != gas:
+            raise ValueError(f"this optimizer step has {self.current_gradient_accumulation_steps} micro-batches "
+                             f"per rank where gradient_accumulation_steps is {gas}; zerodp updates after exactly "
+                             f"{gas}: make the batches per rank in an epoch a multiple of {gas}")
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if self._loss_is_scaled_for_ga(num_items_in_batch):
+            # Already a share of the whole window's loss: the engine divides by gas again.
+            self.engine.backward(loss * gas)
+            return loss.detach()
+        self.engine.backward(loss)
+        return loss.detach() / gas
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch: torch.Tensor | int | None) -> bool:
+        """The Trainer's own rule (Trainer.training_step) for a loss already normalised over the window."""
+        if getattr(self, "loss_is_scaled_for_ga", None) is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None  # the engine clips inside step(), at gradient_clipping = max_grad_norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None) -> None:
+        return None  # known only after the step: logged from the engine in _maybe_log_save_evaluate
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args: Any, **kwargs: Any) -> None:
+        norm = self.engine.grad_norm if self.engine is not None else grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The HF folder (config, model.safetensors, tokenizer) with the engine's full fp32 weights.
+        Collective once the engine exists: call it on every rank."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.engine.full_state_dict()
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # The sharded zerodp checkpoint (masters, optimizer, scheduler, loss scale, counters) in
+        # output_dir/global_stepN with output_dir/latest, where DeepSpeed's would be.
+        self.engine.save_checkpoint(output_dir)
+
+
+class EngineModule(nn.Module):
+    """What the Trainer's loop calls `model` (its `model_wrapped`): calls go through the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self._engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()  # gradients live in the engine's buckets, cleared by step()
+
+    def _get_name(self) -> str:
+        # Trainer.compute_loss picks label smoothing's causal shift by the model class's name.
+        return self.module._get_name()
+
+
+class EngineOptimizer:
+    """The Trainer's `optimizer`: step() is the engine's step (reduce, clip, update, gather)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.last_lr = self._lrs()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("ZeroTrainer's optimizer takes no closure")
+        self.last_lr = self._lrs()  # what the Trainer logs: the lr this update used
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def _lrs(self) -> list[float]:
+        return self.engine.get_lr()
+
+
+class EngineScheduler:
+    """The Trainer's `lr_scheduler`: the engine steps the real one after each update it does not skip
+    (as DeepSpeed does), so step() here does nothing; get_last_lr() is the lr of the last update."""
+
+    def __init__(self, optimizer: EngineOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return self.optimizer.last_lr
+
+
+def _check_full_windows(train_dataloader, gas: int, max_steps: int) -> None:
+    """zerodp updates after exactly `gas` micro-batches; the Trainer would make a shorter last step
+    of an epoch whose batches per rank are not a multiple of gas. Refused before training starts."""
+    if not has_length(train_dataloader):
+        return
+    batches = len(train_dataloader)
+    per_epoch = -(-batches // gas)
+    if batches % gas and max_steps >= per_epoch:
+        raise ValueError(f"an epoch has {batches} batches per rank, not a multiple of gradient_accumulation_steps "
+                         f"{gas}, so its last optimizer step would have {batches % gas} micro-batch(es); zerodp "
+                         f"updates after exactly {gas}: change the dataset size, per_device_train_batch_size or "
+                         "dataloader_drop_last, or stop before (max_steps < "
+                         f"{per_epoch})")
