@@ -191,6 +191,9 @@ def modes_to_run(requested: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     fill_device_defaults(args)
+    if not args.worker:
+        from ..extras import require
+        require("zerodp bench", "rich")
     import torch
 
     from ..train.model import gpt_config

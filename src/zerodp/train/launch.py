@@ -29,6 +29,9 @@ PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pi
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
+    from zerodp.extras import require
+
+    require("zerodp train", "tqdm", "matplotlib", *(["transformers"] if opts.model.startswith("hf-") else []))
     from .loop import run_rank
     from .resume import plan_resume
 
