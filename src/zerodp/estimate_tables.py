@@ -14,11 +14,18 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from .estimate import human
 from .memory import activation_estimate, bucket_estimate, placed
 from .plan_model import PlanModel
 
 _SHORT = {"activations": "act", "optimizer": "optim", "step_temps": "step tmp", "gathered": "gathered"}
+
+
+def size(n: float) -> str:
+    """Bytes to 3 significant digits in binary units: '442 KiB', '1.84 MiB', '29.7 GiB'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def _table(title: str, caption: str, columns: list[str]) -> Table:
@@ -29,10 +36,10 @@ def _table(title: str, caption: str, columns: list[str]) -> Table:
     return table
 
 
-def _formula(args: argparse.Namespace, psi: int, world: int, stage: int) -> dict[str, int]:
+def _formula(args: argparse.Namespace, psi: int, world: int, stage: int, largest: int | None = None) -> dict[str, int]:
     """Device and host model states, and the bucket pool, for one (N, stage)."""
     split = placed(psi, world, stage, args.dtype, "adamw", args.gas, args.offload_optimizer, args.offload_param)
-    split["buckets"] = bucket_estimate(psi, world, stage, args.dtype, args.reduce_bucket_size)
+    split["buckets"] = bucket_estimate(psi, world, stage, args.dtype, args.reduce_bucket_size, largest)
     return split
 
 
@@ -43,9 +50,17 @@ def _activations(args: argparse.Namespace, model: PlanModel) -> int | None:
     return activation_estimate(shape, args.micro_batch, args.seq, args.dtype, args.checkpointing)
 
 
-def _parts(at_peak: dict[str, int], n: int = 3) -> str:
+def _parts(at_peak: dict[str, int], n: int = 2) -> str:
+    """The n largest categories, compactly: 'act 797M, params 237M'."""
     top = sorted(((v, k) for k, v in at_peak.items() if v), reverse=True)[:n]
-    return ", ".join(f"{_SHORT.get(k, k)} {human(v)}" for v, k in top)
+    return ", ".join(f"{_SHORT.get(k, k)} {_compact(v)}" for v, k in top)
+
+
+def _compact(n: float) -> str:
+    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{int(n)}B"
 
 
 # ---- memory per rank ----------------------------------------------------------------------------
@@ -56,24 +71,25 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
     title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, micro-batch {args.micro_batch} x "
              f"{args.seq} tokens{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
-                                           "largest at the peak"])
+                                           "at the peak"])
     cells = [(w, s) for w in args.world for s in args.stage]
     results = _measure(args, model, cells, console)
     act = _activations(args, model)
+    largest = model.largest_module() if 3 in args.stage else None
     for (world, stage), r in zip(cells, results["zerodp"]):
-        f = _formula(args, psi, world, stage)
+        f = _formula(args, psi, world, stage, largest)
         total = f["device"] + f["buckets"]
-        row = [str(world), f"zerodp {stage}", human(f["device"]), human(f["buckets"]) if f["buckets"] else "-",
-               human(f["host"]) if f["host"] else "-", human(total)]
+        row = [str(world), f"zerodp {stage}", size(f["device"]), size(f["buckets"]) if f["buckets"] else "-",
+               size(f["host"]) if f["host"] else "-", size(total)]
         if isinstance(r, str):  # not measured: why
-            peak = "-" if act is None else "≈ " + human(total + act)
-            row += [peak, r if act is None or r != "" else f"act ≈ {human(act)} (est.)"]
+            peak = "-" if act is None else "≈ " + size(total + act)
+            row += [peak, r if act is None or r != "" else f"act ≈ {_compact(act)} (estimate)"]
         else:
-            row += [human(r["peak"]), r["parts"]]
+            row += [size(r["peak"]), r["parts"]]
         table.add_row(*row)
     for r in results["torch"]:
-        table.add_row(str(r["spec"]["world"]), r["mode"], human(r["formula"]), "-", "-", human(r["formula"]),
-                      human(r["peak"]), _parts(r["at_peak"]))
+        table.add_row(str(r["spec"]["world"]), r["mode"], size(r["formula"]), "-", "-", size(r["formula"]),
+                      size(r["peak"]), _parts(r["at_peak"]))
     return table
 
 
@@ -155,7 +171,7 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     family = [(m, m.num_params()) for f, m in family if m.shape().n_layer >= 1]
     family = sorted({psi: m for m, psi in family}.items())  # by size, one model per size
     psi = model.num_params()
-    title = (f"Within {human(budget)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
+    title = (f"Within {size(budget)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
     caption = ("estimated, not measured: formula + reduce buckets + activation estimate; family: width and depth "
                "of the model scaled together (heads keep their size).")

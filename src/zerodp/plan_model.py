@@ -93,6 +93,18 @@ class PlanModel:
         one, two = (dataclasses.replace(self, fields={**self.fields, depth: n})._count() for n in (1, 2))
         return one + (self.fields[depth] - 1) * (two - one)
 
+    def largest_module(self) -> int:
+        """Elements of the largest module's own parameters: a stage 3 bucket (tied weights once)."""
+        import torch
+        with torch.device("meta"):
+            model, _ = self.build()
+        seen, largest = set(), 0
+        for m in model.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            largest = max(largest, sum(p.numel() for p in own))
+        return largest
+
     def _count(self) -> int:
         import torch
         with torch.device("meta"):
