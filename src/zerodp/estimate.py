@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     _check(ap, args, model)
     console = Console(width=WIDTH)
     from .estimate_tables import fit_table, memory_table
-    console.print(fit_table(args, model) if args.fit is not None else memory_table(args, model, console))
+    try:
+        console.print(fit_table(args, model) if args.fit is not None else memory_table(args, model, console))
+    except PlanModelError as e:  # e.g. a factory that is not there: found when the model is built
+        ap.error(str(e))
     for name in SECTION_MODULES:
         importlib.import_module(name).render(args, model, console)
 
@@ -129,6 +132,8 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None
     if args.measure == "fake" and args.dtype == "fp16":
         ap.error("--measure fake cannot run fp16 (the step's overflow check reads a value, which fake tensors "
                  "do not have); --dtype bf16 has the same sizes")
+    if args.fit is not None and model.kind == "factory":
+        ap.error("--fit scales a GPT or Hugging Face config's width and depth; a factory's shape is unknown")
     if args.offload_param and set(args.stage) != {3}:
         ap.error("--offload-param is stage 3's (the parameters must be partitioned): add --stage 3")
     if min(args.world) < 1 or args.micro_batch < 1 or args.gas < 1:

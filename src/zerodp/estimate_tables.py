@@ -68,8 +68,10 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
     psi = model.num_params()
     measured = {"fake": "measured on fake tensors", "real": "measured on this machine",
                 "none": "estimated"}[args.measure]
-    title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, micro-batch {args.micro_batch} x "
-             f"{args.seq} tokens{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
+    batch = (f"micro-batch {args.micro_batch} x {args.seq} tokens" if model.shape() is not None
+             else "the factory's inputs")
+    title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
+             f"{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
                                            "at the peak"])
     cells = [(w, s) for w in args.world for s in args.stage]
@@ -110,7 +112,7 @@ def _caption(args: argparse.Namespace) -> str:
 def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, int]], console) -> dict:
     """Per cell a measured {"peak", "parts"} or a string saying why there is none; FSDP2/plain rows."""
     if args.measure == "none" or (model.kind == "factory" and not _has_inputs(model)):
-        why = "" if args.measure == "none" else "not measured: the factory gave no inputs"
+        why = "" if args.measure == "none" else "no inputs: not measured"
         return {"zerodp": [why] * len(cells), "torch": []}
     base = {"source": dataclasses.asdict(model), "micro_batch": args.micro_batch, "seq": args.seq,
             "dtype": args.dtype, "checkpointing": args.checkpointing}
@@ -164,14 +166,24 @@ def _has_inputs(model: PlanModel) -> bool:
 _LADDER = [1.25 ** k for k in range(-12, 18)]  # width and depth factors, 0.07x to 45x
 
 
+def family(model: PlanModel) -> list[tuple[int, PlanModel]]:
+    """(Ψ, model) of the model's family on _LADDER, smallest first, one model per size."""
+    scaled = [model.scaled(f) for f in _LADDER]
+    return sorted({m.num_params(): m for m in scaled}.items(), key=lambda pm: pm[0])
+
+
+def largest_fitting(args: argparse.Namespace, members: list[tuple[int, PlanModel]], world: int,
+                    stage: int) -> tuple[int, PlanModel] | None:
+    """The largest family member whose estimate at --micro-batch fits args.fit, or None."""
+    fitting = [(p, m) for p, m in members if _need(args, m, p, world, stage, args.micro_batch) <= args.fit]
+    return fitting[-1] if fitting else None
+
+
 def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     """The largest micro-batch for `model`, and the largest of its family at --micro-batch, per (N, stage)."""
-    budget = args.fit
-    family = [(f, model.scaled(f)) for f in _LADDER]
-    family = [(m, m.num_params()) for f, m in family if m.shape().n_layer >= 1]
-    family = sorted({psi: m for m, psi in family}.items())  # by size, one model per size
+    members = family(model)
     psi = model.num_params()
-    title = (f"Within {size(budget)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
+    title = (f"Within {size(args.fit)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
     caption = ("estimated, not measured: formula + reduce buckets + activation estimate; family: width and depth "
                "of the model scaled together (heads keep their size).")
@@ -179,12 +191,11 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
                                     f"largest of the family at micro-batch {args.micro_batch}"])
     for world in args.world:
         for stage in args.stage:
-            fits = lambda m, p, b: _need(args, m, p, world, stage, b) <= budget  # noqa: E731
-            best = _largest_batch(lambda b: fits(model, psi, b))
-            bigger = [(p, m) for p, m in family if fits(m, p, args.micro_batch)]
+            best = _largest_batch(lambda b: _need(args, model, psi, world, stage, b) <= args.fit)
+            big = largest_fitting(args, members, world, stage)
             table.add_row(str(world), str(stage), str(best) if best else "none",
-                          f"{_params(bigger[-1][0])} ({bigger[-1][1].shape().n_layer} x "
-                          f"{bigger[-1][1].shape().n_embd})" if bigger else "none")
+                          f"{params_text(big[0])} ({big[1].shape().n_layer} x {big[1].shape().n_embd})"
+                          if big else "none")
     return table
 
 
@@ -205,7 +216,7 @@ def _largest_batch(fits) -> int:
     return lo
 
 
-def _params(n: int) -> str:
+def params_text(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.3g}{unit}"
