@@ -15,7 +15,7 @@ import warnings
 import torch
 
 SLOW_RATIO = 3.0  # bf16 this many times slower than fp32 is worth a warning (fast bf16 is ~0.5-1x)
-_SIZE, _REPEATS = 128, 3
+_SIZE, _REPEATS = 128, 5
 
 
 class SlowBF16Warning(UserWarning):
@@ -34,8 +34,13 @@ def bf16_slowdown() -> float:
             times.append(time.perf_counter() - t0)
         return min(times)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), torch.no_grad():  # estimate's fake-tensor runs time real tensors
-        return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: a busy thread pool's wake-ups would drown a 0.1 ms matmul
+    try:
+        with unset_fake_temporarily(), torch.no_grad():  # estimate's fake-tensor runs time real tensors
+            return best(torch.bfloat16) / max(best(torch.float32), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
 
 
 _checked = False
