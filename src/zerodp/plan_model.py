@@ -29,6 +29,9 @@ _HF_FOLLOW = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size"
 _HF_HEADS = ("num_attention_heads", "n_head")
 
 
+_COUNTS: dict[tuple[str, str, str], int] = {}  # parameter counts of the configs built so far
+
+
 class PlanModelError(ValueError):
     """--model names nothing estimate can build; the message says what it accepts."""
 
@@ -106,10 +109,13 @@ class PlanModel:
         return largest
 
     def _count(self) -> int:
-        import torch
-        with torch.device("meta"):
-            model, _ = self.build()
-        return sum({id(p): p.numel() for p in model.parameters()}.values())
+        key = (self.kind, self.ref if self.kind == "factory" else "", json.dumps(self.fields, sort_keys=True))
+        if key not in _COUNTS:  # a meta build still runs every init op (~0.1 s): --fit asks again and again
+            import torch
+            with torch.device("meta"):
+                model, _ = self.build()
+            _COUNTS[key] = sum({id(p): p.numel() for p in model.parameters()}.values())
+        return _COUNTS[key]
 
     def _depth_key(self) -> str | None:
         keys = ("n_layer",) if self.kind == "gpt" else _HF_DEPTH if self.kind == "hf" else ()
