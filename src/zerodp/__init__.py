@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
 
+    from .config import Config
+    from .engine import Engine
     from .optimizer import OptimizerLike
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not

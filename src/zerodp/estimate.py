@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import re
 import sys
-from pathlib import Path
-from typing import Any
 
 DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default, read torch-free (a test checks)
 WIDTH = 100  # columns of every table (a terminal, a README)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..train.model import GPT, Block, gpt_config
-from .rows import FAKE_MODES, MODES, Result
+from .rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device-name substring (first match wins).
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),
