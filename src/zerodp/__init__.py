@@ -6,22 +6,50 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.distributed as dist
-from torch import nn
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
 
-from .activations import checkpoint_blocks
-from .comm import DEFAULT_TIMEOUT_S, Comm, PeerFailure, init_distributed
-from .config import Config, ConfigError, load_config
-from .engine import Engine
-from .non_finite import NonFiniteError
-from .optimizer import OptimizerLike
+    from .config import Config
+    from .engine import Engine
+    from .optimizer import OptimizerLike
+
+# The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
+# import torch, so `zerodp --help` and every command's --help answer before torch loads.
+_LAZY = {
+    "checkpoint_blocks": "activations",
+    "DEFAULT_TIMEOUT_S": "comm", "Comm": "comm", "PeerFailure": "comm", "init_distributed": "comm",
+    "Config": "config", "ConfigError": "config", "load_config": "config",
+    "Engine": "engine",
+    "NonFiniteError": "non_finite",
+    "OptimizerLike": "optimizer",
+}
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
 # zerodp.checkpoint belongs to the sharded save/load module (DESIGN.md's layout).
 __all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init_distributed",
            "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:  # a submodule, e.g. zerodp.activations after a bare `import zerodp`
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
@@ -41,6 +69,10 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
+    from .comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
+    from .config import load_config
+    from .engine import Engine
+
     try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
         cfg, error = load_config(config), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from .buffers import BufferSync
 from .comm import Comm
+from .cpu_bf16 import warn_if_slow_bf16
 from .config import Config, ConfigError
 from .flat import plan
 from .forward_order import ForwardOrder
@@ -55,6 +56,7 @@ class Engine:
         # meets this agreement directly when its config failed to load).
         comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
+        warn_if_slow_bf16(self.device, self.dtype, comm.rank)
 
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)

@@ -101,6 +101,49 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
     return round(num_params * (full + part / world))
 
 
+def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
+           gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
+           offload_param: bool = False) -> dict[str, int]:
+    """Model-state bytes per rank, split into what the device holds and what host memory holds.
+
+    offload_optimizer (ZeRO-Offload, stages 0-3): the rank's fp32 master, its optimizer states and an
+    fp32 copy of its gradient partition live in host memory: 16Ψ/N for Adam (4 + 8 + 4; the master
+    is a separate copy even in fp32), Ψ/N -> Ψ in stage 0. The device keeps the working parameters and
+    gradients: stage 2 in bf16 2Ψ + 2Ψ/N (DeepSpeed's estimator: 2Ψ; it leaves the gradient partition out).
+    offload_param (stage 3, ZeRO-Infinity's CPU offload): the working parameter partition pΨ/N moves to
+    host memory too; the device then holds only what is gathered for the module running (buckets).
+    DeepSpeed's estimators multiply host memory by additional_buffer_factor=1.5 for pinned-buffer
+    slack; this is the tensors' bytes, no factor.
+    """
+    device = formula(num_params, world, stage, dtype, optimizer, gradient_accumulation_steps)
+    host = 0
+    n = world if stage > 0 else 1
+    if offload_optimizer:
+        k = STATE_BYTES[optimizer.lower()] + (0 if dtype == "fp32" else 4)  # master + states (fp32: master in params)
+        device -= round(num_params * k / n)
+        host += round(num_params * (STATE_BYTES[optimizer.lower()] + 4 + 4) / n)
+    if offload_param:
+        if stage != 3:
+            raise ValueError(f"offload_param needs stage 3 (parameters partitioned), not stage {stage}")
+        moved = round(num_params * WORKING_BYTES[dtype] / world)
+        device, host = device - moved, host + moved
+    return {"device": device, "host": host}
+
+
+def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16",
+                    reduce_bucket_size: int = 50_000_000, largest_module: int | None = None) -> int:
+    """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
+    in the working dtype, never more than the whole model. A stage 2 bucket holds up to
+    reduce_bucket_size elements; a stage 3 bucket is one module's own parameters (largest_module
+    elements when known, else the reduce_bucket_size bound). Stages 0-1 (and one rank) reduce in
+    place in the gradient buffer: no pool."""
+    from .reducer import POOL_BUFFERS
+    if stage < 2 or world == 1:
+        return 0
+    bucket = largest_module if stage == 3 and largest_module else reduce_bucket_size
+    return min(POOL_BUFFERS * bucket, num_params) * WORKING_BYTES[dtype]
+
+
 # ---- activation estimate, for `estimate --fit` and the train job's report ------------------------
 def activation_estimate(cfg, micro_batch: int, seq: int, dtype: str = "bf16", checkpointing: bool = False) -> int:
     """Activation bytes of one forward held for backward, estimated (not measured).

@@ -141,6 +141,19 @@ def _gpt(spec: dict[str, Any], device: torch.device):
         return GPT(GPTConfig(**spec["model"]))
 
 
+def _source_model(spec: dict[str, Any], device: torch.device):
+    """spec["source"] (a zerodp.plan_model.PlanModel's fields): the model and its batch, or None."""
+    from zerodp.plan_model import PlanModel
+    torch.manual_seed(0)
+    with torch.device(device):
+        model, inputs = PlanModel(**spec["source"]).build()
+        return model, None if inputs is None else inputs(spec["micro_batch"], spec["seq"], device)
+
+
+def _loss(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.loss  # a Hugging Face output carries .loss
+
+
 def _batch(spec: dict[str, Any], vocab: int, device: torch.device):
     shape = (spec["micro_batch"], spec["seq"])
     return (torch.randint(0, vocab, shape, device=device), torch.randint(0, vocab, shape, device=device))
@@ -183,7 +196,11 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     from zerodp.activations import checkpoint_blocks
     from zerodp.train.model import Block
 
-    model = _gpt(spec, device)
+    if "source" in spec:
+        model, batch = _source_model(spec, device)
+    else:
+        model = _gpt(spec, device)
+        batch = _batch(spec, model.config.vocab_size, device)
     zero = {"stage": spec["stage"], **spec.get("zero_optimization", {})}
     if spec.get("reduce_bucket_size"):
         zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
@@ -194,7 +211,6 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     engine = zerodp.initialize(model, _adamw(model.parameters()), config)
     if spec["checkpointing"]:
         checkpoint_blocks(engine.module, (Block,))
-    x, y = _batch(spec, model.config.vocab_size, device)
 
     tracker = ZeroTracker()
     tracker.track_external(engine.module)
@@ -215,8 +231,9 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
             tracker.label(t, Ref.GRAD)
         return t
     engine.reducer._grad = grad_labelled
-    for t in (x, y):
-        tracker.label(t, Ref.OTH)
+    for t in batch or ():
+        if isinstance(t, torch.Tensor):
+            tracker.label(t, Ref.OTH)
     acquire = engine.reducer._acquire
 
     def acquire_labelled(numel: int) -> torch.Tensor:
@@ -226,9 +243,9 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     engine.reducer._acquire = acquire_labelled
 
     with tracker:
-        for _ in range(2):
+        for _ in range(2 if batch is not None else 0):  # no inputs: the engine's own memory only
             tracker.phase = "forward"
-            loss = engine(x, y)
+            loss = _loss(engine(*batch))
             tracker.phase = "backward"
             engine.backward(loss)
             tracker.phase = "step"
@@ -323,8 +340,12 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
             tracker = run()
     finally:
         dist.destroy_process_group()
-    with torch.device("meta"):
-        psi = GPT(GPTConfig(**spec["model"])).num_params()
+    if "source" in spec:
+        from zerodp.plan_model import PlanModel
+        psi = PlanModel(**spec["source"]).num_params()
+    else:
+        with torch.device("meta"):
+            psi = GPT(GPTConfig(**spec["model"])).num_params()
     at_peak = _snapshot(tracker, "peak")
     return {"spec": spec, "num_params": psi, "peak": sum(at_peak.values()), "at_peak": at_peak,
             "peak_at": tracker.peak_at, "after_step": tracker.after_step,
@@ -334,13 +355,14 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
 def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
     """Each spec's peak in one fresh Python process (a process group is created per spec).
 
-    spec: mode ("zerodp" | "fsdp2" | "plain": one process, PyTorch AMP), stage (zerodp), world, model (GPTConfig fields), micro_batch,
+    spec: mode ("zerodp" | "fsdp2" | "plain": one process, PyTorch AMP), stage (zerodp), world, model (GPTConfig fields)
+    or source (zerodp: a PlanModel's fields, any model), micro_batch,
     seq, dtype ("bf16" | "fp32"; fp16's overflow check reads a value), checkpointing,
     reduce_bucket_size (zerodp; None: the engine's default), zero_optimization (zerodp: more config
     keys), reshard_after_forward (FSDP2, default True), fake (default True; False runs real CPU
     tensors, for small models).
     """
-    from .estimate import run_child
+    from .measure import run_child
     return run_child(["zerodp.peak", json.dumps(specs)], "the fake-tensor measuring subprocess", timeout)
 
 

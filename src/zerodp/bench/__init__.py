@@ -6,7 +6,7 @@ another's allocator state, compiled kernels or process group:
   ddp              DistributedDataParallel around the same
   fsdp2            torch.distributed.fsdp.fully_shard per block and root, bf16 params / fp32 reduce
   fsdp2-noreshard  the same with reshard_after_forward=False (ZeRO-2-like: no regather in backward)
-  zerodp0/1/2      zerodp stages 0, 1, 2: bf16 working parameters, fp32 master (CUDA)
+  zerodp0/1/2/3    zerodp stages 0-3: bf16 working parameters, fp32 master (CUDA)
   deepspeed2       DeepSpeed ZeRO-2 with the same torch AdamW, when `import deepspeed` works
 Every mode reports tokens/s, TFLOP/s per device (flops_per_token = 6N + 12·L·d·T), MFU against the
 device's dense bf16 peak, CUDA peak allocated / reserved memory, and its TFLOP/s ratio to `plain`
@@ -18,12 +18,21 @@ Two files, read in this order:
   driver.py   `zerodp bench` (main): one fresh process per mode, repeats, ratios, the table, --json
 """
 
-# Every public name of the former single-file bench.py, so zerodp.bench.X keeps working.
-from .driver import (add_ratios, device_name, launch, main, median_result, modes_to_run, owned_total, parser,
-                     print_table, source_commit)
-from .worker import (FAKE_MODES, GIB, MODES, PEAK_TFLOPS, Result, build_model, checkpoint_blocks, engine_bytes,
-                     flops_per_token, run_worker, setup_mode)
+import importlib
+from typing import Any
 
-__all__ = ["FAKE_MODES", "GIB", "MODES", "PEAK_TFLOPS", "Result", "add_ratios", "build_model", "checkpoint_blocks",
-           "device_name", "engine_bytes", "flops_per_token", "launch", "main", "median_result", "modes_to_run",
-           "owned_total", "parser", "print_table", "run_worker", "setup_mode", "source_commit"]
+# Every public name of the former single-file bench.py, so zerodp.bench.X keeps working; each is
+# imported on first use (PEP 562), so that `zerodp bench --help` answers before torch loads.
+_DRIVER = ("add_ratios", "device_name", "launch", "main", "median_result", "modes_to_run", "owned_total", "parser",
+           "print_table", "source_commit")
+_WORKER = ("FAKE_MODES", "GIB", "MODES", "PEAK_TFLOPS", "Result", "build_model", "checkpoint_blocks", "engine_bytes",
+           "flops_per_token", "run_worker", "setup_mode")
+__all__ = sorted(_DRIVER + _WORKER)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".driver" if name in _DRIVER else ".worker", __name__), name)
+    globals()[name] = value
+    return value

@@ -17,10 +17,12 @@ import sys
 import tempfile
 from dataclasses import asdict
 
-import torch
+# torch and the worker are imported on use: `zerodp bench --help` answers before torch loads.
+from .rows import FAKE_MODES, MODES, Result
 
-from ..train.model import gpt_config
-from .worker import FAKE_MODES, MODES, Result, run_worker, skip_reason
+# Defaults that depend on the device, (CUDA, CPU): filled in after parsing (main), when torch is loaded.
+_DEVICE_DEFAULTS = {"model": ("350M", "tiny"), "micro_batch": (8, 2), "seq": (1024, 64), "steps": (20, 5),
+                    "warmup": (5, 2), "dtype": ("bf16", "fp32")}
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -35,6 +37,10 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0) -> Result:
     """Run one mode in a fresh process (torchrun for world > 1 or DeepSpeed) and read its row."""
+    import torch
+
+    from .worker import skip_reason
+
     reason = skip_reason(mode, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if reason:  # known before any process starts
         return Result(mode, "skipped", world, reason)
@@ -117,6 +123,8 @@ def source_commit() -> str | None:
 
 
 def device_name() -> str:
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"CPU ({os.cpu_count()} cores)"
@@ -124,19 +132,18 @@ def device_name() -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerodp bench", description=__doc__.split("\n\n")[0])
-    cuda = torch.cuda.is_available()
-    p.add_argument("--model", default="350M" if cuda else "tiny", help="a size of zerodp.train.model.SIZES")
-    p.add_argument("--micro-batch", type=int, default=8 if cuda else 2)
-    p.add_argument("--seq", type=int, default=1024 if cuda else 64)
-    p.add_argument("--steps", type=int, default=20 if cuda else 5, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5 if cuda else 2, help="untimed steps first")
+    p.add_argument("--model", help="a size of zerodp.train.model.SIZES" + _default("model"))
+    p.add_argument("--micro-batch", type=int, help="sequences per rank" + _default("micro_batch"))
+    p.add_argument("--seq", type=int, help="sequence length" + _default("seq"))
+    p.add_argument("--steps", type=int, help="timed steps" + _default("steps"))
+    p.add_argument("--warmup", type=int, help="untimed steps first" + _default("warmup"))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                    help=f"any of {', '.join(MODES)} (plain is always run: it is the baseline)")
     p.add_argument("--world", type=int, default=1, help="ranks for every mode but plain (torchrun)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     p.add_argument("--compile", action="store_true", help="torch.compile every block, in every mode")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if cuda else "fp32",
-                   help="compute precision (fp32 master weights and optimizer states either way)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"],
+                   help="compute precision (fp32 master weights and optimizer states either way)" + _default("dtype"))
     p.add_argument("--threads", type=int, default=0,
                    help="CPU only: torch threads per rank (default: the cores shared among the ranks)")
     p.add_argument("--bucket", type=int, default=0,
@@ -161,6 +168,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default(key: str) -> str:
+    cuda, cpu = _DEVICE_DEFAULTS[key]
+    return f" (default {cuda} on CUDA, {cpu} on CPU)"
+
+
+def fill_device_defaults(args: argparse.Namespace) -> None:
+    """The options not given take their device's default (_DEVICE_DEFAULTS)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for key, (on_cuda, on_cpu) in _DEVICE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, on_cuda if cuda else on_cpu)
+
+
 def modes_to_run(requested: list[str]) -> list[str]:
     """plain first (every ratio is to it), then the requested modes in order, once each."""
     return ["plain"] + [m for m in dict.fromkeys(requested) if m != "plain"]
@@ -168,6 +190,15 @@ def modes_to_run(requested: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    fill_device_defaults(args)
+    if not args.worker:
+        from ..extras import require
+        require("zerodp bench", "rich")
+    import torch
+
+    from ..train.model import gpt_config
+    from .worker import run_worker
+
     if args.loss_chunk is None:
         # The fp32 logits of a 50k vocabulary outweigh every checkpointed block input together
         # (2.7B, 8 x 1024 tokens: 5.9 GiB with their gradients, against 1.25 GiB of block inputs).

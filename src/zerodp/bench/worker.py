@@ -10,51 +10,18 @@ import argparse
 import importlib.util
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..train.model import GPT, Block, gpt_config
-
-MODES = {
-    "plain": "PyTorch AMP, fused AdamW",
-    "ddp": "DistributedDataParallel",
-    "fsdp2": "fully_shard, reshard_after_forward=True",
-    "fsdp2-noreshard": "fully_shard, reshard_after_forward=False",
-    "zerodp0": "zerodp stage 0",
-    "zerodp1": "zerodp stage 1",
-    "zerodp2": "zerodp stage 2",
-    "deepspeed2": "DeepSpeed ZeRO-2",
-}
-FAKE_MODES = ("zerodp2", "fsdp2", "fsdp2-noreshard")
+from .rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device-name substring (first match wins).
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),
                ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0)]
 GIB = 2 ** 30
-
-
-@dataclass
-class Result:
-    """One mode's row: measured, or skipped/failed with the reason."""
-
-    mode: str
-    status: str                      # "ok", "skipped" or "failed"
-    world: int = 1
-    reason: str = ""
-    tokens_per_s: float | None = None        # all ranks together
-    tflops: float | None = None              # per device
-    mfu: float | None = None
-    peak_allocated_gib: float | None = None  # CUDA, rank 0
-    peak_reserved_gib: float | None = None
-    owned_bytes: dict[str, int] | None = None  # fake-world runs: bytes of model states, by category
-    seconds: float | None = None
-    losses: list[float] = field(default_factory=list)
-    ratio_to_plain: float | None = None
-    note: str = ""
-    samples: list[float] = field(default_factory=list)  # tokens/s of every repeat (--repeats)
 
 
 def _init_process_group(device: torch.device, fake_world: int) -> tuple[int, int]:

@@ -28,12 +28,22 @@ One concept per file, read in this order:
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
-from .errors import CheckpointError
-from .export import consolidate, main, write_consolidated
-from .load import load_checkpoint
-from .pieces import local_state
-from .read import newest_intact, resolve
-from .save import save_checkpoint
+import importlib
+from typing import Any
+
+# Each name is imported from its module on first use (PEP 562), so that `zerodp consolidate --help`
+# answers before torch loads (command.py, the command line, is torch-free).
+_LAZY = {"CheckpointError": "errors", "consolidate": "export", "write_consolidated": "export", "main": "command",
+         "load_checkpoint": "load", "local_state": "pieces", "newest_intact": "read", "resolve": "read",
+         "save_checkpoint": "save"}
 
 __all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "newest_intact", "resolve",
            "save_checkpoint", "write_consolidated"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

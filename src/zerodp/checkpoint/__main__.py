@@ -1,6 +1,6 @@
 """`python -m zerodp.checkpoint DIR OUT`, the same as `zerodp consolidate DIR OUT`."""
 
-from .export import main
+from .command import main
 
 if __name__ == "__main__":
     main()

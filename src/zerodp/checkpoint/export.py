@@ -1,11 +1,10 @@
 """Consolidation: a sharded checkpoint as one full fp32 state dict, in one process, no process group.
 
-`zerodp consolidate DIR OUT` writes it as `.safetensors` or `.pt`, keyed like module.state_dict().
+`zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict().
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -63,17 +62,3 @@ def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
         torch.save(state, out)  # tied names share one tensor, as in the module
     else:
         raise CheckpointError(f"output '{out}' must end in .safetensors or .pt")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="zerodp consolidate",
-                                     description="write a sharded checkpoint as one full fp32 state dict")
-    parser.add_argument("dir", help="a save_dir (its 'latest' tag is used) or a checkpoint tag directory")
-    parser.add_argument("out", help="output file, .safetensors or .pt")
-    parser.add_argument("--tag", default=None, help="the tag to consolidate (default: latest)")
-    args = parser.parse_args(argv)
-    try:
-        write_consolidated(args.dir, args.out, args.tag)
-    except CheckpointError as e:
-        parser.exit(1, f"error: {e}\n")
-    print(f"wrote {args.out}")

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from .model import GPT, GPTConfig, gpt_config
-
-HF_MODELS = ("hf-gpt2", "hf-llama")
+from .sizes import HF_MODELS
 
 
 class HFCausalLM(nn.Module):

@@ -22,7 +22,7 @@ from zerodp.config import ConfigError, load_config
 from zerodp.deepspeed.auto import resolve_auto
 
 from .build import build_optimizer, warmup_cosine
-from .model import SIZES
+from .sizes import SIZES
 
 SCHEDULE_FLAGS = ("warmup", "min_lr")  # the built-in schedule's own flags
 

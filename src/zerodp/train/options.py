@@ -13,19 +13,15 @@ import math
 import os
 from typing import Any
 
-import torch
-
-from zerodp.config import ConfigError, load_config
-
-from .build import HF_MODELS
-from .ds_sections import job_world, read_ds_config
-from .model import SIZES
+# No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
+# zerodp.config are imported inside parse_options, after argparse has run).
+from .sizes import HF_MODELS, SIZES
 
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
-    lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, dtype=None,
+    lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
     resume_from=None, seed=1337, nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL",
@@ -55,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="linear warmup steps (default 20)")
     p.add_argument("--weight-decay", type=float, help="AdamW decay of 2-D weights (default 0.1)")
     p.add_argument("--clip", type=float, help="gradient norm clipping, 0 = off (default 1.0)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2], help="ZeRO stage (default 2)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
+    p.add_argument("--offload", action="store_true", default=None, help="ZeRO-Offload: the fp32 master, "
+                   "its gradient and AdamW's state in host memory, stepped there (the config's "
+                   "zero_optimization.offload_optimizer.device = cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), help="working precision (default bf16 on "
                    "CUDA, fp32 on CPU)")
     p.add_argument("--eval-every", type=int, help="validation every K steps (default 20)")
@@ -96,6 +95,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
     from_file = _read_options_file(args.config) if args.config else {}
+    import torch  # after argparse: --help and a bad flag answer without it
+
     cuda = torch.cuda.is_available()
     nproc = given.get("nproc", from_file.get("nproc")) or (torch.cuda.device_count() if cuda else 2)
     world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
@@ -137,13 +138,17 @@ def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dic
     "auto" values are the other layers' (`prelim`), so they settle nothing."""
     if path is None:
         return {}
+    from zerodp.config import ConfigError, load_config
+
+    from .ds_sections import read_ds_config
     try:
         cfg = load_config(read_ds_config(path, prelim, world))
         batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
     except ConfigError as e:
         raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
     opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping,
-                            "on_non_finite": cfg.non_finite.policy}
+                            "on_non_finite": cfg.non_finite.policy,
+                            "offload": cfg.zero_optimization.offload_optimizer.device == "cpu"}
     if batch is not None:
         opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
     if cfg.fp16.enabled or cfg.bf16.enabled:
@@ -172,6 +177,10 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --resume {o['resume']!r}: expected true/false or a checkpoint tag")
     if isinstance(o["timeout"], bool) or not isinstance(o["timeout"], (int, float)) or not 0 < o["timeout"] < math.inf:
         raise SystemExit(f"zerodp train: --timeout {o['timeout']!r}: expected a positive number of seconds")
+    if not isinstance(o["offload"], bool):
+        raise SystemExit(f"zerodp train: offload {o['offload']!r}: expected true or false")
+    if o["stage"] not in (0, 1, 2, 3):
+        raise SystemExit(f"zerodp train: --stage {o['stage']!r}: expected 0, 1, 2 or 3")
     if not isinstance(o["save_on_signal"], bool):
         raise SystemExit(f"zerodp train: save_on_signal {o['save_on_signal']!r}: expected true or false")
     if o["data"] is not None and not os.path.exists(o["data"]):
@@ -186,11 +195,14 @@ def _check(o: dict[str, Any]) -> None:
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
     """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
+    from .ds_sections import job_world, read_ds_config
     base = read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else {}
     # The job builds the optimizer and schedule (ds_sections.py); batch sizes are the job's options.
     for key in ("optimizer", "scheduler", "train_batch_size"):
         base.pop(key, None)
     zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
+    offload = zero.get("offload_optimizer", {})
+    zero["offload_optimizer"] = {**offload, "device": "cpu" if opts.offload else "none"}
     return {**base, "comm_timeout_s": opts.timeout, "train_micro_batch_size_per_gpu": opts.micro_batch,
             "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
             "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},

@@ -1,0 +1,40 @@
+"""What `zerodp bench` runs and reports, torch-free: the modes, and one mode's row (Result).
+The driver reads these before it imports torch, so `zerodp bench --help` answers at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = {
+    "plain": "PyTorch AMP, fused AdamW",
+    "ddp": "DistributedDataParallel",
+    "fsdp2": "fully_shard, reshard_after_forward=True",
+    "fsdp2-noreshard": "fully_shard, reshard_after_forward=False",
+    "zerodp0": "zerodp stage 0",
+    "zerodp1": "zerodp stage 1",
+    "zerodp2": "zerodp stage 2",
+    "zerodp3": "zerodp stage 3",
+    "deepspeed2": "DeepSpeed ZeRO-2",
+}
+FAKE_MODES = ("zerodp2", "fsdp2", "fsdp2-noreshard")
+
+
+@dataclass
+class Result:
+    """One mode's row: measured, or skipped/failed with the reason."""
+
+    mode: str
+    status: str                      # "ok", "skipped" or "failed"
+    world: int = 1
+    reason: str = ""
+    tokens_per_s: float | None = None        # all ranks together
+    tflops: float | None = None              # per device
+    mfu: float | None = None
+    peak_allocated_gib: float | None = None  # CUDA, rank 0
+    peak_reserved_gib: float | None = None
+    owned_bytes: dict[str, int] | None = None  # fake-world runs: bytes of model states, by category
+    seconds: float | None = None
+    losses: list[float] = field(default_factory=list)
+    ratio_to_plain: float | None = None
+    note: str = ""
+    samples: list[float] = field(default_factory=list)  # tokens/s of every repeat (--repeats)

@@ -1,0 +1,94 @@
+"""`zerodp estimate` for any model: a Hugging Face config, a module:factory, a family to --fit, host rows
+for offload, tables of 100 columns (the formulas against the engine: test_memory.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerodp import estimate, memory
+from zerodp.estimate_tables import size
+from zerodp.plan_model import PlanModel, PlanModelError
+
+LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 176,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+         "tie_word_embeddings": False}
+FACTORY = '''
+import torch
+def make():
+    return torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+'''
+
+
+def _rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+
+
+def test_a_hugging_face_config_is_counted_as_from_config_builds_it(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    model = PlanModel.parse(str(tmp_path))  # the folder; its config.json names the same model
+    assert PlanModel.parse(str(tmp_path / "config.json")).fields == model.fields
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
+    assert model.num_params() == sum(p.numel() for p in reference.parameters())
+    assert model.shape().n_layer == 3 and model.shape().n_embd == 64
+    wider = model.scaled(2.0)  # heads keep their size, GQA its group, the MLP its ratio
+    assert (wider.fields["hidden_size"], wider.fields["num_hidden_layers"]) == (128, 6)
+    assert (wider.fields["num_attention_heads"], wider.fields["num_key_value_heads"]) == (8, 4)
+    assert wider.fields["intermediate_size"] == 352
+
+
+def test_a_factory_module_is_counted_and_refused_by_fit(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodels.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    model = PlanModel.parse("mymodels:make")
+    psi = 100 * 300 + 300 + 300 * 10 + 10
+    assert model.num_params() == psi
+    assert PlanModel.parse(str(tmp_path / "mymodels.py") + ":make").num_params() == psi
+    estimate.main(["--model", "mymodels:make", "--world", "8", "--stage", "2", "3"])
+    out = capsys.readouterr().out
+    assert size(memory.formula(psi, 8, 2)) in out and "no inputs: not measured" in out
+    with pytest.raises(SystemExit):
+        estimate.main(["--model", "mymodels:make", "--fit", "1GiB"])
+    assert "factory's shape is unknown" in capsys.readouterr().err
+    with pytest.raises(PlanModelError, match="has no function 'nope'"):
+        PlanModel.parse("mymodels:nope").num_params()
+
+
+def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
+    estimate.main(["--model", "125M", "--world", "8", "--stage", "2", "3", "--offload-optimizer", "--measure", "none"])
+    out = capsys.readouterr().out
+    psi = PlanModel.parse("125M").num_params()
+    rows = {r[2]: r for r in _rows(out)}  # by stage
+    for stage in (2, 3):
+        split = memory.placed(psi, 8, stage, offload_optimizer=True)
+        buckets = memory.bucket_estimate(psi, 8, stage, largest_module=PlanModel.parse("125M").largest_module())
+        line = " ".join(rows[str(stage)])
+        assert size(split["device"]) in line and size(split["host"]) in line and size(buckets) in line
+        assert size(split["device"] + buckets) in line  # the total
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_fit_scales_the_given_config_and_answers_the_largest_that_fits(tmp_path, capsys):
+    from zerodp.estimate_tables import _need, family, largest_fitting, params_text
+    cfg = tmp_path / "wide.json"
+    cfg.write_text(json.dumps({"size": "125M", "n_embd": 1024, "n_head": 16, "vocab_size": 32000}))
+    estimate.main(["--fit", "40GiB", "--model", str(cfg), "--world", "64", "--stage", "2"])
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    args = estimate.build_parser().parse_args(["--fit", "40GiB"])
+    args.seq = 1024
+    members = family(PlanModel.parse(str(cfg)))
+    psi, best = largest_fitting(args, members, 64, 2)
+    assert params_text(psi) in _rows(out)[0][3]
+    assert _need(args, best, psi, 64, 2, 1) <= args.fit
+    bigger, next_one = members[[p for p, _ in members].index(psi) + 1]
+    assert _need(args, next_one, bigger, 64, 2, 1) > args.fit  # the next size of the family does not fit
+    assert next_one.fields["n_embd"] % 16 == 0 and best.fields["n_layer"] > 12  # scaled, heads of 64
+
+
+def test_bucket_default_is_the_engines():
+    from zerodp.config import ZeroConfig
+    from zerodp.measure import DEFAULT_BUCKET
+    assert estimate.DEFAULT_BUCKET == DEFAULT_BUCKET == ZeroConfig.model_fields["reduce_bucket_size"].default
