@@ -176,8 +176,10 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
     return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps, "params": params}
 
 
-def train_reference(name: str, world: int, seed: int = 0) -> dict:
-    """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once."""
+def train_reference(name: str, world: int, seed: int = 0, step_unused: bool = False) -> dict:
+    """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once. A parameter
+    with no gradient is not stepped, as in PyTorch; `step_unused` gives it a zero gradient instead
+    (DeepSpeed's behaviour, zero_optimization.step_unused_parameters)."""
     case = CASES[name]
     model = build(case, seed=seed)
     opt = case.optimizer(model)
@@ -188,7 +190,7 @@ def train_reference(name: str, world: int, seed: int = 0) -> dict:
         y = torch.cat([m[1] for m in micro])
         model(x, y).backward()
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # ZeRO steps whole flat shards: an unused parameter gets a zero gradient
+        for p in params if step_unused else ():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if case.clip > 0:

@@ -44,6 +44,9 @@ def _kw(job):
 
 
 SPECIAL_JOBS = [("overflow", stage) for stage in STAGES] + [("stage3_releases",)]
+# DeepSpeed's behaviour, kept behind zero_optimization.step_unused_parameters: an unused parameter is
+# stepped with a zero gradient.
+STEP_UNUSED_JOBS = [("unused", stage, "fp32", False, 0, "step_unused_parameters", True) for stage in STAGES]
 
 
 def _run_job(rank, world, job):
@@ -61,7 +64,8 @@ def _run_jobs(rank, world, jobs):
 @functools.cache
 def all_ranks(world: int) -> list[dict]:
     """Every engine run for one world size, in one set of spawned ranks (spawning is the slow part)."""
-    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + OVERLAP_JOBS + SPECIAL_JOBS)
+    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + OVERLAP_JOBS + SPECIAL_JOBS
+                     + STEP_UNUSED_JOBS)
 
 
 def engine_runs(world: int) -> dict:
@@ -69,8 +73,8 @@ def engine_runs(world: int) -> dict:
 
 
 @functools.cache
-def reference(name: str, world: int) -> dict:
-    return oracle.train_reference(name, world)
+def reference(name: str, world: int, step_unused: bool = False) -> dict:
+    return oracle.train_reference(name, world, step_unused=step_unused)
 
 
 def assert_matches(state, ref, rtol, atol):
@@ -91,6 +95,16 @@ def test_matches_single_process_fp32(case, stage, world):
     assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     if oracle.CASES[case].clip > 0:
         assert max(ref["norms"]) > oracle.CASES[case].clip, "clipping must be exercised"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
+def test_step_unused_parameters_steps_them_with_zero_gradients_as_deepspeed(stage, world):
+    job = STEP_UNUSED_JOBS[stage]
+    ours, ref = engine_runs(world)[job], reference("unused", world, step_unused=True)
+    assert_matches(ours["state"], ref["state"], rtol=1e-6, atol=1e-6)
+    plain = reference("unused", world)["state"]["never.weight"]
+    assert (ref["state"]["never.weight"] - plain).abs().max() > 1e-5, "the two behaviours must differ"
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")

@@ -124,6 +124,11 @@ class ZeroConfig(_Section):
     # step's fp32 copy of the gradients to 4 x this many bytes (0.4 GB; DeepSpeed's default is 1e9,
     # which at one rank would put 4 GB on top of the gradients).
     sub_group_size: PositiveInt = 100_000_000
+    # zerodp's own key. false (PyTorch's semantics): a parameter that got no gradient on any rank in
+    # the accumulation window is not stepped; it, its master and its optimizer state stay as they were
+    # (unused.py). true: DeepSpeed's behaviour, every parameter is stepped, the unused ones with a zero
+    # gradient (AdamW then decays them and their moments).
+    step_unused_parameters: bool = False
 
 
 class ActivationCheckpointingConfig(_Section):

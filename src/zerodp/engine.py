@@ -23,6 +23,7 @@ from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
 from .reducer import Reducer
 from .stage3 import Gatherer, owning_modules
+from .unused import UsedParameters
 
 
 def _names_peer_failure(where: str):
@@ -77,6 +78,9 @@ class Engine:
                                                 zero.allgather_bucket_size, zero.sub_group_size)
         del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
+        self.unused = (None if zero.step_unused_parameters else
+                       UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
+        self.partitioned.used_only = self.unused
         # Stage 0 gathers nothing and stage 3 gathers per module already.
         self.forward_order = (ForwardOrder(module, self.partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
@@ -121,6 +125,8 @@ class Engine:
         self.reducer.begin(communicate=self.is_gradient_accumulation_boundary())
         loss.backward()
         self.reducer.finish_backward()
+        if self.unused is not None:
+            self.unused.after_backward(self.reducer.arrived)
         if self.gatherer is not None:
             self.gatherer.release_all()
         self.micro_steps += 1
@@ -145,7 +151,10 @@ class Engine:
         self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
-        norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        if self.unused is None:
+            norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        else:  # the used bits ride in the same all-reduce
+            norm_sq, flags = self.unused.norm_and_agree(self.partitioned, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
         # The one host sync of the step, in every precision, on a value every rank agrees on: a
         # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
@@ -159,6 +168,8 @@ class Engine:
         if self.gatherer is not None and not skip:
             self.gatherer.refresh_persistent()
         self.scaler.update(skip)
+        if self.unused is not None:
+            self.unused.end_window(stepped=not skip)
         self.reducer.zero()
         self._window_loss = None
         self.global_steps += 1

@@ -34,6 +34,7 @@ class PartitionedOptimizer:
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
+        self.used_only = None  # unused.UsedParameters: parameters without a gradient are not stepped
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
@@ -106,7 +107,11 @@ class PartitionedOptimizer:
                     m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
             if coef is not None and not fold:
                 torch._foreach_mul_([m.grad for m in masters], coef)
-            self.optimizer.step()  # parameters whose .grad is None are left alone
+            if self.used_only is None:
+                self.optimizer.step()  # parameters whose .grad is None are left alone
+            else:
+                with self.used_only.only_used(self.optimizer, self.masters, part):
+                    self.optimizer.step()
             for m in masters:
                 m.grad = None
         if fold:
