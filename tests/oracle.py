@@ -139,6 +139,8 @@ def build(case: Case, seed: int = 0) -> Toy:
 def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False, **zero) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if zero.get("offload_param") is True:  # a job's keys must be hashable: True stands for the section
+        zero["offload_param"] = {"device": "cpu"}
     if stage == 3:  # gather and release every module, unless a test asks for persistence
         zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,

@@ -59,6 +59,9 @@ class Engine:
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
         units = owning_modules(module) if self.stage == 3 else None
+        # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
+        # allows it at stage 3 only); each gather copies one to the device first.
+        self.offload_param = zero.offload_param.device == "cpu"
         layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
@@ -66,7 +69,8 @@ class Engine:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
             for full in fulls:
                 comm.broadcast(full)  # every rank starts from rank 0's weights
-            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3)
+            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
+                          pin=zero.offload_param.pin_memory and torch.cuda.is_available())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
             # Stage 3 must not hold every full bucket at once: keep only the shard of each.
             fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
@@ -86,7 +90,7 @@ class Engine:
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
-                                 zero.stage3_prefetch_bucket_size) if self.stage == 3 else None
+                                 zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
         acc_dtype = torch.float32 if self.gas > 1 else self.dtype
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done)

@@ -63,10 +63,12 @@ def memory_report(engine) -> dict[str, int]:
         "step_transient": opt.step_copy_bytes([b.shard_numel for b in opt.buckets], engine.reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    if opt.offload:  # ZeRO-Offload: master, states and a gradient copy live in host memory
-        report["host_model_states"] = (report["fp32_master"] + report["optimizer_states"]
+    host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
+            "working_params": getattr(engine, "offload_param", False)}  # stage 3's offload_param
+    if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
+        report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
                                        + report.get("offload_gradients", 0))
-        report["device_model_states"] = report["model_states"] - report["fp32_master"] - report["optimizer_states"]
+        report["device_model_states"] = report["model_states"] - sum(report[k] for k, on in host.items() if on)
     checkpointer = attached(engine.module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
@@ -99,6 +101,29 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
     full = {0: p + g + k, 1: p + g, 2: p, 3: 0}[stage]
     part = {0: 0, 1: k, 2: g + k, 3: p + g + k}[stage]
     return round(num_params * (full + part / world))
+
+
+def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: str = "adam",
+                  gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
+                  offload_param: bool = False) -> dict[str, int]:
+    """Stage 3's model-state bytes per rank in device and in host memory (Ψ = num_params, N = world).
+
+    Per element of the rank's 1/N: p working bytes (2 in bf16/fp16, 4 in fp32), g gradient bytes
+    (p, or 4 with accumulation), an fp32 master (4; none in fp32, where the master is the working
+    shard, unless either offload separates them) and S optimizer-state bytes (8 for Adam).
+    offload_param puts p on the host (the device holds parameters only in a module's gathered window,
+    not counted here); offload_optimizer puts master + S there, with an fp32 host copy of the gradient
+    shard (4). bf16 + Adam: none 16Ψ/N on the device; offload_param 14Ψ/N device + 2Ψ/N host; both
+    2Ψ/N device + 18Ψ/N host.
+    """
+    formula(num_params, world, 3, dtype, optimizer)  # the same argument checks
+    p = WORKING_BYTES[dtype]
+    g = 4 if gradient_accumulation_steps > 1 else p
+    master = 0 if dtype == "fp32" and not (offload_param or offload_optimizer) else 4
+    states = master + STATE_BYTES[optimizer.lower()]
+    device = g + (0 if offload_param else p) + (0 if offload_optimizer else states)
+    host = (p if offload_param else 0) + (states + 4 if offload_optimizer else 0)
+    return {"device": round(num_params * device / world), "host": round(num_params * host / world)}
 
 
 # ---- activation estimate, for `estimate --fit` and the train job's report ------------------------

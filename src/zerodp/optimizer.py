@@ -38,7 +38,10 @@ class PartitionedOptimizer:
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
-        self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32)
+        # With stage 3's offload_param the working shard is in host memory: the master stays on the
+        # device (unless offload) so that the optimizer does not follow it to the host.
+        self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
+                                                or self.buckets[0].owned.device != self.buckets[0].data.device)
         pin = offload and pin_memory and torch.cuda.is_available()
         if offload:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
