@@ -45,7 +45,11 @@ class UsedParameters:
         for b in buckets:
             self.first.append(total)
             total += len(b.slots)
-        self.window = torch.zeros(total, dtype=torch.bool)
+        # The window's bits as one Python int, byte i = slot i (host-only: no tensor op per micro-step,
+        # and nothing that peak.py's fake tensors would have to stand in for).
+        self.total = total
+        self.window = 0
+        self.all_used = int.from_bytes(b"\x01" * total, "little")
         # Per master shard: (slot id, lo, hi) of each parameter range it holds, in shard coordinates.
         self.ranges: list[list[tuple[int, int, int]]] = []
         for k, b in enumerate(buckets):
@@ -62,14 +66,13 @@ class UsedParameters:
     # ---- the window ------------------------------------------------------------------------------
     def after_backward(self, arrived: list[bytearray]) -> None:
         """OR in the slots that received a gradient in this micro-step (reducer.arrived)."""
-        if self.window.numel():
-            self.window |= torch.frombuffer(bytearray(b"".join(arrived)), dtype=torch.uint8).bool()
+        self.window |= int.from_bytes(b"".join(arrived), "little")
 
     def norm_and_agree(self, partitioned, grads: list[torch.Tensor], flags: torch.Tensor):
         """partitioned.grad_norm_squared, with the used bits summed over ranks in the same all-reduce;
         sets `self.used` (None when every parameter was used somewhere)."""
-        local_all = bool(self.window.all())
-        bits = self.window.double()
+        local_all = self.window == self.all_used
+        bits = torch.tensor(list(self.window.to_bytes(self.total, "little")), dtype=torch.float64)
         rides = not (self.stage == 0 and self.comm.world_size > 1)
         if rides:
             flags = torch.cat([flags, bits.to(flags.device)])
@@ -95,12 +98,12 @@ class UsedParameters:
             else:
                 self._materialise()
                 self.counts += 1 if self.used is None else self.used.long()
-        self.window.zero_()
+        self.window = 0
         self.used = None
 
     def _materialise(self) -> None:
         if self.counts is None:
-            self.counts = torch.full(self.window.shape, self.uniform_steps, dtype=torch.long)
+            self.counts = torch.full((self.total,), self.uniform_steps, dtype=torch.long)
             self.shard_step = [self.uniform_steps] * len(self.ranges)
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -112,7 +115,7 @@ class UsedParameters:
             yield
             return
         self._materialise()
-        used = torch.ones_like(self.window) if self.used is None else self.used
+        used = torch.ones(self.total, dtype=torch.bool) if self.used is None else self.used
         swaps = {}
         for k in part:
             ids = [r[0] for r in self.ranges[k]]
@@ -201,7 +204,7 @@ class UsedParameters:
         step_counts) gives each parameter its own count back."""
         steps = [int(optimizer.state[m]["step"]) if m in optimizer.state and "step" in optimizer.state[m] else 0
                  for m in masters]
-        self.window.zero_()
+        self.window = 0
         self.used = None
         if saved is None and len(set(steps)) <= 1:
             self.uniform_steps, self.counts, self.shard_step = (steps[0] if steps else 0), None, None
