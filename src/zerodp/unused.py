@@ -56,6 +56,7 @@ class UsedParameters:
             lo_r, hi_r = rank * b.shard_numel, (rank + 1) * b.shard_numel
             self.ranges.append([(self.first[k] + i, max(s.offset, lo_r) - lo_r, min(s.offset + s.numel, hi_r) - lo_r)
                                 for i, s in enumerate(b.slots) if max(s.offset, lo_r) < min(s.offset + s.numel, hi_r)])
+        self.ids = [torch.tensor([r[0] for r in ranges], dtype=torch.long) for ranges in self.ranges]
         self.used: torch.Tensor | None = None  # the agreed bits of the step being taken; None: all used
         # Step counts, materialised only once some parameter was not stepped (until then every
         # parameter and every shard has been stepped `uniform_steps` times).
@@ -118,7 +119,7 @@ class UsedParameters:
         used = torch.ones(self.total, dtype=torch.bool) if self.used is None else self.used
         swaps = {}
         for k in part:
-            ids = [r[0] for r in self.ranges[k]]
+            ids = self.ids[k]
             if bool(used[ids].all()) and bool((self.counts[ids] == self.shard_step[k]).all()):
                 self.shard_step[k] += 1  # stepped whole, its state['step'] (if any) moves with it
                 continue
@@ -139,11 +140,12 @@ class UsedParameters:
         """(lo, hi, step count) of runs of used parameters with equal counts (the padding between two
         adjacent ones is zero, has a zero gradient and stays zero, so it may be stepped with them)."""
         runs: list[list[int]] = []
-        for slot, lo, hi in self.ranges[k]:
-            if not used[slot]:
+        ids = self.ids[k]
+        used_here, counts_here = used[ids].tolist(), self.counts[ids].tolist()  # no per-element tensor reads
+        for (slot, lo, hi), u, c in zip(self.ranges[k], used_here, counts_here):
+            if not u:
                 runs.append(None)
                 continue
-            c = int(self.counts[slot])
             if runs and runs[-1] is not None and runs[-1][2] == c:
                 runs[-1][1] = hi
             else:
@@ -182,8 +184,8 @@ class UsedParameters:
                 else:
                     state.setdefault(key, t)
             v.grad = None
-        ids = [r[0] for r in self.ranges[k]]
-        after = int((self.counts[ids] + used[ids].long()).max()) if ids else self.shard_step[k]
+        ids = self.ids[k]
+        after = int((self.counts[ids] + used[ids].long()).max()) if len(ids) else self.shard_step[k]
         self.shard_step[k] = after
         if step is not None or "step" in state:
             template = step if step is not None else state["step"]
