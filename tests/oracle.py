@@ -139,6 +139,8 @@ def build(case: Case, seed: int = 0) -> Toy:
 def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False, **zero) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if zero.get("offload_param") is True:  # a job's keys must be hashable: True stands for the section
+        zero["offload_param"] = {"device": "cpu"}
     if stage == 3:  # gather and release every module, unless a test asks for persistence
         zero.setdefault("stage3_param_persistence_threshold", 0)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
@@ -176,8 +178,10 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
     return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps, "params": params}
 
 
-def train_reference(name: str, world: int, seed: int = 0) -> dict:
-    """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once."""
+def train_reference(name: str, world: int, seed: int = 0, step_unused: bool = False) -> dict:
+    """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once. A parameter
+    with no gradient is not stepped, as in PyTorch; `step_unused` gives it a zero gradient instead
+    (DeepSpeed's behaviour, zero_optimization.step_unused_parameters)."""
     case = CASES[name]
     model = build(case, seed=seed)
     opt = case.optimizer(model)
@@ -188,7 +192,7 @@ def train_reference(name: str, world: int, seed: int = 0) -> dict:
         y = torch.cat([m[1] for m in micro])
         model(x, y).backward()
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # ZeRO steps whole flat shards: an unused parameter gets a zero gradient
+        for p in params if step_unused else ():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if case.clip > 0:

@@ -44,6 +44,17 @@ def _kw(job):
 
 
 SPECIAL_JOBS = [("overflow", stage) for stage in STAGES] + [("stage3_releases",)]
+# DeepSpeed's behaviour, kept behind zero_optimization.step_unused_parameters: an unused parameter is
+# stepped with a zero gradient.
+# (It bypasses one module at every stage; two stages keep the suite short.)
+STEP_UNUSED_STAGES = [0, 3]
+STEP_UNUSED_JOBS = {stage: ("unused", stage, "fp32", False, 0, "step_unused_parameters", True)
+                    for stage in STEP_UNUSED_STAGES}
+# Stage 3 with its parameter shards in host memory (offload_param), with and without offload_optimizer.
+OFFLOAD_PARAM_CASES = ["plain", "unused", "tied"]
+OFFLOAD_PARAM_JOBS = ([(name, 3, "fp32", offload, 0, "offload_param", True) for name in OFFLOAD_PARAM_CASES
+                       for offload in (False, True)]
+                      + [("plain", 3, "bf16", False, 0, "offload_param", True)])
 
 
 def _run_job(rank, world, job):
@@ -61,7 +72,8 @@ def _run_jobs(rank, world, jobs):
 @functools.cache
 def all_ranks(world: int) -> list[dict]:
     """Every engine run for one world size, in one set of spawned ranks (spawning is the slow part)."""
-    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + OVERLAP_JOBS + SPECIAL_JOBS)
+    return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + OVERLAP_JOBS + SPECIAL_JOBS
+                     + list(STEP_UNUSED_JOBS.values()) + (OFFLOAD_PARAM_JOBS if world <= 2 else []))
 
 
 def engine_runs(world: int) -> dict:
@@ -69,8 +81,8 @@ def engine_runs(world: int) -> dict:
 
 
 @functools.cache
-def reference(name: str, world: int) -> dict:
-    return oracle.train_reference(name, world)
+def reference(name: str, world: int, step_unused: bool = False) -> dict:
+    return oracle.train_reference(name, world, step_unused=step_unused)
 
 
 def assert_matches(state, ref, rtol, atol):
@@ -91,6 +103,33 @@ def test_matches_single_process_fp32(case, stage, world):
     assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     if oracle.CASES[case].clip > 0:
         assert max(ref["norms"]) > oracle.CASES[case].clip, "clipping must be exercised"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("stage", STEP_UNUSED_STAGES, ids=lambda s: f"stage={s}")
+def test_step_unused_parameters_steps_them_with_zero_gradients_as_deepspeed(stage, world):
+    job = STEP_UNUSED_JOBS[stage]
+    ours, ref = engine_runs(world)[job], reference("unused", world, step_unused=True)
+    assert_matches(ours["state"], ref["state"], rtol=1e-6, atol=1e-6)
+    plain = reference("unused", world)["state"]["never.weight"]
+    assert (ref["state"]["never.weight"] - plain).abs().max() > 1e-5, "the two behaviours must differ"
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("offload", [False, True], ids=["offload_param", "offload_param+optimizer"])
+@pytest.mark.parametrize("case", OFFLOAD_PARAM_CASES)
+def test_stage3_offload_param_matches_single_process_fp32(case, offload, world):
+    ours = engine_runs(world)[(case, 3, "fp32", offload, 0, "offload_param", True)]
+    assert_matches(ours["state"], reference(case, world)["state"], rtol=1e-6, atol=1e-6)
+    assert ours["norms"] == pytest.approx(reference(case, world)["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world={w}")
+def test_stage3_offload_param_bf16_is_the_same_training_as_without(world):
+    runs = engine_runs(world)
+    ours, device = runs[("plain", 3, "bf16", False, 0, "offload_param", True)], runs[("plain", 3, "bf16", False)]
+    for k in device["state"]:  # where the bf16 shard is stored changes no arithmetic
+        assert torch.equal(ours["state"][k], device["state"][k]), k
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")

@@ -86,6 +86,26 @@ class OffloadOptimizerConfig(_Section):
         return device
 
 
+class OffloadParamConfig(_Section):
+    """Stage 3's parameter shards in host memory (DeepSpeed's offload_param): each gather copies the
+    rank's shard to the device first. buffer_count, buffer_size, max_in_cpu and nvme_path size
+    DeepSpeed's NVMe buffers, which zerodp does not have: accepted (DeepSpeed's types) with no effect."""
+
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: NonNegativeInt = 5
+    buffer_size: NonNegativeInt = 100_000_000
+    max_in_cpu: NonNegativeInt = 1_000_000_000
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _no_nvme(cls, device: Any) -> Any:
+        if device == "nvme":
+            raise ValueError("NVMe offload is not supported by zerodp; use \"cpu\"")
+        return device
+
+
 class NonFiniteConfig(_Section):
     """What a step with a non-finite (nan/inf) global gradient norm leads to: zerodp's own section
     (DeepSpeed has none). Such a step is always skipped on every rank; `policy` "raise" then raises
@@ -115,6 +135,7 @@ class ZeroConfig(_Section):
     round_robin_gradients: bool = False
     load_from_fp32_weights: bool = True
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
     stage3_max_live_parameters: NonNegativeInt = 1_000_000_000
@@ -124,6 +145,20 @@ class ZeroConfig(_Section):
     # step's fp32 copy of the gradients to 4 x this many bytes (0.4 GB; DeepSpeed's default is 1e9,
     # which at one rank would put 4 GB on top of the gradients).
     sub_group_size: PositiveInt = 100_000_000
+    # zerodp's own key. false (PyTorch's semantics): a parameter that got no gradient on any rank in
+    # the accumulation window is not stepped; it, its master and its optimizer state stay as they were
+    # (unused.py). true: DeepSpeed's behaviour, every parameter is stepped, the unused ones with a zero
+    # gradient (AdamW then decays them and their moments).
+    step_unused_parameters: bool = False
+
+    @model_validator(mode="after")
+    def _offload_param_needs_stage3(self) -> ZeroConfig:
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_param is valid only with stage 3 (as in DeepSpeed), not stage {self.stage}: "
+                "stages 0-2 keep every parameter whole on every rank; use stage 3 to offload parameters, "
+                "or offload_optimizer to move the optimizer state to the CPU")
+        return self
 
 
 class ActivationCheckpointingConfig(_Section):

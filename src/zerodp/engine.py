@@ -26,6 +26,7 @@ from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from .precision import LossScaler, cast_floating
 from .reducer import Reducer
 from .stage3 import Gatherer, owning_modules
+from .unused import UsedParameters
 
 
 def _names_peer_failure(where: str):
@@ -62,6 +63,9 @@ class Engine:
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
         units = owning_modules(module) if self.stage == 3 else None
+        # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
+        # allows it at stage 3 only); each gather copies one to the device first.
+        self.offload_param = zero.offload_param.device == "cpu"
         layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
@@ -69,7 +73,8 @@ class Engine:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
             for full in fulls:
                 comm.broadcast(full)  # every rank starts from rank 0's weights
-            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3)
+            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
+                          pin=zero.offload_param.pin_memory and torch.cuda.is_available())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
             # Stage 3 must not hold every full bucket at once: keep only the shard of each.
             fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
@@ -81,12 +86,15 @@ class Engine:
                                                 zero.allgather_bucket_size, zero.sub_group_size)
         del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
+        self.unused = (None if zero.step_unused_parameters else
+                       UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
+        self.partitioned.used_only = self.unused
         # Stage 0 gathers nothing and stage 3 gathers per module already.
         self.forward_order = (ForwardOrder(module, self.partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
-                                 zero.stage3_prefetch_bucket_size) if self.stage == 3 else None
+                                 zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
         acc_dtype = torch.float32 if self.gas > 1 else self.dtype
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done)
@@ -135,6 +143,8 @@ class Engine:
             self.reducer.begin(communicate=communicate)
             loss.backward()
             self.reducer.finish_backward()
+            if self.unused is not None:
+                self.unused.after_backward(self.reducer.arrived)
             if self.gatherer is not None:
                 self.gatherer.release_all()
         self.micro_steps += 1
@@ -175,7 +185,10 @@ class Engine:
             self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
-        norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        if self.unused is None:
+            norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        else:  # the used bits ride in the same all-reduce
+            norm_sq, flags = self.unused.norm_and_agree(self.partitioned, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
         # The one host sync of the step, in every precision, on a value every rank agrees on: a
         # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
@@ -189,6 +202,8 @@ class Engine:
         if self.gatherer is not None and not skip:
             self.gatherer.refresh_persistent()
         self.scaler.update(skip)
+        if self.unused is not None:
+            self.unused.end_window(stepped=not skip)
         self.reducer.zero()
         self._window_loss = None
         self.global_steps += 1

@@ -76,17 +76,22 @@ class FlatGroup:
     data: torch.Tensor | None = None
 
     def materialize(self, dtype: torch.dtype, fp32_buckets: list[torch.Tensor], rank: int,
-                    sharded: bool = False) -> None:
+                    sharded: bool = False, host_shards: bool = False, pin: bool = False) -> None:
         """Allocate the flat buffer, fill it, and turn every parameter into a view of it.
 
         sharded (stage 3): the flat buffer holds only this rank's shards; each bucket gets a
         buffer of its own for the gathered parameters, whose storage is freed between uses.
+        host_shards (stage 3's offload_param): that flat buffer of shards is in host memory (pinned
+        with `pin`); only the gathered buffers are on the device.
         """
         if not self.buckets:
             return
         device = self.buckets[0].slots[0].param.device
         size = sum(b.shard_numel for b in self.buckets) if sharded else self.numel
-        self.data = torch.empty(size, dtype=dtype, device=device)
+        if host_shards:
+            self.data = torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
+        else:
+            self.data = torch.empty(size, dtype=dtype, device=device)
         offset = 0
         for b, full in zip(self.buckets, fp32_buckets):
             if sharded:

@@ -63,10 +63,12 @@ def memory_report(engine) -> dict[str, int]:
         "step_transient": opt.step_copy_bytes([b.shard_numel for b in opt.buckets], engine.reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    if opt.offload:  # ZeRO-Offload: master, states and a gradient copy live in host memory
-        report["host_model_states"] = (report["fp32_master"] + report["optimizer_states"]
+    host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
+            "working_params": getattr(engine, "offload_param", False)}  # stage 3's offload_param
+    if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
+        report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
                                        + report.get("offload_gradients", 0))
-        report["device_model_states"] = report["model_states"] - report["fp32_master"] - report["optimizer_states"]
+        report["device_model_states"] = report["model_states"] - sum(report[k] for k, on in host.items() if on)
     checkpointer = attached(engine.module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
@@ -142,6 +144,16 @@ def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16"
         return 0
     bucket = largest_module if stage == 3 and largest_module else reduce_bucket_size
     return min(POOL_BUFFERS * bucket, num_params) * WORKING_BYTES[dtype]
+
+
+def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: str = "adam",
+                  gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
+                  offload_param: bool = False) -> dict[str, int]:
+    """Stage 3's model-state bytes per rank in device and host memory (placed() at stage 3). bf16 +
+    Adam: none 16Ψ/N on the device; offload_param 14Ψ/N device + 2Ψ/N host; both 2Ψ/N device +
+    18Ψ/N host."""
+    return placed(num_params, world, 3, dtype, optimizer, gradient_accumulation_steps,
+                  offload_optimizer, offload_param)
 
 
 # ---- activation estimate, for `estimate --fit` and the train job's report ------------------------

@@ -34,10 +34,14 @@ class PartitionedOptimizer:
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
+        self.used_only = None  # unused.UsedParameters: parameters without a gradient are not stepped
         self.rank = comm.rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
-        self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32)
+        # With stage 3's offload_param the working shard is in host memory: the master stays on the
+        # device (unless offload) so that the optimizer does not follow it to the host.
+        self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
+                                                or self.buckets[0].owned.device != self.buckets[0].data.device)
         pin = offload and pin_memory and torch.cuda.is_available()
         if offload:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
@@ -106,7 +110,11 @@ class PartitionedOptimizer:
                     m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
             if coef is not None and not fold:
                 torch._foreach_mul_([m.grad for m in masters], coef)
-            self.optimizer.step()  # parameters whose .grad is None are left alone
+            if self.used_only is None:
+                self.optimizer.step()  # parameters whose .grad is None are left alone
+            else:
+                with self.used_only.only_used(self.optimizer, self.masters, part):
+                    self.optimizer.step()
             for m in masters:
                 m.grad = None
         if fold:

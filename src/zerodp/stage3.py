@@ -41,8 +41,9 @@ def owning_modules(module: nn.Module) -> dict[int, int]:
 
 class Gatherer:
     def __init__(self, module: nn.Module, buckets: list[Bucket], comm: Comm, persistence_threshold: int,
-                 prefetch_numel: int):
+                 prefetch_numel: int, host_shards: bool = False):
         self.comm = comm
+        self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
         bucket_of = {id(s.param): b for b in buckets for s in b.slots}
         self.persistent = {b.index for b in buckets if b.numel < persistence_threshold}
@@ -104,7 +105,11 @@ class Gatherer:
         for p, view in self.views[b.index]:
             p.data = view
         self.gathered.add(b.index)
-        self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
+        source = b.owned
+        if self.host_shards:  # the host shard goes to its own place in the device bucket, gathered in place
+            source = b.shard(b.data, self.comm.rank)
+            source.copy_(b.owned, non_blocking=True)
+        self.pending[b.index] = self.comm.all_gather(b.data, source, async_op=True)
 
     def _wait(self, b: Bucket) -> None:
         work = self.pending.pop(b.index, None)

@@ -120,7 +120,10 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
                     dest = (dests[pc.master], pc.offset + lo - pc.start)
                     copies.setdefault(key, []).append((lo - start, *dest, hi - lo))
                     covered += hi - lo
-            if covered != pc.numel:
+            # A parameter never stepped (no gradient yet, unused.py) has no optimizer state: zeros,
+            # which Adam's first step treats as its fresh state.
+            never = (meta.get("step_counts") or {}).get(pc.name) == 0 and kind != "master"
+            if covered != pc.numel and not never:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
                                       f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
     md = metadata.state_dict_metadata
@@ -190,6 +193,9 @@ def _apply_optimizer(engine, meta: dict, staged: _Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
+    if engine.unused is not None:
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        engine.unused.after_load(opt, part.masters, names, meta.get("step_counts"))
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:

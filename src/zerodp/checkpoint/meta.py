@@ -75,6 +75,8 @@ class CheckpointMeta(_Strict):
     layout: list[LayoutBucket]
     rng: dict[str, HostRng] = {}
     files: dict[str, FileRecord]
+    # Each parameter's own optimizer step count, when some were not stepped at every step (unused.py).
+    step_counts: dict[str, Count] | None = None
 
 
 def validate(text: str, where: str) -> dict:

@@ -132,6 +132,8 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "client_state": client_state,
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
+        "step_counts": (None if engine.unused is None else
+                        engine.unused.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.partitioned.buckets],

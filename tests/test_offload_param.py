@@ -1,0 +1,89 @@
+"""Stage 3's offload_param: the rank's parameter shards live in host memory and reach the device only
+for a gather (in-process, world of one; test_engine.py checks the results against the oracle on
+worlds 1 and 2). On a CPU machine host and device are one memory, so placement is checked by where the
+engine keeps each buffer and what its memory report counts; the CUDA test checks device memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerodp
+from oracle import D_IN, D_OUT, Toy, one_group
+from zerodp.memory import offload_split
+
+
+def _config(stage: int = 3, offload_param: dict | None = None, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  "offload_param": offload_param or {"device": "cpu"}, **extra}}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_stage3_is_refused_with_deepspeeds_reason(stage):
+    with pytest.raises(zerodp.ConfigError, match="offload_param is valid only with stage 3"):
+        zerodp.load_config(_config(stage))
+
+
+def test_offload_param_to_nvme_is_refused():
+    with pytest.raises(zerodp.ConfigError, match="NVMe offload is not supported by zerodp; use \"cpu\""):
+        zerodp.load_config(_config(offload_param={"device": "nvme", "nvme_path": "/local_nvme"}))
+
+
+def test_deepspeeds_nvme_buffer_keys_are_accepted_with_no_effect():
+    keys = {"device": "cpu", "pin_memory": True, "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9}
+    cfg = zerodp.load_config(_config(offload_param=keys)).zero_optimization.offload_param
+    assert (cfg.device, cfg.buffer_count, cfg.buffer_size) == ("cpu", 4, 100_000_000)
+    with pytest.raises(zerodp.ConfigError, match="buffer_count"):
+        zerodp.load_config(_config(offload_param={"device": "cpu", "buffer_count": -1}))
+
+
+def _engine(offload_param: bool, device: str = "cpu", offload_optimizer: bool = False):
+    torch.manual_seed(0)
+    model = Toy(hidden=300).to(device)
+    extra = {"offload_optimizer": {"device": "cpu" if offload_optimizer else "none"}}
+    cfg = _config(offload_param={"device": "cpu" if offload_param else "none"}, **extra)
+    return model, zerodp.initialize(model, one_group(model), cfg)
+
+
+def _train(model, engine, steps: int = 2):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(3, D_IN, generator=g), torch.randn(3, D_OUT, generator=g)
+        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
+        engine.step()
+
+
+def test_stage3_offload_param_keeps_the_shards_in_host_memory_and_reports_them_there():
+    model, engine = _engine(offload_param=True)
+    _train(model, engine)
+    assert all(g.data.device.type == "cpu" for g in engine.flat_groups)
+    report = engine.memory_report()
+    assert report["gathered_params"] == 0, "between steps nothing is gathered"
+    assert report["host_model_states"] == report["working_params"] > 0
+    assert report["device_model_states"] == report["model_states"] - report["working_params"]
+
+
+def test_offload_split_formula_moves_the_param_shard_to_the_host():
+    psi, n = 10**9, 8
+    assert offload_split(psi, n) == {"device": 16 * psi // n, "host": 0}
+    assert offload_split(psi, n, offload_param=True) == {"device": 14 * psi // n, "host": 2 * psi // n}
+    assert offload_split(psi, n, offload_param=True, offload_optimizer=True) == {"device": 2 * psi // n,
+                                                                                "host": 18 * psi // n}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU host and device are one memory")
+def test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device():
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model, on_device = _engine(offload_param=False, device="cuda")
+    device_bytes = torch.cuda.memory_allocated() - base
+    del model, on_device
+    model, engine = _engine(offload_param=True, device="cuda")
+    offloaded_bytes = torch.cuda.memory_allocated() - base
+    shard = sum(g.data.numel() * g.data.element_size() for g in engine.flat_groups)
+    assert all(g.data.device.type == "cpu" and g.data.is_pinned() for g in engine.flat_groups)
+    assert all(b.data.device.type == "cuda" for g in engine.flat_groups for b in g.buckets)
+    assert offloaded_bytes <= device_bytes - shard + 4096  # the bf16 shards left the device
+    _train(model, engine)
+    assert engine.memory_report()["gathered_params"] == 0
