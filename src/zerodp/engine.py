@@ -53,13 +53,14 @@ class Engine:
         # meets this agreement directly when its config failed to load).
         comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
+        comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
 
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
         units = owning_modules(module) if self.stage == 3 else None
-        layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
-        rank = comm.rank if self.stage > 0 else 0
+        layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
         for g in layout:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
@@ -246,6 +247,11 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.batch = config.batch(self.comm.world_size)
         self.gas = self.batch.gradient_accumulation_steps
+        self.shard_size = config.zero_optimization.shard_size(self.comm.world_size)
+        if self.comm.mesh is not None and self.comm.shard_size != self.shard_size:
+            raise ConfigError(f"zero_optimization.mics_shard_size {config.zero_optimization.mics_shard_size} "
+                              f"disagrees with the device mesh's shard dimension {self.comm.shard_size}; "
+                              "give one of them, or the same S in both")
         self.dtype = config.dtype
         if optimizer is None:
             if config.optimizer is None:

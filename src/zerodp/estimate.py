@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import comm_plan
 from .config import ZeroConfig
 from .memory import WORKING_BYTES, activation_estimate, formula, memory_report
 from .reducer import POOL_BUFFERS
@@ -78,6 +79,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
                                     "reduce_bucket_size": spec.get("reduce_bucket_size", _DEFAULT_BUCKET),
+                                    "mics_shard_size": spec.get("mics_shard_size", -1),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if spec["dtype"] != "fp32":
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                          "parameters, bf16 autocast), the baseline of zerodp bench")
     ap.add_argument("--json", help="with --fake-tensors: write the measurements here")
     ap.add_argument("--fit", type=parse_bytes, metavar="BUDGET", help="per-rank budget, e.g. 80GiB")
+    comm_plan.add_arguments(ap)
     args = ap.parse_args(argv)
 
     from rich.console import Console
@@ -201,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
         console.print(_peak_table(args, cfg, seq, console))
     else:
         console.print(_estimate_table(args, cfg, seq, console))
+    if args.comm:  # bytes per step by collective and link, and the step-time model (comm_plan.py)
+        from .train.model import GPT
+        with torch.device("meta"):
+            model = GPT(cfg)
+        console.print(*comm_plan.section(args, model, args.micro_batch * seq * args.gas, WORKING_BYTES[args.dtype]))
 
 
 def _estimate_table(args, cfg, seq: int, console):

@@ -34,7 +34,7 @@ class PartitionedOptimizer:
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
-        self.rank = comm.rank if stage > 0 else 0
+        self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32)
@@ -67,6 +67,8 @@ class PartitionedOptimizer:
         gradients are already identical on every rank, so it reduces nothing: its flags are known
         only in a world of one (None otherwise)."""
         local = self._local_norm_squared(grads)
+        if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
+            local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
             return local, flags if self.comm.world_size == 1 else None
@@ -152,7 +154,7 @@ class PartitionedOptimizer:
                 while self.pending and in_flight + b.numel > self.allgather_numel:
                     in_flight -= self.buckets[self.pending[0][0]].numel
                     self.pending.popleft()[1].wait()
-                self.pending.append((k, self.comm.all_gather(b.data, b.owned, async_op=True)))
+                self.pending.append((k, self.comm.shard_gather(b.data, b.owned, async_op=True)))
                 in_flight += b.numel
         if not defer:
             self.wait_for_parameters()
@@ -173,7 +175,7 @@ class PartitionedOptimizer:
             return m.detach().clone()
         device = b.data.device
         full = torch.empty(b.numel, dtype=torch.float32, device=device)
-        self.comm.all_gather(full, m.detach().to(device))
+        self.comm.shard_gather(full, m.detach().to(device))
         return full
 
     def bytes(self) -> dict[str, int]:

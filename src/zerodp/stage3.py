@@ -101,7 +101,7 @@ class Gatherer:
         for p, view in self.views[b.index]:
             p.data = view
         self.gathered.add(b.index)
-        self.pending[b.index] = self.comm.all_gather(b.data, b.owned, async_op=True)
+        self.pending[b.index] = self.comm.shard_gather(b.data, b.owned, async_op=True)
 
     def _wait(self, b: Bucket) -> None:
         work = self.pending.pop(b.index, None)
