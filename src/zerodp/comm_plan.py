@@ -4,7 +4,8 @@ Bytes: what each rank sends per step, by collective and by process group, counte
 counts the real collectives (a ring: reduce_scatter and all_gather send (n-1)/n of the full buffer,
 all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hierarchical.py):
   stage 0     all_reduce of every gradient bucket over the world, once per step;
-  stages 1-3  reduce_scatter of every bucket inside the shard group (S ranks), and with
+  stages 1-3  reduce_scatter of every bucket inside the shard group (S ranks; fp32 in stages 0-1 when
+              gradients accumulate over micro-steps, the working precision otherwise), and with
               hierarchical sharding (S < N) all_reduce of its 1/S shard across the replica group
               (N/S ranks); once per step in stage 1, every micro-step in stages 2-3;
   stages 1-2  all_gather of the updated parameters inside the shard group, once per step;
@@ -94,6 +95,8 @@ def transfers(job: Job) -> list[Transfer]:
         raise ValueError(f"shard size {s} must divide the world size {n}")
     hier = s < n
     payload = job.numel * job.element_size
+    # Stages 0-1 accumulate gradients across micro-steps in fp32 and reduce that buffer (reducer.py).
+    grads = job.numel * (4 if job.stage < 2 and job.gas > 1 else job.element_size)
 
     def t(op: str, group: str, ranks: int, calls: int, nbytes: float) -> Transfer:
         return Transfer(op, group, _link(group, ranks, s, n, job.gpus_per_node), ranks, calls, nbytes)
@@ -101,12 +104,12 @@ def transfers(job: Job) -> list[Transfer]:
     if n == 1:
         return []
     if job.stage == 0:
-        return [t("all_reduce", "world", n, job.buckets, 2 * _ring(n, payload))]
+        return [t("all_reduce", "world", n, job.buckets, 2 * _ring(n, grads))]
     passes = 1 if job.stage == 1 else job.gas
     shard = "shard" if hier else "world"
-    out = [t("reduce_scatter", shard, s, passes * job.buckets, passes * _ring(s, payload))]
+    out = [t("reduce_scatter", shard, s, passes * job.buckets, passes * _ring(s, grads))]
     if hier:
-        out.append(t("all_reduce", "replica", n // s, passes * job.buckets, passes * 2 * _ring(n // s, payload / s)))
+        out.append(t("all_reduce", "replica", n // s, passes * job.buckets, passes * 2 * _ring(n // s, grads / s)))
     if job.stage < 3:
         out.append(t("all_gather", shard, s, job.buckets, _ring(s, payload)))
     else:
