@@ -9,8 +9,9 @@ all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hi
               hierarchical sharding (S < N) all_reduce of its 1/S shard across the replica group
               (N/S ranks); once per step in stage 1, every micro-step in stages 2-3;
   stages 1-2  all_gather of the updated parameters inside the shard group, once per step;
-  stage 3     all_gather of each module's parameters before its forward and again before its backward,
-              every micro-step (modules under stage3_param_persistence_threshold stay gathered);
+  stage 3     all_gather of each module's parameters before its forward (a tied weight for each module
+              using it) and of each bucket once in the backward, every micro-step (modules under
+              stage3_param_persistence_threshold stay gathered);
   stages 1-3  one all_reduce of the squared gradient norm and two flags (24 bytes) over the world.
 Links: ranks r, r+1, ... fill a node of `gpus_per_node`; a group whose ranks all sit in one node uses
 the intra-node link (NVLink), any other group the inter-node one (InfiniBand): a ring runs at its
@@ -52,8 +53,10 @@ class Links:
 class Job:
     """What the plan needs of a training job. `numel`: elements of all buckets (padded, as the engine
     lays them out, or Ψ); `buckets`: reduce buckets (stage 3: one per module that holds parameters);
-    `gathered`: stage 3's buckets gathered every pass (those at or above the persistence threshold)
-    and their elements."""
+    `gathered`: stage 3's gathers per micro-step and their elements (None: every bucket twice): in the
+    forward, each module gathers the bucket of every parameter it registers (a tied weight once per
+    module using it); in the backward each bucket is gathered once and held until its gradients are all
+    in. Buckets under the persistence threshold stay gathered."""
 
     numel: int
     world: int
@@ -113,8 +116,8 @@ def transfers(job: Job) -> list[Transfer]:
     if job.stage < 3:
         out.append(t("all_gather", shard, s, job.buckets, _ring(s, payload)))
     else:
-        units, numel = job.gathered or (job.buckets, job.numel)
-        out.append(t("all_gather", shard, s, 2 * job.gas * units, 2 * job.gas * _ring(s, numel * job.element_size)))
+        calls, numel = job.gathered or (2 * job.buckets, 2 * job.numel)
+        out.append(t("all_gather", shard, s, job.gas * calls, job.gas * _ring(s, numel * job.element_size)))
     out.append(t("all_reduce", "world", n, 1, 2 * _ring(n, NORM_BYTES)))
     return [x for x in out if x.ranks > 1]
 
@@ -179,16 +182,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size: int, bucket_numel: int,
              gas: int, per_node: int, persistence: int = 100_000) -> Job:
-    """The plan's Job for a model (on any device, meta included) laid out as the engine would (unpadded)."""
+    """The plan's Job for a model (on any device, meta included) laid out as the engine would (unpadded).
+    Stage 3: a bucket per module that owns parameters, gathered as Job.gathered says."""
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    units = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()]
-    units = [u for u in units if u]
-    if stage == 3:
-        big = [u for u in units if u >= persistence]
-        buckets, gathered = len(units), (len(big), sum(big))
-    else:
-        buckets, gathered = max(1, math.ceil(psi / bucket_numel)), None
-    return Job(psi, world, stage, shard or world, element_size, buckets, gas, per_node, gathered)
+    if stage != 3:
+        return Job(psi, world, stage, shard or world, element_size, max(1, math.ceil(psi / bucket_numel)), gas,
+                   per_node)
+    owner: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in owner:
+                owner[id(p)] = id(m)
+                size[id(m)] = size.get(id(m), 0) + p.numel()
+    uses = [size[o] for m in model.modules()
+            for o in {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}]
+    big = [u for u in uses + list(size.values()) if u >= persistence]  # forward uses, then backward
+    return Job(psi, world, stage, shard or world, element_size, len(size), gas, per_node, (len(big), sum(big)))
 
 
 def section(args: argparse.Namespace, model: nn.Module, tokens_per_gpu: int, element_size: int):
