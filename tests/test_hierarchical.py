@@ -52,6 +52,19 @@ def _oracle(rank: int, world: int, case: str, stage: int, dtype: str, shard: int
     return oracle.train_engine(rank, world, case, stage, dtype, False, 0, **zero)
 
 
+def mesh_run(rank: int, world: int) -> dict:
+    """`plain` at stage 2 with the groups of a 2 x 2 DeviceMesh (replicate, shard) instead of the config key."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    real = zerodp.initialize
+    zerodp.initialize = functools.partial(real, device_mesh=mesh)
+    try:
+        return oracle.train_engine(rank, world, "plain", 2)
+    finally:
+        zerodp.initialize = real
+
+
 def bad_shard_size(rank: int, world: int) -> str:
     model = oracle.build(oracle.CASES["plain"])
     try:
@@ -105,6 +118,7 @@ def load_run(rank: int, world: int, path: str, stage: int, shard: int) -> dict:
 def _world4(rank: int, world: int, path: str) -> dict:
     out = {job: _oracle(rank, world, *job) for job in oracle_jobs()}
     out["bad"] = bad_shard_size(rank, world)
+    out["mesh"] = mesh_run(rank, world)
     out["save"] = save_run(rank, world, path)
     return out
 
@@ -175,6 +189,12 @@ def test_shard_size_equal_to_world_is_flat_bit_for_bit(stage):
     for k in a["state"]:
         assert torch.equal(a["state"][k], b["state"][k]), k
     assert a["norms"] == b["norms"]
+
+
+def test_a_device_mesh_gives_the_same_training_as_the_config_key():
+    a, b = world4()[0]["mesh"], world4()[0][("plain", 2, "fp32", 2)]
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), k
 
 
 def test_shard_size_must_divide_the_world_on_every_rank():

@@ -247,11 +247,17 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.batch = config.batch(self.comm.world_size)
         self.gas = self.batch.gradient_accumulation_steps
-        self.shard_size = config.zero_optimization.shard_size(self.comm.world_size)
-        if self.comm.mesh is not None and self.comm.shard_size != self.shard_size:
-            raise ConfigError(f"zero_optimization.mics_shard_size {config.zero_optimization.mics_shard_size} "
-                              f"disagrees with the device mesh's shard dimension {self.comm.shard_size}; "
-                              "give one of them, or the same S in both")
+        zero = config.zero_optimization
+        self.shard_size = zero.shard_size(self.comm.world_size)
+        if self.comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
+            if zero.mics_shard_size not in (-1, self.comm.shard_size):
+                raise ConfigError(f"zero_optimization.mics_shard_size {zero.mics_shard_size} disagrees with the "
+                                  f"device mesh's shard dimension {self.comm.shard_size}; give one of them, "
+                                  "or the same S in both")
+            if self.stage == 0:
+                raise ConfigError("a device mesh shards model states, which stage 0 does not do; use stage 1, "
+                                  "2 or 3, or leave device_mesh out")
+            self.shard_size = self.comm.shard_size
         self.dtype = config.dtype
         if optimizer is None:
             if config.optimizer is None:
