@@ -16,6 +16,7 @@ import torch
 
 import zerodp
 from spawn import run_ranks
+from zerodp import comm_plan
 from zerodp.flat import ALIGN
 from zerodp.train.model import GPT, gpt_config
 
@@ -24,15 +25,18 @@ NORM_BYTES = 24  # the fp64 squared norm and the two non-finite-loss flags (non_
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BUCKETS = {"one_bucket": 500_000_000, "many_buckets": 30_000}
 JOBS = [(stage, dtype, bucket) for stage in (0, 1, 2) for dtype in DTYPES for bucket in BUCKETS]
+# Hierarchical sharding, mics_shard_size 2 (flat at world 2): bytes per group against comm_plan.py.
+HIER_JOBS = [(stage, "bf16", "many_buckets", 2) for stage in (1, 2, 3)]
 
 
-def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str) -> dict:
+def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str, shard: int = -1) -> dict:
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKETS[bucket]}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKETS[bucket], "mics_shard_size": shard,
+                                    "stage3_param_persistence_threshold": 0}}
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     assert engine.comm.traffic.total() == 0, "initialize() must reset the tally after its broadcasts"
     g = torch.Generator().manual_seed(rank)
@@ -41,14 +45,21 @@ def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str) -> dict
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         engine.step()
     traffic = engine.comm.traffic
-    return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi,
+    # Stage 3 gathers per micro-step: in the forward every bucket of a parameter each module registers
+    # (the tied embedding for both its modules), in the backward every bucket once.
+    bucket_of = {id(s.param): b for fg in engine.flat_groups for b in fg.buckets for s in b.slots}
+    uses = [b for m in model.modules()
+            for b in {id(bucket_of[id(p)]): bucket_of[id(p)] for p in m.parameters(recurse=False)
+                      if id(p) in bucket_of}.values()] + list({id(b): b for b in bucket_of.values()}.values())
+    return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi, "by_group": dict(traffic.by_group),
+            "gathered": (len(uses), sum(b.numel for b in uses)),
             "bucket_numels": [b.numel for fg in engine.flat_groups for b in fg.buckets],
             "slots": sum(len(b.slots) for fg in engine.flat_groups for b in fg.buckets),
             "element_size": torch.empty((), dtype=DTYPES[dtype]).element_size()}
 
 
 def _all_jobs(rank: int, world: int) -> dict:
-    return {job: _traffic(rank, world, *job) for job in JOBS}
+    return {job: _traffic(rank, world, *job) for job in JOBS + HIER_JOBS}
 
 
 @functools.cache
@@ -116,3 +127,30 @@ def test_stage_moves_the_same_bytes_per_step_as_stage0(stage, world, dtype, buck
     # Where both lay the buckets out without padding differences the match is exact.
     if sum(ours["bucket_numels"]) == sum(zero["bucket_numels"]):
         assert gradient_bytes(ours) == gradient_bytes(zero)
+
+
+# ---- hierarchical sharding: per group, and against the plan of `zerodp estimate --comm` ----------
+@WORLDS
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"stage={s}")
+def test_counted_bytes_per_group_match_the_communication_plan(stage, world):
+    run = runs(world)[(stage, "bf16", "many_buckets", 2)]
+    job = comm_plan.Job(sum(run["bucket_numels"]), world, stage, 2, run["element_size"], len(run["bucket_numels"]),
+                        gathered=run["gathered"])
+    planned = {(x.group, x.op): x for x in comm_plan.transfers(job)}
+    counted = {k: v for k, v in run["by_group"].items() if v and k[1] != "broadcast"}
+    assert counted.keys() == planned.keys()
+    for key, x in planned.items():  # the tally rounds each call down to whole bytes
+        assert counted[key] == pytest.approx(STEPS * x.bytes, abs=STEPS * x.calls), key
+    assert sum(run["calls"].values()) == STEPS * sum(x.calls for x in planned.values())
+
+
+def test_shard_size_2_of_4_keeps_gathers_in_the_pair_and_sends_half_a_shard_across():
+    """World 4, S = 2, stage 2: reduce_scatter and all_gather of the padded buckets inside the pair
+    (intra-node when pairs share a node), all_reduce of the 1/2 shard across the pairs (inter-node):
+    each ring sends half of the buffer here; only the norm's 24 bytes use the whole world."""
+    run = runs(4)[(2, "bf16", "many_buckets", 2)]
+    g, nbytes = run["by_group"], sum(run["bucket_numels"]) * run["element_size"]
+    assert g[("shard", "reduce_scatter")] == g[("shard", "all_gather")] == STEPS * nbytes / 2
+    assert g[("replica", "all_reduce")] == STEPS * 2 * _ring(2, nbytes / 2)
+    assert {k for k, v in g.items() if v and k[0] == "world"} == {("world", "all_reduce")}
+    assert g[("world", "all_reduce")] == STEPS * int(2 * _ring(4, NORM_BYTES))

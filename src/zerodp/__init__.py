@@ -55,7 +55,7 @@ def __dir__() -> list[str]:
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                config: Config | dict | str | None = None,
                process_group: dist.ProcessGroup | None = None,
-               lr_scheduler: Callable | None = None) -> Engine:
+               lr_scheduler: Callable | None = None, device_mesh=None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -65,6 +65,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     process_group: the data-parallel group; by default the world, initialised from torchrun's
       environment (NCCL on CUDA, gloo otherwise) or as a world of one when there is none.
     lr_scheduler: a callable optimizer -> scheduler, stepped after every step that is not skipped.
+    device_mesh: a 2-D torch DeviceMesh (replicate, shard) over the data-parallel ranks: model states
+      are sharded along its second dimension and replicated along its first (as the config key
+      zero_optimization.mics_shard_size does with groups zerodp builds).
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -78,7 +81,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         cfg, error = None, e
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
-    comm = Comm(process_group)
+    comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
     return Engine(model, optimizer, cfg, comm, lr_scheduler)

@@ -88,10 +88,13 @@ class Traffic:
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    # (group, op) -> bytes: "world", or the "shard" / "replica" groups of hierarchical sharding.
+    by_group: Counter = field(default_factory=Counter)
 
-    def add(self, op: str, nbytes: float) -> None:
+    def add(self, op: str, nbytes: float, group: str = "world") -> None:
         self.bytes[op] += int(nbytes)
         self.calls[op] += 1
+        self.by_group[group, op] += int(nbytes)
 
     def total(self) -> int:
         return sum(self.bytes.values())
@@ -99,6 +102,7 @@ class Traffic:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.by_group.clear()
 
 
 class _Done:
@@ -115,13 +119,72 @@ class Comm:
     torch.distributed: the same engine code, no kernel launches or stream waits for nothing.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
+                 traffic: Traffic | None = None):
+        """mesh: a 2-D DeviceMesh (replicate, shard) whose groups are used for hierarchical
+        sharding instead of the ones `split` would build; its ranks must be the whole group's."""
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.backend = dist.get_backend(self.group)
-        self.traffic = Traffic()
+        self.name = name
+        self.traffic = traffic if traffic is not None else Traffic()
         self.last_op = "collective"  # the kind issued last: names a timed-out collective (peer_failure)
+        self.shard: Comm = self            # where model states are partitioned
+        self.replica: Comm | None = None   # the ranks holding the same shard (None: flat)
+        self.mesh = mesh
+        if mesh is not None:
+            self._adopt(mesh)
+
+    # ---- hierarchical sharding ------------------------------------------------------------------
+    @property
+    def shard_rank(self) -> int:
+        """Which shard of every bucket this rank owns."""
+        return self.shard.rank
+
+    @property
+    def shard_size(self) -> int:
+        """Partitions of every bucket: S (N when flat)."""
+        return self.shard.world_size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which copy of its shard this rank holds (0 when flat)."""
+        return 0 if self.replica is None else self.replica.rank
+
+    def split(self, shard_size: int) -> None:
+        """Collective (every rank, the same S, already validated): shard groups of S consecutive
+        ranks, replica groups of the ranks with the same place in theirs. S = N stays flat."""
+        if self.mesh is not None or shard_size == self.world_size:
+            return
+        ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        shard = [ranks[i:i + shard_size] for i in range(0, self.world_size, shard_size)]
+        replica = [ranks[j::shard_size] for j in range(shard_size)]
+        self._use(_subgroup(shard), _subgroup(replica))
+
+    def _adopt(self, mesh) -> None:
+        if mesh.ndim != 2 or mesh.size() != self.world_size:
+            raise ValueError(f"the device mesh must be 2-D (replicate, shard) over all {self.world_size} "
+                             f"ranks of the data-parallel group, got shape {tuple(mesh.shape)}")
+        self._use(mesh.get_group(1), mesh.get_group(0))
+
+    def _use(self, shard: dist.ProcessGroup, replica: dist.ProcessGroup) -> None:
+        self.shard = Comm(shard, name="shard", traffic=self.traffic)
+        self.replica = Comm(replica, name="replica", traffic=self.traffic)
+
+    def shard_reduce(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Sum `inp` over every rank and keep this rank's shard-group chunk in `out`: reduce_scatter
+        inside the shard group, then all_reduce of the chunk across the replica group."""
+        work = self.shard.reduce_scatter(out, inp, async_op=async_op)
+        if self.replica is None:
+            return work
+        if work is not None:
+            work.wait()  # NCCL: the current stream waits, not the host; gloo: it is done
+        return self.replica.all_reduce(out, async_op=async_op)
+
+    def shard_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """Every rank of the shard group's chunk `inp` concatenated into `out`."""
+        return self.shard.all_gather(out, inp, async_op=async_op)
 
     def agree(self, error: BaseException | None, what: str, payload=None,
               raise_for: Callable[[list[Failure]], BaseException] | None = None) -> list:
@@ -189,7 +252,7 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         self.last_op = "all_reduce"
-        self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()))
+        self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()), self.name)
         if self.world_size == 1:
             return _Done() if async_op else None
         return dist.all_reduce(t, group=self.group, async_op=async_op)
@@ -197,7 +260,7 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum `inp` over ranks and keep this rank's 1/N chunk in `out` (which may alias it)."""
         self.last_op = "reduce_scatter"
-        self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()))
+        self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
@@ -205,7 +268,7 @@ class Comm:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
         self.last_op = "all_gather"
-        self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()))
+        self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
@@ -230,6 +293,12 @@ class Comm:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group among `ranks` (every rank creates every group, as torch requires)."""
+    mine, _ = dist.new_subgroups_by_enumeration(ranks)
+    return mine
 
 
 def _message(e: BaseException) -> str:

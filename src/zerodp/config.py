@@ -160,6 +160,45 @@ class ZeroConfig(_Section):
                 "or offload_optimizer to move the optimizer state to the CPU")
         return self
 
+    # Hierarchical sharding (DeepSpeed's MiCS names): model states sharded within groups of this
+    # many consecutive ranks and replicated across world / mics_shard_size groups (comm.py);
+    # -1 (DeepSpeed's default) or the world size: one flat group. Checked against the world in
+    # Engine (shard_size_for), where the world size is known.
+    mics_shard_size: Annotated[int, Field(ge=-1)] = -1
+    mics_hierarchical_params_gather: bool = False
+    zero_hpz_partition_size: PositiveInt = 1
+
+    def shard_size(self, world_size: int) -> int:
+        """S, the ranks one copy of the model states is sharded over, checked against the world."""
+        s = self.mics_shard_size
+        if s in (-1, world_size):
+            return world_size
+        if self.stage == 0:
+            raise ConfigError(f"zero_optimization.mics_shard_size {s} shards model states, which stage 0 "
+                              "does not do; use stage 1, 2 or 3, or remove the key")
+        if not 1 <= s <= world_size or world_size % s:
+            raise ConfigError(f"zero_optimization.mics_shard_size {s} must divide the world size "
+                              f"{world_size} (1 <= S <= {world_size}), or be -1 for one flat group")
+        return s
+
+    @field_validator("mics_hierarchical_params_gather")
+    @classmethod
+    def _no_two_hop_gather(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("zerodp all-gathers parameters inside the shard group in one collective; "
+                             "the two-hop (inter-node, then intra-node) gather is not implemented: keep "
+                             "mics_shard_size within a node (e.g. the GPUs per node) and set this to false")
+        return value
+
+    @field_validator("zero_hpz_partition_size")
+    @classmethod
+    def _no_hpz(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(f"zero_hpz_partition_size {value}: ZeRO++'s secondary copy of the stage-3 "
+                             "parameters is not implemented; use mics_shard_size (the same intra-node "
+                             "gathers, with every model state sharded within the group) or set it to 1")
+        return value
+
 
 class ActivationCheckpointingConfig(_Section):
     partition_activations: bool = False

@@ -58,6 +58,7 @@ class Engine:
         comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
         warn_if_slow_bf16(self.device, self.dtype, comm.rank)
+        comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
 
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
@@ -66,8 +67,8 @@ class Engine:
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = plan(groups, comm.world_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
-        rank = comm.rank if self.stage > 0 else 0
+        layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
         for g in layout:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
@@ -318,6 +319,17 @@ class Engine:
         self.stage = config.zero_optimization.stage
         self.batch = config.batch(self.comm.world_size)
         self.gas = self.batch.gradient_accumulation_steps
+        zero = config.zero_optimization
+        self.shard_size = zero.shard_size(self.comm.world_size)
+        if self.comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
+            if zero.mics_shard_size not in (-1, self.comm.shard_size):
+                raise ConfigError(f"zero_optimization.mics_shard_size {zero.mics_shard_size} disagrees with the "
+                                  f"device mesh's shard dimension {self.comm.shard_size}; give one of them, "
+                                  "or the same S in both")
+            if self.stage == 0:
+                raise ConfigError("a device mesh shards model states, which stage 0 does not do; use stage 1, "
+                                  "2 or 3, or leave device_mesh out")
+            self.shard_size = self.comm.shard_size
         self.dtype = config.dtype
         if optimizer is None:
             if config.optimizer is None:

@@ -30,7 +30,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 # Extra sections of the report, printed after the memory table: each names a torch-free module
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # plan_model.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
-SECTION_MODULES: tuple[str, ...] = ()
+SECTION_MODULES: tuple[str, ...] = ("zerodp.comm_plan",)
 
 
 def parse_bytes(text: str) -> int:

@@ -65,6 +65,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
                                     "reduce_bucket_size": spec.get("reduce_bucket_size") or DEFAULT_BUCKET,
+                                    "mics_shard_size": spec.get("mics_shard_size", -1),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     if spec["dtype"] != "fp32":

@@ -35,7 +35,7 @@ class PartitionedOptimizer:
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.used_only = None  # unused.UsedParameters: parameters without a gradient are not stepped
-        self.rank = comm.rank if stage > 0 else 0
+        self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
         # With stage 3's offload_param the working shard is in host memory: the master stays on the
@@ -71,6 +71,8 @@ class PartitionedOptimizer:
         gradients are already identical on every rank, so it reduces nothing: its flags are known
         only in a world of one (None otherwise)."""
         local = self._local_norm_squared(grads)
+        if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
+            local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
             return local, flags if self.comm.world_size == 1 else None
@@ -160,7 +162,7 @@ class PartitionedOptimizer:
                 while self.pending and in_flight + b.numel > self.allgather_numel:
                     in_flight -= self.buckets[self.pending[0][0]].numel
                     self.pending.popleft()[1].wait()
-                self.pending.append((k, self.comm.all_gather(b.data, b.owned, async_op=True)))
+                self.pending.append((k, self.comm.shard_gather(b.data, b.owned, async_op=True)))
                 in_flight += b.numel
         if not defer:
             self.wait_for_parameters()
@@ -198,7 +200,7 @@ class PartitionedOptimizer:
             return m.detach().clone()
         device = b.data.device
         full = torch.empty(b.numel, dtype=torch.float32, device=device)
-        self.comm.all_gather(full, m.detach().to(device))
+        self.comm.shard_gather(full, m.detach().to(device))
         return full
 
     def bytes(self) -> dict[str, int]:

@@ -34,10 +34,10 @@ class Reducer:
         self.on_bucket_done = on_bucket_done
         # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
         # with no bucket pool and no copy out of it.
-        self.sharded_grads = stage >= 2 and comm.world_size > 1
+        self.sharded_grads = stage >= 2 and comm.shard_size > 1
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
-        self.rank = comm.rank if stage > 0 else 0
+        self.rank = comm.shard_rank if stage > 0 else 0
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
         # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`. Like PyTorch's
         # zero_grad(set_to_none=True) it exists only from a window's first gradient to the end of
@@ -148,7 +148,8 @@ class Reducer:
             return
         for b, acc in zip(self.buckets, self.acc):
             if acc is not None:
-                owned = b.shard(acc, self.rank) * self.comm.world_size
+                # (S x mean on each of the N/S copies of the chunk when sharding is hierarchical)
+                owned = b.shard(acc, self.rank) * self.comm.shard_size
                 acc.zero_()
                 b.shard(acc, self.rank).copy_(owned)
 
@@ -175,7 +176,7 @@ class Reducer:
             work = self.comm.all_reduce(buf, async_op=True)
         else:
             out = self._grad(k) if direct else b.shard(buf, self.rank)
-            work = self.comm.reduce_scatter(out, buf, async_op=True)
+            work = self.comm.shard_reduce(out, buf, async_op=True)
         self.reduced = not self.sharded_grads
         self.inflight.append((k, work, direct))
         if not self.overlap:

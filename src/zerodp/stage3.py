@@ -107,9 +107,9 @@ class Gatherer:
         self.gathered.add(b.index)
         source = b.owned
         if self.host_shards:  # the host shard goes to its own place in the device bucket, gathered in place
-            source = b.shard(b.data, self.comm.rank)
+            source = b.shard(b.data, self.comm.shard_rank)
             source.copy_(b.owned, non_blocking=True)
-        self.pending[b.index] = self.comm.all_gather(b.data, source, async_op=True)
+        self.pending[b.index] = self.comm.shard_gather(b.data, source, async_op=True)
 
     def _wait(self, b: Bucket) -> None:
         work = self.pending.pop(b.index, None)

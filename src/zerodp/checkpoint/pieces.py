@@ -89,7 +89,8 @@ def local_state(engine) -> dict[str, torch.Tensor]:
     comm, part = engine.comm, engine.partitioned
     writes_replicated = comm.rank == 0
     out: dict[str, torch.Tensor] = {}
-    if engine.stage > 0 or writes_replicated:
+    # Hierarchical sharding: the first copy of each shard writes it (the others hold the same values).
+    if (engine.stage > 0 and comm.replica_rank == 0) or writes_replicated:
         for pc in owned_pieces(engine):
             m = part.masters[pc.master]
             out[f"master/{pc.name}@{pc.start}"] = _cpu(m.detach()[pc.offset:pc.offset + pc.numel])
