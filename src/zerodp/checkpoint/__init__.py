@@ -24,16 +24,16 @@ One concept per file, read in this order:
   read.py     finding and checking a checkpoint (and the newest intact one); the restricted
               unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
-  export.py   consolidate / write_consolidated / `zerodp consolidate` (main)
+  export.py   consolidate / write_consolidated / write_hf_folder / `zerodp consolidate` (main)
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
 from .errors import CheckpointError
-from .export import consolidate, main, write_consolidated
+from .export import consolidate, main, write_consolidated, write_hf_folder
 from .load import load_checkpoint
 from .pieces import local_state
 from .read import newest_intact, resolve
 from .save import save_checkpoint
 
 __all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "newest_intact", "resolve",
-           "save_checkpoint", "write_consolidated"]
+           "save_checkpoint", "write_consolidated", "write_hf_folder"]
