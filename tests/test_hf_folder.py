@@ -37,7 +37,7 @@ def finetuned(hf_folders, tmp_path_factory):
     out = tmp / "run"
     proc = train("--model", str(hf_folders["gpt2"]), "--ds-config", str(tmp / "zero3.json"), "--nproc", "2",
                  "--steps", "2", "--micro-batch", "2", "--block-size", "32", "--eval-batches", "1",
-                 "--lr", "1e-2", "--data", corpus(tmp), "--out", str(out))
+                 "--lr", "1e-2", "--data", corpus(tmp), "--out", str(out), timeout=300)
     return out, proc.stdout + proc.stderr
 
 
@@ -67,7 +67,7 @@ def test_train_job_writes_an_hf_folder_that_from_pretrained_loads_with_the_train
 def test_train_job_reads_the_folder_tokenizer_and_prints_hf_noise_once(finetuned):
     _, output = finetuned
     assert "tokenized by" in output and "ZeRO stage 3, 2 rank(s)" in output
-    assert sum("Loading weights" in line for line in output.split("\n")) <= 1  # rank 0's bar only
+    assert output.count("Loading weights: 100%") <= 1  # rank 0's bar only
     assert "was set in the config but it is unrecognized" not in output
     assert "must be `None` or an integer within the vocabulary" not in output
 
