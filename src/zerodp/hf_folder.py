@@ -157,7 +157,10 @@ def _assign(model, state: dict) -> None:
     expected = set(model.state_dict())
     prefix = _prefix(state, expected)
     named = {k[len(prefix):]: v for k, v in state.items()}
-    model.load_state_dict(named, strict=False, assign=True)
+    try:
+        model.load_state_dict(named, strict=False, assign=True)
+    except RuntimeError as e:  # a shape that differs: another size of the same architecture
+        raise ValueError(f"the weights do not fit this HF config's model: {e}") from None
     model.tie_weights()  # a tied head (GPT-2's lm_head) shares the embedding, stored once
     missing = sorted(k for k, v in model.state_dict().items() if v.is_meta)
     if missing:
