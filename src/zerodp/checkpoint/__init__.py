@@ -24,7 +24,7 @@ One concept per file, read in this order:
   read.py     finding and checking a checkpoint (and the newest intact one); the restricted
               unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
-  export.py   consolidate / write_consolidated / `zerodp consolidate` (main)
+  export.py   consolidate / write_consolidated / write_hf_folder / `zerodp consolidate` (main)
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
@@ -33,12 +33,13 @@ from typing import Any
 
 # Each name is imported from its module on first use (PEP 562), so that `zerodp consolidate --help`
 # answers before torch loads (command.py, the command line, is torch-free).
-_LAZY = {"CheckpointError": "errors", "consolidate": "export", "write_consolidated": "export", "main": "command",
+_LAZY = {"CheckpointError": "errors", "consolidate": "export", "write_consolidated": "export",
+         "write_hf_folder": "export", "main": "command",
          "load_checkpoint": "load", "local_state": "pieces", "newest_intact": "read", "resolve": "read",
          "save_checkpoint": "save"}
 
 __all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "main", "newest_intact", "resolve",
-           "save_checkpoint", "write_consolidated"]
+           "save_checkpoint", "write_consolidated", "write_hf_folder"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,8 @@
 """Consolidation: a sharded checkpoint as one full fp32 state dict, in one process, no process group.
 
-`zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict().
+`zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
+`--hf` as a Hugging Face model folder (zerodp.hf_folder) that from_pretrained loads, from the HF config
+a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import json
 
 import torch
+
+from zerodp import hf_folder
 
 from . import deepspeed
 from .errors import CheckpointError
@@ -62,3 +66,31 @@ def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
         torch.save(state, out)  # tied names share one tensor, as in the module
     else:
         raise CheckpointError(f"output '{out}' must end in .safetensors or .pt")
+
+
+def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: str | None = None) -> list[str]:
+    """Write the checkpoint as a Hugging Face model folder at `out` (config, generation config,
+    model.safetensors with HF's key names, the tokenizer when known); returns notes for the user.
+    hf_config: an HF folder or config.json to take the config from instead of the checkpoint's record."""
+    try:
+        description = hf_folder.read_description(hf_config) if hf_config else _recorded_hf(load_dir, tag)
+        state, _ = consolidate(load_dir, tag)
+        return hf_folder.write_folder(out, state, description)
+    except ValueError as e:
+        raise CheckpointError(f"--hf: {e}") from None
+
+
+def _recorded_hf(load_dir: str, tag: str | None) -> dict:
+    """The HF description (hf_folder.describe) that `zerodp train` keeps in its checkpoints."""
+    if deepspeed.find(load_dir, tag) is not None:
+        raise CheckpointError(f"'{load_dir}' is a DeepSpeed checkpoint, which records no Hugging Face config: "
+                              "pass --hf-config with the model's folder (save_pretrained's) or its config.json")
+    path, meta = resolve(load_dir, tag)
+    client = meta.get("client_state")
+    hf = client.get("hf") if isinstance(client, dict) else None
+    if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
+        raise CheckpointError(f"checkpoint '{path}' records no Hugging Face config (only `zerodp train` with "
+                              "an hf-* model or an HF folder records one): pass --hf-config with the model's "
+                              "folder or its config.json")
+    return hf
+

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp import hf_folder
 
-from .build import build_model
+from .build import build_corpus, build_model, hf_description
 from .ds_sections import optimizer_and_schedule
-from .data import Batches, load_corpus, val_batches
+from .data import Batches, val_batches
 from .options import ds_config
 from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
 
@@ -111,13 +112,14 @@ def train(opts: argparse.Namespace) -> int:
     ckpt_dir = out / "checkpoints"
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
-    corpus = load_corpus(opts.data)
+    corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
     block = shape.block_size
     if device is not None:
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    hf = hf_description(model, opts.model)  # kept in every checkpoint: `zerodp consolidate --hf` needs it
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
     engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler)
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
@@ -178,7 +180,8 @@ def train(opts: argparse.Namespace) -> int:
             log.write(kind="memory", step=step, ranks=memory)
         if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
                 or (stopping and opts.save_on_signal)):
-            engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts)},
+            engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts),
+                                                                  "hf": hf},
                                    keep_last=opts.keep_last)
         if bar is not None:
             bar.update(1)
@@ -205,9 +208,14 @@ def train(opts: argparse.Namespace) -> int:
     if rank == 0:
         torch.save(final, out / "final.pt")
         report = make_report(out)
+        written = f"  weights {out / 'final.pt'}"
+        if hf is not None:  # an HF model: also as a folder that AutoModelForCausalLM.from_pretrained loads
+            for note in hf_folder.write_folder(out / "hf", final, hf):
+                print(f"zerodp train: {note}", file=sys.stderr, flush=True)
+            written += f"\n  HF folder {out / 'hf'}"
         print(f"zerodp train: final validation loss {val_loss:.4f} after {engine.global_steps} steps\n"
               f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {ckpt_dir}\n"
-              f"  weights {out / 'final.pt'}", flush=True)
+              f"{written}", flush=True)
     return 0
 
 

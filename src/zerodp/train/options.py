@@ -16,6 +16,7 @@ from typing import Any
 # No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
 # zerodp.config are imported inside parse_options, after argparse has run).
 from .sizes import HF_MODELS, SIZES
+from zerodp.hf_folder import is_model_folder  # torch-free
 
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
@@ -37,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Every default is None so that a flag given on the command line can be told from one not given.
     p.add_argument("--config", help="JSON file with any of the keys below (underscores), "
                    "e.g. {\"steps\": 500, \"micro_batch\": 16}; flags override it")
-    p.add_argument("--model", help=f"a GPT size ({', '.join(SIZES)}; default small) or a Hugging "
+    p.add_argument("--model", help=f"a GPT size ({', '.join(SIZES)}; default small), a Hugging "
                    f"Face model built with random weights: {', '.join(HF_MODELS)}, optionally "
-                   "with a GPT size for its shape, e.g. hf-llama:tiny")
+                   "with a GPT size for its shape (default small), e.g. hf-llama:tiny, or a local HF "
+                   "model folder (save_pretrained's) to fine-tune; HF models also end as OUT/hf")
     p.add_argument("--data", help="a text file, a directory of text files or a nanoGPT .bin token "
                    "file (default: the Python standard library's source, as bytes)")
     p.add_argument("--steps", type=int, help="optimizer steps (default 100)")
@@ -107,7 +109,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if cuda else "fp32"
     if opts["out"] is None:
-        opts["out"] = os.path.join("runs", f"{opts['model'].replace(':', '-')}-zero{opts['stage']}")
+        name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
+        opts["out"] = os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}")
     _check(opts)
     return argparse.Namespace(**opts)
 
@@ -162,11 +165,16 @@ def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dic
 
 def _check(o: dict[str, Any]) -> None:
     """Bad options fail here, before any rank starts, with the flag that is wrong."""
-    size = o["model"].split(":", 1)[1] if ":" in o["model"] else o["model"]
-    family = o["model"].split(":", 1)[0]
-    if size not in SIZES or (":" in o["model"] and family not in HF_MODELS):
+    family, colon, size = o["model"].partition(":")
+    if is_model_folder(o["model"]):
+        pass  # a save_pretrained folder; its weights and tokenizer are read by each rank (build.py)
+    elif os.path.isdir(o["model"]):
+        raise SystemExit(f"zerodp train: --model {o['model']!r} is a directory without config.json; "
+                         "expected a Hugging Face model folder as save_pretrained writes it")
+    elif not (o["model"] in SIZES or family in HF_MODELS and (not colon or size in SIZES)):
         raise SystemExit(f"zerodp train: --model {o['model']!r}: expected one of "
-                         f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE')")
+                         f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE') "
+                         "or a local HF model folder")
     for key in ("steps", "micro_batch", "grad_accum", "eval_every", "eval_batches", "nproc"):
         if type(o[key]) is not int or o[key] < 1:  # a JSON true is not a count
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
