@@ -1,7 +1,7 @@
 """Consolidation: a sharded checkpoint as one full fp32 state dict, in one process, no process group.
 
 `zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
-`--hf` as a Hugging Face model folder (zerodp.hf_folder) that from_pretrained loads, from the HF config
+`--hf` as a Hugging Face model folder (zerodp.integrations.hf.folder) that from_pretrained loads, from the HF config
 a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none).
 """
 
@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from zerodp import hf_folder
+from zerodp.integrations.hf import folder as hf_folder
 
 from . import deepspeed
 from .errors import CheckpointError

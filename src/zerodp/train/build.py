@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerodp import hf_folder
+from zerodp.integrations.hf import folder as hf_folder
 
 from .data import Corpus, load_corpus
 from .model import GPT, GPTConfig, gpt_config

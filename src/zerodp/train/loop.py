@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp import hf_folder
+from zerodp.integrations.hf import folder as hf_folder
 
 from .build import build_corpus, build_model, hf_description
 from .ds_sections import optimizer_and_schedule

@@ -16,7 +16,7 @@ from typing import Any
 # No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
 # zerodp.config are imported inside parse_options, after argparse has run).
 from .sizes import HF_MODELS, SIZES
-from zerodp.hf_folder import is_model_folder  # torch-free
+from zerodp.integrations.hf.folder import is_model_folder  # torch-free
 
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
