@@ -14,3 +14,13 @@ def hf_folders(tmp_path_factory):
     from hf_tiny import make_folders
 
     return make_folders(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """An in-process test may leave zerodp's world-1 process group (initialize creates one when there
+    is none); the next test's forked ranks (spawn.run_ranks) would inherit it. Tear it down."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
