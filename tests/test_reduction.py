@@ -1,0 +1,174 @@
+"""Specification of the gradient reduction keys, on 4 gloo ranks in one spawn:
+prescale_gradients / gradient_predivide_factor (where the division by the world size happens, as
+DeepSpeed does it), communication_data_type (the dtype gradients are summed in),
+data_types.grad_accum_dtype, seed, and checkpoint.tag_validation (tags differing between ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import oracle
+import zerodp
+from spawn import run_ranks
+
+WORLD = 4
+ORACLE_KEYS = [({"prescale_gradients": True}, 0), ({"prescale_gradients": True}, 2),
+               ({"gradient_predivide_factor": 2.0}, 1), ({"gradient_predivide_factor": 8.0}, 3),
+               ({"communication_data_type": "fp32"}, 2)]
+
+
+def _oracle_run(rank: int, world: int, keys: dict, stage: int) -> dict:
+    """oracle.train_engine with top-level config keys added (it sets zero_optimization keys only)."""
+    original = oracle.config_for
+    oracle.config_for = lambda *a, **kw: {**original(*a, **kw), **keys}
+    try:
+        return oracle.train_engine(rank, world, "plain", stage)["state"]
+    finally:
+        oracle.config_for = original
+
+
+def _overflows(rank: int, world: int, keys: dict, stage: int) -> bool:
+    """fp16, static scale 1: every rank's gradient is 20000, fp16's largest value 65504. A sum of the
+    raw gradients (DeepSpeed's default post-scaling) overflows at 4 ranks; a sum of them divided first
+    (prescale, or a predivide factor) does not. Returns whether the step was skipped."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1, bias=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "loss_scale": 1.0},
+              "zero_optimization": {"stage": stage}, **keys}
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), config)
+    engine.backward((engine.module.weight * 20000.0).sum())
+    engine.step()
+    return engine.skipped_steps == 1
+
+
+def _reduced_bf16(rank: int, world: int, comm_dtype: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the reduced bf16 gradient of a stage-0 bf16 engine, the exact fp64 mean of the ranks' bf16
+    gradients), flat in the parameter's order."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    data = [torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+    exact = []
+    for x in data:  # every rank's own bf16 gradient, computed here on each rank
+        local = nn.Linear(64, 64).bfloat16()
+        local.load_state_dict(model.state_dict())
+        local(x.bfloat16()).square().sum().backward()
+        exact.append(torch.cat([p.grad.reshape(-1).double() for p in local.parameters()]))
+    config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    if comm_dtype is not None:
+        config["communication_data_type"] = comm_dtype
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), config)
+    engine.backward(engine(data[rank]).square().sum())
+    engine.reducer.wait()
+    (bucket,), (grad,) = engine.reducer.buckets, engine.reducer.shard_grads()
+    by_param = {id(s.param): grad[s.offset:s.offset + s.numel] for s in bucket.slots}
+    reduced = torch.cat([by_param[id(p)].double() for p in model.parameters()])
+    return reduced, torch.stack(exact).mean(0)
+
+
+def _accum_dtypes(rank: int, world: int) -> dict:
+    out = {}
+    for accum in (None, "fp32", "bf16"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 2}}
+        if accum is not None:
+            config["data_types"] = {"grad_accum_dtype": accum}
+        engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        out[accum] = engine.reducer.acc_dtype
+    return out
+
+
+def _seeded(rank: int, world: int) -> torch.Tensor:
+    zerodp.initialize(nn.Linear(2, 2), None, {"train_micro_batch_size_per_gpu": 1, "seed": 7,
+                                              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return torch.rand(3)
+
+
+def _different_tags(rank: int, world: int, directory: str) -> str:
+    model = nn.Linear(2, 2)
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": "Warn"}})
+    try:
+        engine.save_checkpoint(directory, tag=f"tag_of_rank{rank}")
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def _all(rank: int, world: int, directory: str) -> dict:
+    return {
+        "oracle": {(tuple(k.items()), s): _oracle_run(rank, world, k, s) for k, s in ORACLE_KEYS},
+        "overflow": {(tuple(k.items()), s): _overflows(rank, world, k, s)
+                     for k in ({}, {"prescale_gradients": True}, {"gradient_predivide_factor": 4.0}) for s in (0, 2)},
+        "bf16": {c: _reduced_bf16(rank, world, c) for c in (None, "fp32")},
+        "accum": _accum_dtypes(rank, world),
+        "seed": _seeded(rank, world),
+        "tags": _different_tags(rank, world, directory),
+    }
+
+
+@functools.cache
+def ranks() -> list[dict]:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        return run_ranks(_all, WORLD, d, timeout_s=120)
+
+
+@pytest.mark.parametrize("keys, stage", ORACLE_KEYS, ids=[f"{k}-stage{s}" for k, s in ORACLE_KEYS])
+def test_prescale_predivide_and_fp32_comm_keep_the_fp32_oracle(keys, stage):
+    reference = oracle.train_reference("plain", WORLD)["state"]
+    state = ranks()[0]["oracle"][(tuple(keys.items()), stage)]
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_deepspeed_default_sums_before_dividing_and_prescale_or_predivide_divide_first(stage):
+    overflow = ranks()[0]["overflow"]
+    assert overflow[((), stage)]  # 4 x 20000 > 65504: DeepSpeed's post-scaling overflows in fp16
+    assert not overflow[((("prescale_gradients", True),), stage)]
+    assert not overflow[((("gradient_predivide_factor", 4.0),), stage)]
+
+
+def test_bf16_gradients_reduced_in_fp32_are_closer_to_the_exact_mean():
+    errors = {}
+    for comm, (reduced, exact) in ranks()[0]["bf16"].items():
+        errors[comm] = (reduced - exact).abs().sum().item()
+    assert errors["fp32"] < 0.8 * errors[None], errors
+    reduced, exact = ranks()[0]["bf16"]["fp32"]
+    # one bf16 rounding of the fp32 sum: within half a bf16 ulp (2^-8 relative)
+    assert ((reduced - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-30).all()
+
+
+def test_grad_accum_dtype_sets_the_accumulation_dtype():
+    assert ranks()[0]["accum"] == {None: torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def test_grad_accum_dtype_other_than_working_or_fp32_is_refused():
+    with pytest.raises(zerodp.ConfigError, match=r"'data_types.grad_accum_dtype' = \"fp16\" is not supported "
+                                                 r"with torch.bfloat16 training.*use \"fp32\""):
+        zerodp.load_config({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}})
+
+
+def test_seed_seeds_every_rank_with_seed_plus_rank():
+    drawn = [r["seed"] for r in ranks()]
+    for rank, values in enumerate(drawn):
+        torch.manual_seed(7 + rank)
+        assert torch.equal(values, torch.rand(3))
+
+
+def test_checkpoint_tags_differing_between_ranks_fail_on_every_rank():
+    messages = [r["tags"] for r in ranks()]
+    assert all("different checkpoint tags" in m and "tag_of_rank1" in m for m in messages), messages
+
+
+def test_tag_validation_ignore_is_refused_and_modes_are_case_insensitive():
+    with pytest.raises(zerodp.ConfigError, match=r"'checkpoint.tag_validation' = \"Ignore\".*always checked"):
+        zerodp.load_config({"checkpoint": {"tag_validation": "Ignore"}})
+    assert zerodp.load_config({"checkpoint": {"tag_validation": "FAIL"}}).checkpoint.tag_validation == "Fail"
