@@ -36,7 +36,7 @@ EFFECTS = {
     "broadcast_buffers": "test_buffers.py::test_broadcast_buffers_false_leaves_each_rank_its_own_running_stats",
     "comm_timeout_s": "test_faults.py::test_comm_timeout_is_the_timeout_of_the_group_initialize_creates",
     "fp16.enabled": "test_engine.py::test_low_precision_matches_within_its_precision",
-    "fp16.loss_scale": "test_precision.py::test_static_loss_scale_never_changes",
+    "fp16.loss_scale": "test_non_finite.py::test_fp16_static_loss_scale_overflows_count",
     "fp16.initial_scale_power": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",
     "fp16.loss_scale_window": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",
     "fp16.hysteresis": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",

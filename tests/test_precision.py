@@ -28,9 +28,3 @@ def test_dynamic_loss_scale_follows_deepspeeds_scaler(fp16, deepspeed_scales):
         seen.append(scaler.scale)
     assert seen == deepspeed_scales
 
-
-def test_static_loss_scale_never_changes():
-    scaler = LossScaler.from_config(load_config({"fp16": {"enabled": True, "loss_scale": 128}}))
-    for overflow in PATTERN:
-        scaler.update(bool(overflow))
-    assert scaler.scale == 128 and not scaler.dynamic

@@ -116,9 +116,9 @@ class ZeroConfig(_Section):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     parameter_alignment: bool = False
-    cpu_offload: bool | None = None
-    cpu_offload_params: bool | None = None
-    cpu_offload_use_pin_memory: bool | None = None
+    cpu_offload: bool = False  # DeepSpeedExamples' configs write "cpu_offload": false
+    cpu_offload_params: bool = False
+    cpu_offload_use_pin_memory: bool = False
     zero_hpz_partition_size: NonNegativeInt = 1
     mics_shard_size: int = -1
     mics_hierarchical_params_gather: bool = False

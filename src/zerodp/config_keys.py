@@ -86,11 +86,11 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "zero_optimization.ignore_unused_parameters": (True, "a parameter without a gradient always counts as a "
                                                          "zero gradient (DeepSpeed's true); remove the key"),
     "zero_optimization.legacy_stage1": (False, "DeepSpeed's old stage-1 code path; use stage 1"),
-    "zero_optimization.cpu_offload": (None, "DeepSpeed's old key; use "
+    "zero_optimization.cpu_offload": (False, "DeepSpeed's old key; use "
                                             "zero_optimization.offload_optimizer: {\"device\": \"cpu\"}"),
-    "zero_optimization.cpu_offload_use_pin_memory": (None, "DeepSpeed's old key; use "
+    "zero_optimization.cpu_offload_use_pin_memory": (False, "DeepSpeed's old key; use "
                                                            "zero_optimization.offload_optimizer.pin_memory"),
-    "zero_optimization.cpu_offload_params": (None, "DeepSpeed's old key; use zero_optimization.offload_param"),
+    "zero_optimization.cpu_offload_params": (False, "DeepSpeed's old key; use zero_optimization.offload_param"),
     "zero_optimization.stage3_model_persistence_threshold": (
         None, "zerodp has no model-wide cap on persistent parameters; lower "
               "stage3_param_persistence_threshold to keep fewer parameters gathered"),
