@@ -209,6 +209,8 @@ class Config(_Section):
     # bf16 gradients in fp32, as torchtitan's and Megatron's fp32 reduction.
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     dump_state: bool = False
+    disable_allgather: bool = False
+    sparse_gradients: bool = False
     # Seeds torch, random and numpy on every rank at initialize() with seed + rank, so random ops
     # (dropout) repeat from run to run and differ between ranks.
     seed: NonNegativeInt | None = None

@@ -19,6 +19,8 @@ NO_EFFECT: dict[str, str] = {
     "zero_force_ds_cpu_optimizer": "with offload_optimizer the torch optimizer itself steps on the CPU "
                                    "(fused Adam); there is no DeepSpeed CPUAdam to force",
     "dump_state": "DeepSpeed's debug print of its engine's settings at start-up; zerodp prints nothing",
+    "disable_allgather": "a DeepSpeed stage-0 switch between all-gather and broadcast for replicated "
+                         "parameters; zerodp's stage 0 gathers nothing",
     "optimizer.legacy_fusion": "a choice among DeepSpeed's fp16 optimizer kernels; torch's optimizer is the "
                                "only one here",
     "fp16.auto_cast": "the engine always casts floating inputs to the working precision",
@@ -77,6 +79,7 @@ _ZPP = ("ZeRO++ quantized communication is not implemented; set communication_da
 
 # key path -> (the one accepted value, why another is refused and what to use instead).
 REFUSED: dict[str, tuple[Any, str]] = {
+    "sparse_gradients": (False, "gradients are reduced in dense buckets; use nn.Embedding(sparse=False)"),
     "fp16.fp16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
     "bf16.bf16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
     "bf16.bf16_optimizer_states": (False, "zerodp keeps optimizer states in fp32 (next to the fp32 "
