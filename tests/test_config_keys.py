@@ -28,9 +28,9 @@ EFFECTS = {
     "train_micro_batch_size_per_gpu": "test_config.py::test_batch_sizes_follow_deepspeed_rule",
     "gradient_accumulation_steps": "test_accumulation.py::test_backward_step_pattern_matches_pytorch_accumulate_then_step",
     "gradient_clipping": "test_engine.py::test_matches_single_process_fp32",
-    "prescale_gradients": "test_reduction.py::test_deepspeed_default_sums_before_dividing_and_prescale_or_predivide_divide_first",
+    "prescale_gradients": "test_reduction.py::test_where_the_division_by_the_world_happens_is_deepspeeds",
     "gradient_predivide_factor":
-        "test_reduction.py::test_deepspeed_default_sums_before_dividing_and_prescale_or_predivide_divide_first",
+        "test_reduction.py::test_where_the_division_by_the_world_happens_is_deepspeeds",
     "communication_data_type": "test_reduction.py::test_bf16_gradients_reduced_in_fp32_are_closer_to_the_exact_mean",
     "seed": "test_reduction.py::test_seed_seeds_every_rank_with_seed_plus_rank",
     "broadcast_buffers": "test_buffers.py::test_broadcast_buffers_false_leaves_each_rank_its_own_running_stats",

@@ -17,6 +17,8 @@ import zerodp
 from spawn import run_ranks
 
 WORLD = 4
+OVERFLOW_KEYS = ({}, {"prescale_gradients": True}, {"gradient_predivide_factor": 4.0},
+                 {"gradient_predivide_factor": 1.0})
 ORACLE_KEYS = [({"prescale_gradients": True}, 0), ({"prescale_gradients": True}, 2),
                ({"gradient_predivide_factor": 2.0}, 1), ({"gradient_predivide_factor": 8.0}, 3),
                ({"communication_data_type": "fp32"}, 2)]
@@ -34,8 +36,8 @@ def _oracle_run(rank: int, world: int, keys: dict, stage: int) -> dict:
 
 def _overflows(rank: int, world: int, keys: dict, stage: int) -> bool:
     """fp16, static scale 1: every rank's gradient is 20000, fp16's largest value 65504. A sum of the
-    raw gradients (DeepSpeed's default post-scaling) overflows at 4 ranks; a sum of them divided first
-    (prescale, or a predivide factor) does not. Returns whether the step was skipped."""
+    raw gradients overflows at 4 ranks; a sum of them divided first does not. Returns whether the
+    step was skipped."""
     torch.manual_seed(0)
     model = nn.Linear(8, 1, bias=False)
     config = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "loss_scale": 1.0},
@@ -105,7 +107,7 @@ def _all(rank: int, world: int, directory: str) -> dict:
     return {
         "oracle": {(tuple(k.items()), s): _oracle_run(rank, world, k, s) for k, s in ORACLE_KEYS},
         "overflow": {(tuple(k.items()), s): _overflows(rank, world, k, s)
-                     for k in ({}, {"prescale_gradients": True}, {"gradient_predivide_factor": 4.0}) for s in (0, 2)},
+                     for k in OVERFLOW_KEYS for s in (0, 2)},
         "bf16": {c: _reduced_bf16(rank, world, c) for c in (None, "fp32")},
         "accum": _accum_dtypes(rank, world),
         "seed": _seeded(rank, world),
@@ -129,11 +131,14 @@ def test_prescale_predivide_and_fp32_comm_keep_the_fp32_oracle(keys, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_deepspeed_default_sums_before_dividing_and_prescale_or_predivide_divide_first(stage):
+def test_where_the_division_by_the_world_happens_is_deepspeeds(stage):
     overflow = ranks()[0]["overflow"]
-    assert overflow[((), stage)]  # 4 x 20000 > 65504: DeepSpeed's post-scaling overflows in fp16
-    assert not overflow[((("prescale_gradients", True),), stage)]
-    assert not overflow[((("gradient_predivide_factor", 4.0),), stage)]
+    # Unset, as DeepSpeed: stage 0 sums then divides (4 x 20000 > 65504 overflows in fp16), the ZeRO
+    # stages divide first.
+    assert overflow[((), stage)] == (stage == 0)
+    assert not overflow[((("prescale_gradients", True),), stage)]  # divides by 4 first
+    assert not overflow[((("gradient_predivide_factor", 4.0),), stage)]  # by 4 first, by 1 after
+    assert overflow[((("gradient_predivide_factor", 1.0),), stage)]  # by 1 first: the raw sum
 
 
 def test_bf16_gradients_reduced_in_fp32_are_closer_to_the_exact_mean():

@@ -201,10 +201,11 @@ class Config(_Section):
     wall_clock_breakdown: bool = False
     zero_allow_untested_optimizer: bool = True
     zero_force_ds_cpu_optimizer: bool = True
-    # DeepSpeed's reduction: prescale divides gradients by the world size before the sum (instead of
-    # after it); predivide divides by the factor before and by world / factor after (reducer.py).
+    # DeepSpeed's reduction: prescale divides gradients by the world size before the sum; a predivide
+    # factor f divides by f before and by world / f after. Unset: as DeepSpeed, stage 0 sums and then
+    # divides (f = 1), stages 1-3 divide by the world size first (its reduce-scatter path). reducer.py.
     prescale_gradients: bool = False
-    gradient_predivide_factor: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    gradient_predivide_factor: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     # The dtype gradients travel and are summed in (None: the working dtype), e.g. "fp32" to reduce
     # bf16 gradients in fp32, as torchtitan's and Megatron's fp32 reduction.
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None

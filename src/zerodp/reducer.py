@@ -11,10 +11,11 @@ while backward goes on (`overlap_comm`):
 Buckets are launched strictly in index order so that every rank issues the same collectives in the
 same order, whatever order its hooks fire in (unused parameters differ between ranks).
 
-The mean over ranks is taken as DeepSpeed takes it: by default (post-scaling) each rank divides its
-gradients by `gradient_predivide_factor` (1) before the sum and the sum is multiplied by factor / N
-after it; `prescale_gradients` divides by N before the sum instead. `comm_dtype`
-(communication_data_type) is the dtype the gradients are summed in, e.g. fp32 for bf16 gradients.
+The mean over ranks is taken as DeepSpeed takes it: each rank divides its gradients by the predivide
+factor f before the sum and the sum is multiplied by f / N after it; `prescale_gradients` divides by
+N before instead. Unset, f is DeepSpeed's: 1 in stage 0 (its engine sums, then divides), N in stages
+1-3 (its ZeRO reduce-scatter divides first, which also keeps an fp16 sum from overflowing).
+`comm_dtype` (communication_data_type) is the dtype gradients are summed in, e.g. fp32 for bf16 ones.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ POOL_BUFFERS = 3
 class Reducer:
     def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
-                 comm_dtype: torch.dtype | None = None, prescale: bool = False, predivide: float = 1.0):
+                 comm_dtype: torch.dtype | None = None, prescale: bool = False,
+                 predivide: float | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.on_bucket_done = on_bucket_done
         # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
@@ -45,6 +47,8 @@ class Reducer:
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
         self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
         world = comm.world_size
+        if predivide is None:
+            predivide = 1.0 if stage == 0 else float(world)
         # Multiply by `pre` before the sum and by `post` after it: their product is 1 / world.
         self.pre, self.post = (1.0 / world, 1.0) if prescale else (1.0 / predivide, predivide / world)
         if world == 1:
