@@ -41,7 +41,8 @@ def config(world: int, stage: int, dtype: str = "fp32", offload: bool = False) -
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+        # window 1: the scale doubles after each clean step (DeepSpeed's count), so it has moved by SAVE_AT
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1}
     return cfg
 
 

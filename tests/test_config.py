@@ -270,6 +270,14 @@ def params() -> list[torch.nn.Parameter]:
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, torch.optim.SGD),
     ({"type": "adagrad"}, torch.optim.Adagrad),
     ({"type": "RMSPROP"}, torch.optim.RMSprop),
+    ({"type": "Adamax"}, torch.optim.Adamax),
+    ({"type": "NAdam"}, torch.optim.NAdam),
+    ({"type": "RAdam"}, torch.optim.RAdam),
+    ({"type": "Adadelta"}, torch.optim.Adadelta),
+    ({"type": "ASGD"}, torch.optim.ASGD),
+    ({"type": "Rprop"}, torch.optim.Rprop),
+    ({"type": "Adafactor"}, torch.optim.Adafactor),
+    ({"type": "Adam", "params": {"bias_correction": True}}, torch.optim.AdamW),  # FusedAdam's default
 ])
 def test_optimizer_builds_the_torch_class(given, expected):
     optimizer = load_config({"optimizer": given}).optimizer.build(params())
@@ -283,9 +291,27 @@ def test_optimizer_hyperparameters_reach_torch():
 
 
 def test_unknown_optimizer_lists_supported_ones():
-    message = error_of({"optimizer": {"type": "Lamb"}})
-    assert "'optimizer.type' = \"Lamb\"" in message
-    assert "Adam, AdamW, SGD, Adagrad, RMSprop" in message
+    message = error_of({"optimizer": {"type": "Sophia"}})
+    assert "'optimizer.type' = \"Sophia\"" in message
+    assert "Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam" in message
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("Lamb", "DeepSpeed's own CUDA kernel"), ("OneBitAdam", "compresses DeepSpeed's gradient all-reduce"),
+    ("ZeroOneAdam", "compresses"), ("OneBitLamb", "compresses"), ("Lion", "not in torch.optim"),
+    ("Muon", "flat shard"), ("MuAdam", "mup package"), ("MuAdamW", "mup package"), ("MuSGD", "mup package"),
+    ("FusedAdam", "write \"Adam\""), ("CPUAdam", "offload_optimizer"), ("SparseAdam", "dense"),
+    ("LBFGS", "closure"),
+])
+def test_deepspeed_only_optimizers_are_refused_with_reason_and_alternative(name, reason):
+    message = error_of({"optimizer": {"type": name}})
+    assert f"'optimizer.type' = \"{name}\"" in message and "not supported by zerodp" in message
+    assert reason in message and ("AdamW" in message or "Adam" in message or "SGD" in message)
+
+
+def test_adam_without_bias_correction_is_refused():
+    message = error_of({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
+    assert "'optimizer.params.bias_correction' = false is not supported" in message
 
 
 def test_unknown_optimizer_param_names_it_and_the_optimizer():
@@ -331,31 +357,32 @@ def test_warmup_lr_log_follows_deepspeed_formula_then_holds():
     warmup, low, high = 10, 0.001, 0.01
     seen = lrs({"type": "WarmupLR", "params": {"warmup_min_lr": low, "warmup_max_lr": high,
                                                "warmup_num_steps": warmup}}, 15)
-    expected = [low + (high - low) * math.log(t + 1) / math.log(warmup) for t in range(warmup)]
-    assert seen[:warmup] == pytest.approx(expected, rel=1e-12)
-    assert seen[warmup:] == pytest.approx([high] * 5, rel=1e-12)
+    # step t runs at DeepSpeed's get_lr(t - 1): the warmup's first value twice, as DeepSpeed's engine
+    expected = [low] + [low + (high - low) * math.log(t + 1) / math.log(warmup) for t in range(warmup)]
+    assert seen[:warmup + 1] == pytest.approx(expected, rel=1e-12)
+    assert seen[warmup + 1:] == pytest.approx([high] * 4, rel=1e-12)
 
 
 def test_warmup_lr_linear_and_default_peak_is_optimizer_lr():
     seen = lrs({"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}}, 6, lr=0.2)
-    assert seen == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2, 0.2])
+    assert seen == pytest.approx([0.0, 0.0, 0.05, 0.1, 0.15, 0.2])
 
 
 def test_warmup_decay_lr_decays_linearly_to_zero():
     seen = lrs({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear",
                                                     "warmup_max_lr": 0.4, "total_num_steps": 8}}, 10)
-    assert seen == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4, 0.3, 0.2, 0.1, 0.0, 0.0])
+    assert seen == pytest.approx([0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.3, 0.2, 0.1, 0.0])
 
 
 def test_warmup_cosine_lr_scales_optimizer_lr_and_ends_at_min_ratio():
     config = {"type": "WarmupCosineLR", "params": {"total_num_steps": 20, "warmup_num_steps": 5,
                                                    "warmup_type": "linear", "cos_min_ratio": 0.1}}
-    seen = lrs(config, 25, lr=0.5)
+    seen = lrs(config, 25, lr=0.5)[1:]  # step 0 runs at DeepSpeed's constructor value, 0
     assert seen[:5] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
     assert seen[4] < seen[5] and seen[5] == pytest.approx(0.5 * (0.1 + 0.9 * (1 + math.cos(math.pi / 15)) / 2))
     decay = seen[5:20]
     assert all(a > b for a, b in zip(decay, decay[1:]))  # monotone cosine decay
-    assert seen[19:] == pytest.approx([0.05] * 6)  # min ratio × optimizer lr, held after the end
+    assert seen[19:] == pytest.approx([0.05] * 5)  # min ratio × optimizer lr, held after the end
 
 
 def test_unknown_scheduler_param_suggests_closest():
@@ -364,8 +391,9 @@ def test_unknown_scheduler_param_suggests_closest():
 
 
 def test_unknown_scheduler_type_lists_supported_ones():
-    message = error_of({"scheduler": {"type": "OneCycle"}})
-    assert "'scheduler.type' = \"OneCycle\"" in message and "WarmupCosineLR" in message
+    message = error_of({"scheduler": {"type": "CosineAnnealing"}})
+    assert "'scheduler.type' = \"CosineAnnealing\"" in message and "WarmupCosineLR" in message
+    assert "OneCycle" in message and "LRRangeTest" in message
 
 
 def test_scheduler_needs_total_num_steps_after_warmup():

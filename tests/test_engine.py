@@ -197,8 +197,9 @@ def test_fp16_overflow_skips_step_everywhere(stage, world):
             assert torch.equal(a, b), "parameters must be bit-identical across a skipped step"
         for sa, sb in zip(before["state"], during["state"]):
             assert all(torch.equal(sa[k], sb[k]) for k in sa), "optimizer state must be untouched"
-        # 2^8, doubled after the 2-step window, halved by the overflow, doubled 2 clean steps later
-        assert [r["scale"] for r in record] == [256, 512, 256, 256, 512]
+        # DeepSpeed's DynamicLossScaler (0.19.8) for the same pattern: 2^8, doubled only after 2 clean
+        # steps (at the third), halved by the overflow, still waiting for its 2 clean steps
+        assert [r["scale"] for r in record] == [256, 256, 128, 128, 128]
         assert any(not torch.equal(a, b) for a, b in zip(record[3]["master"], during["master"])), \
             "training resumes after the skipped step"
 

@@ -1,62 +1,29 @@
 """Typed zerodp configuration: DeepSpeed's JSON keys, validated, with errors that name the key.
 
 This module owns the config schema (one pydantic model per section, keys spelled as in DeepSpeed's
-ds_config.json), the batch-size arithmetic (train = micro × accumulation × world), building the torch
-optimizer and learning-rate schedule that a config names, and `load_config`, the one entry point that
-turns a dict or a JSON file into a `Config` or raises a `ConfigError` with one line per problem.
+ds_config.json), the batch-size arithmetic (train = micro × accumulation × world), and `load_config`,
+the one entry point that turns a dict or a JSON file into a `Config` or raises a `ConfigError` with one
+line per problem. The optimizer and scheduler sections live in config_optimizer.py and
+config_scheduler.py, the shared base and error wording in config_base.py, and the list of keys that
+have no effect here or are refused in config_keys.py (see docs/DEEPSPEED.md).
 Validation runs locally and identically on every rank, before any collective: a typo never hangs a job.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import json
-import math
 import os
-import types
 from dataclasses import dataclass
-from typing import Annotated, Any, Iterable, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-
-
-class ConfigError(ValueError):
-    """A config problem, said in terms of the config's own keys."""
-
-
-class _Section(BaseModel):
-    # A misspelt key must be an error, not a silently ignored setting; so must a value of the wrong
-    # JSON type (strict): "yes" is not a boolean, true is not a batch size, "2" is not a stage, the
-    # string "1e-3" is not a number. An integer is still a number where a float is expected.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _integral_float_as_int(cls, value: Any, info: ValidationInfo) -> Any:
-        # JSON configs write sizes as 5e8, which JSON parsers read as a float: a whole float is
-        # accepted where an integer is expected (5.5 is still an error).
-        wants_int = _expects_int(cls.model_fields[info.field_name].annotation)
-        if isinstance(value, float) and value.is_integer() and wants_int:
-            return int(value)
-        return value
-
-
-def _expects_int(annotation: Any) -> bool:
-    """True for int, Annotated[int, ...] and their optional forms (not bool, not float)."""
-    if annotation is int:
-        return True
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        return _expects_int(get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        return any(_expects_int(a) for a in get_args(annotation))
-    return False
+from .config_base import (_AUTO, ConfigError, NonNegativeInt, PositiveInt, _format_errors,  # noqa: F401
+                          _Section, _unknown_key)
+from .config_keys import NO_EFFECT, REFUSED, refusals  # noqa: F401
+from .config_optimizer import OptimizerConfig
+from .config_scheduler import SchedulerConfig
 
 
 class FP16Config(_Section):
@@ -68,15 +35,28 @@ class FP16Config(_Section):
     consecutive_hysteresis: bool = False
     min_loss_scale: Annotated[float, Field(gt=0)] = 1.0
     auto_cast: bool = False
+    fp16_master_weights_and_grads: bool = False
 
 
 class BF16Config(_Section):
     enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
 
 
 class OffloadOptimizerConfig(_Section):
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: NonNegativeInt = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    super_offload: bool = False
+    cpuadam_cores_perc: Annotated[float, Field(ge=0, le=1)] = 0.8
 
     @field_validator("device", mode="before")
     @classmethod
@@ -199,6 +179,64 @@ class ZeroConfig(_Section):
                              "gathers, with every model state sharded within the group) or set it to 1")
         return value
 
+    # DeepSpeed's other keys: see config_keys.py for what each does here (most: nothing, or refused).
+    stage3_gather_fp16_weights_on_model_save: bool = False
+    stage3_model_persistence_threshold: NonNegativeInt | None = None
+    stage3_module_granularity_threshold: NonNegativeInt = 0
+    stage3_use_all_reduce_for_fetch_params: bool = False
+    stage3_allgather_sequential: bool = False
+    use_multi_rank_bucket_allreduce: bool = True
+    compute_grad_norm: bool = True
+    elastic_checkpoint: bool = False
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    parameter_alignment: bool = False
+    cpu_offload: bool = False  # DeepSpeedExamples' configs write "cpu_offload": false
+    cpu_offload_params: bool = False
+    cpu_offload_use_pin_memory: bool = False
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: dict[str, Any] | None = None
+    zenflow: dict[str, Any] | None = None
+
+
+class ParallelWriteConfig(_Section):
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(_Section):
+    """DeepSpeed's `checkpoint` section. Ranks that pass different tags to save_checkpoint always
+    fail, on every rank ("Warn" too: such a save could not be read back); "Ignore" is refused."""
+
+    tag_validation: str = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _tags_always_checked(cls, mode: str) -> str:
+        if mode.upper() == "IGNORE":
+            raise ValueError("not supported: ranks saving under different tags would write a checkpoint "
+                             "that cannot be read back, so tags are always checked; use \"Warn\" or \"Fail\"")
+        if mode.upper() not in ("WARN", "FAIL"):
+            raise ValueError("expected \"Warn\" or \"Fail\"")
+        return mode.capitalize()
+
+
+class DataTypesConfig(_Section):
+    """DeepSpeed's `data_types`. grad_accum_dtype: the dtype gradients are summed in across the
+    micro-steps of one accumulation window (None: fp32 when accumulating, else the working dtype)."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+
 
 class ActivationCheckpointingConfig(_Section):
     partition_activations: bool = False
@@ -208,19 +246,6 @@ class ActivationCheckpointingConfig(_Section):
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
-    @field_validator("partition_activations")
-    @classmethod
-    def _no_partition(cls, value: bool) -> bool:
-        # DeepSpeed splits each saved activation across the model-parallel group; plain data
-        # parallelism has no such group, so "partitioning" would silently do nothing.
-        if value:
-            raise ValueError(
-                "partitioning activations only has meaning with a model-parallel (tensor-parallel) "
-                "group, which zerodp's plain data parallelism does not have, so activations are not "
-                "partitioned; use cpu_checkpointing to move them off the accelerator"
-            )
-        return value
-
     @model_validator(mode="after")
     def _contiguous_needs_count(self) -> ActivationCheckpointingConfig:
         # The contiguous buffer is sized up front, one slot per checkpoint.
@@ -229,164 +254,7 @@ class ActivationCheckpointingConfig(_Section):
         return self
 
 
-_OPTIMIZERS = {name.lower(): name for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop")}
-
-
-class OptimizerConfig(_Section):
-    """DeepSpeed's `optimizer` section, mapped onto the torch.optim class of the same name."""
-
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, name: str) -> str:
-        if name.lower() not in _OPTIMIZERS:
-            raise ValueError(f"supported optimizers are {', '.join(_OPTIMIZERS.values())}")
-        return _OPTIMIZERS[name.lower()]
-
-    @model_validator(mode="after")
-    def _params_fit(self) -> OptimizerConfig:
-        self._torch_class_and_kwargs()
-        return self
-
-    def _torch_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-        kwargs = dict(self.params)
-        cls = getattr(torch.optim, self.type)
-        if self.type in ("Adam", "AdamW"):
-            kwargs.pop("torch_adam", None)  # DeepSpeed's choice of kernel; torch's is the only one here
-            # DeepSpeed's adam_w_mode defaults to True: its "Adam" decays weights the AdamW way
-            # unless the config opts out, so "Adam" + weight_decay means torch.optim.AdamW.
-            w_mode = kwargs.pop("adam_w_mode", True) or self.type == "AdamW"
-            cls = torch.optim.AdamW if w_mode else torch.optim.Adam
-        if "max_grad_norm" in kwargs:
-            raise ConfigError("config key 'optimizer.params.max_grad_norm' is not supported; "
-                              "use the top-level key 'gradient_clipping'")
-        for key, value in kwargs.items():
-            if isinstance(value, str) and value == "auto":
-                raise ConfigError(f"config key 'optimizer.params.{key}' = \"auto\": {_AUTO} a number")
-        known = [p for p in inspect.signature(cls).parameters if p != "params"]
-        unknown = [_unknown_key(f"optimizer.params.{k}", known) + f" (optimizer {self.type}, "
-                   f"torch.optim.{cls.__name__})" for k in kwargs if k not in known]
-        if unknown:
-            raise ConfigError("\n".join(unknown))
-        try:  # values are checked by torch itself, on a one-element dummy, so errors come at load
-            cls([torch.zeros(1, requires_grad=True)], **kwargs)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"config key 'optimizer.params' rejected by torch.optim."
-                              f"{cls.__name__}: {e}") from None
-        return cls, kwargs
-
-    def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> torch.optim.Optimizer:
-        cls, kwargs = self._torch_class_and_kwargs()
-        groups = list(params)
-        tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
-        # Adam(W): one fused kernel over each flat master shard (DeepSpeed's FusedAdam on GPUs, its
-        # CPUAdam for offload), unless the config picks foreach or fused itself. On the CPU the
-        # foreach form allocates full-size temporaries every step, which on one flat shard of millions
-        # of elements costs more in fresh pages than the arithmetic (5 ms fused vs 30 ms, 4.9M).
-        if (cls in (torch.optim.Adam, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs
-                and tensors and all(t.device.type in ("cuda", "cpu") for t in tensors)):
-            kwargs["fused"] = True
-        return cls(groups, **kwargs)
-
-
-class _WarmupLRParams(_Section):
-    warmup_min_lr: Annotated[float, Field(ge=0)] = 0.0
-    warmup_max_lr: Annotated[float, Field(gt=0)] | None = None  # None: the optimizer's lr
-    warmup_num_steps: NonNegativeInt = 1000
-    warmup_type: Literal["log", "linear"] = "log"
-
-
-class _WarmupDecayLRParams(_WarmupLRParams):
-    total_num_steps: PositiveInt
-    warmup_max_lr: Annotated[float, Field(gt=0)] | None = 0.001
-
-
-class _WarmupCosineLRParams(_Section):
-    total_num_steps: PositiveInt
-    warmup_min_ratio: Annotated[float, Field(ge=0)] = 0.0
-    warmup_num_steps: NonNegativeInt = 1000
-    cos_min_ratio: Annotated[float, Field(ge=0)] = 0.0001
-    warmup_type: Literal["log", "linear"] = "log"
-
-
-_SCHEDULERS = {"WarmupLR": _WarmupLRParams, "WarmupDecayLR": _WarmupDecayLRParams,
-               "WarmupCosineLR": _WarmupCosineLRParams}
-
-
-def _warmup_gamma(step: int, warmup_steps: int, kind: str) -> float:
-    """Fraction of the warmup done at `step` (DeepSpeed's formula; 1.0 once warmup is over)."""
-    if step >= warmup_steps:
-        return 1.0
-    if kind == "log":
-        return math.log(step + 1) / math.log(warmup_steps)
-    return step / warmup_steps
-
-
-class SchedulerConfig(_Section):
-    """DeepSpeed's `scheduler` section, built as a LambdaLR stepped once per optimizer step.
-
-    The lr the optimizer uses at step t (t optimizer steps already taken) is DeepSpeed's formula at
-    t. DeepSpeed itself applies its step-0 value twice (once at construction, once after the first
-    step), so its sequence lags this one by one step.
-    """
-
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, name: str) -> str:
-        by_lower = {k.lower(): k for k in _SCHEDULERS}
-        if name.lower() not in by_lower:
-            raise ValueError(f"supported schedulers are {', '.join(_SCHEDULERS)}")
-        return by_lower[name.lower()]
-
-    @model_validator(mode="after")
-    def _params_fit(self) -> SchedulerConfig:
-        self._parsed_params()
-        return self
-
-    def _parsed_params(self) -> Any:
-        try:
-            p = _SCHEDULERS[self.type].model_validate(self.params)
-        except ValidationError as e:
-            raise ConfigError(_format_errors(e, _SCHEDULERS[self.type], "scheduler.params")) from None
-        total = getattr(p, "total_num_steps", None)  # WarmupLR has no end
-        if total is not None and total <= p.warmup_num_steps:
-            raise ConfigError(f"config key 'scheduler.params.total_num_steps' = {total}: "
-                              f"expected more than warmup_num_steps = {p.warmup_num_steps}")
-        return p
-
-    def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        p = self._parsed_params()
-        warmup = max(2, p.warmup_num_steps)  # DeepSpeed's floor: log warmup divides by log(warmup)
-        if self.type == "WarmupCosineLR":
-            decay_steps = max(1, p.total_num_steps - warmup)
-
-            def ratio(step: int) -> float:  # a fraction of the optimizer's own lr
-                if step < warmup:
-                    gamma = _warmup_gamma(step, warmup, p.warmup_type)
-                    return p.warmup_min_ratio + (1.0 - p.warmup_min_ratio) * gamma
-                # Clamped at total_num_steps, where DeepSpeed's cosine would start to rise again.
-                progress = min(1.0, (step - warmup + 1) / decay_steps)
-                return p.cos_min_ratio + (1.0 - p.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, ratio)
-
-        # WarmupLR / WarmupDecayLR give absolute lrs: pin every group's base lr to the peak and
-        # express the schedule as a ratio of it, so LambdaLR's state dict stays the usual one.
-        max_lr = p.warmup_max_lr if p.warmup_max_lr is not None else optimizer.param_groups[0]["lr"]
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] = max_lr
-        total = getattr(p, "total_num_steps", None)
-
-        def absolute_ratio(step: int) -> float:
-            gamma = _warmup_gamma(step, warmup, p.warmup_type)
-            if total is not None and step >= warmup:  # linear decay to 0 at total_num_steps
-                gamma = max(0.0, (total - step) / max(1, total - warmup))
-            return (p.warmup_min_lr + (max_lr - p.warmup_min_lr) * gamma) / max_lr
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, absolute_ratio)
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -409,10 +277,21 @@ class Config(_Section):
     steps_per_print: PositiveInt | None = None  # DeepSpeed's default now: no step lines
     wall_clock_breakdown: bool = False
     zero_allow_untested_optimizer: bool = True
+    zero_force_ds_cpu_optimizer: bool = True
+    # DeepSpeed's reduction: prescale divides gradients by the world size before the sum; a predivide
+    # factor f divides by f before and by world / f after. Unset: as DeepSpeed, stage 0 sums and then
+    # divides (f = 1), stages 1-3 divide by the world size first (its reduce-scatter path). reducer.py.
     prescale_gradients: bool = False
-    gradient_predivide_factor: Annotated[float, Field(gt=0)] = 1.0
+    gradient_predivide_factor: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # The dtype gradients travel and are summed in (None: the working dtype), e.g. "fp32" to reduce
+    # bf16 gradients in fp32, as torchtitan's and Megatron's fp32 reduction.
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     dump_state: bool = False
-    seed: int | None = None
+    disable_allgather: bool = False
+    sparse_gradients: bool = False
+    # Seeds torch, random and numpy on every rank at initialize() with seed + rank, so random ops
+    # (dropout) repeat from run to run and differ between ranks.
+    seed: NonNegativeInt | None = None
     # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
     # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
     broadcast_buffers: bool = True
@@ -432,14 +311,51 @@ class Config(_Section):
     comet: CometConfig = Field(default_factory=CometConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bfloat16_alias(cls, data: Any) -> Any:
+        # DeepSpeed still reads its section's old name, "bfloat16", as "bf16".
+        if isinstance(data, dict) and "bfloat16" in data:
+            if "bf16" in data:
+                raise ValueError("both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'")
+            data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
+        return data
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
         return self
+
+    @model_validator(mode="after")
+    def _refused_values(self) -> Config:
+        problems = refusals(self)
+        accum = self.data_types.grad_accum_dtype
+        if accum not in (None, "fp32") and _DTYPES[accum] != self.dtype:
+            problems.append(f"config key 'data_types.grad_accum_dtype' = \"{accum}\" is not supported with "
+                            f"{self.dtype} training: gradients accumulate in the working dtype or in fp32; "
+                            "use \"fp32\"")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return self
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype | None:
+        """data_types.grad_accum_dtype as a torch dtype (None: the engine's default)."""
+        accum = self.data_types.grad_accum_dtype
+        return None if accum is None else _DTYPES[accum]
+
+    @property
+    def communication_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: communication_data_type, else the working dtype."""
+        kind = self.communication_data_type
+        return self.dtype if kind is None else _DTYPES[kind]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -481,66 +397,6 @@ def _divide(train: int, unknown: str, other_name: str, other: int, world_size: i
             f"cannot derive {unknown}: train_batch_size {train} is not divisible by "
             f"{other_name} {other} × world size {world_size} = {other * world_size}")
     return train // (other * world_size)
-
-
-_AUTO = "'auto' is a placeholder the Hugging Face Trainer fills in; give"
-
-
-def _unknown_key(path: str, known: Iterable[str]) -> str:
-    known = list(known)
-    close = difflib.get_close_matches(path.rsplit(".", 1)[-1], known, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"known keys are {', '.join(known)}"
-    return f"unknown config key {path!r}; {hint}"
-
-
-def _section_at(model: type[BaseModel], loc: Iterable[str]) -> type[BaseModel] | None:
-    """The section model that `loc` names inside `model`, or None if loc names a plain value."""
-    for part in loc:
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        args = (field.annotation, *getattr(field.annotation, "__args__", ()))
-        sections = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not sections:
-            return None
-        model = sections[0]
-    return model
-
-
-# The strict types' expected forms, in JSON's words.
-_EXPECTED = {
-    "bool_type": "true or false (a JSON boolean, not a string or a number)",
-    "int_type": "an integer (a JSON number without a fraction, not a string or a boolean)",
-    "float_type": "a number (a JSON number, not a string or a boolean)",
-}
-
-
-def _format_error(err: dict[str, Any], model: type[BaseModel], prefix: str) -> str:
-    loc = [str(part) for part in err["loc"]]
-    path = ".".join(([prefix] if prefix else []) + loc)
-    kind, value = err["type"], err["input"]
-    if kind == "extra_forbidden":
-        return _unknown_key(path, _section_at(model, loc[:-1]).model_fields)
-    if kind == "missing":
-        return f"config key {path!r} is required"
-    cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, ConfigError):  # raised by a nested check that already names its keys
-        return str(cause)
-    if isinstance(value, str) and value == "auto":
-        return f"config key {path!r} = \"auto\": {_AUTO} {'a boolean' if kind.startswith('bool') else 'a number'}"
-    if cause is not None:
-        problem = str(cause)
-    elif kind in _EXPECTED:
-        problem = "expected " + _EXPECTED[kind]
-    else:
-        problem = "expected " + err["msg"].removeprefix("Input should be ")
-    if cause is not None and _section_at(model, loc) is not None:  # a check across a section's keys
-        return f"config section {path!r}: {problem}" if path else problem
-    return f"config key {path!r} = {json.dumps(value, default=repr)}: {problem}"
-
-
-def _format_errors(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
-    return "\n".join(_format_error(err, model, prefix) for err in exc.errors())
 
 
 def load_config(source: Config | dict[str, Any] | str | os.PathLike[str] | None) -> Config:

@@ -59,6 +59,8 @@ class Engine:
         self._check_same_everywhere()
         warn_if_slow_bf16(self.device, self.dtype, comm.rank)
         comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
+        if config.seed is not None:
+            _seed_everything(config.seed + comm.rank)
 
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
@@ -96,9 +98,11 @@ class Engine:
         buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
                                  zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
-        acc_dtype = torch.float32 if self.gas > 1 else self.dtype
+        acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
-        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done)
+        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
+                               comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
+                               predivide=config.gradient_predivide_factor)
         self.scaler = LossScaler.from_config(config)
         if lr_scheduler is None and config.scheduler is not None:
             lr_scheduler = config.scheduler.build
@@ -389,6 +393,16 @@ def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
         raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
                          "optimizer holds none), so there is nothing to train; set requires_grad=True on "
                          "the parameters to train before zerodp.initialize")
+
+
+def _seed_everything(seed: int) -> None:
+    """The config's `seed`: torch (every device), Python's and numpy's generators."""
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:

@@ -66,7 +66,10 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+            # DeepSpeed's count (0.19): the scale grows after `window` clean steps since the last
+            # overflow (or since the start), not one step earlier.
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.scale *= 2

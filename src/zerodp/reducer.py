@@ -10,6 +10,12 @@ while backward goes on (`overlap_comm`):
            arrived is also handed to `on_bucket_done`, which frees its gathered parameters.
 Buckets are launched strictly in index order so that every rank issues the same collectives in the
 same order, whatever order its hooks fire in (unused parameters differ between ranks).
+
+The mean over ranks is taken as DeepSpeed takes it: each rank divides its gradients by the predivide
+factor f before the sum and the sum is multiplied by f / N after it; `prescale_gradients` divides by
+N before instead. Unset, f is DeepSpeed's: 1 in stage 0 (its engine sums, then divides), N in stages
+1-3 (its ZeRO reduce-scatter divides first, which also keeps an fp16 sum from overflowing).
+`comm_dtype` (communication_data_type) is the dtype gradients are summed in, e.g. fp32 for bf16 ones.
 """
 
 from __future__ import annotations
@@ -29,14 +35,24 @@ POOL_BUFFERS = 3
 
 class Reducer:
     def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
-                 overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None):
+                 overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
+                 comm_dtype: torch.dtype | None = None, prescale: bool = False,
+                 predivide: float | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.on_bucket_done = on_bucket_done
         # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
         # with no bucket pool and no copy out of it.
         self.sharded_grads = stage >= 2 and comm.shard_size > 1
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
-        self.dtype = self.buckets[0].data.dtype if self.buckets else acc_dtype
+        # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
+        self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
+        world = comm.world_size  # the mean is over every rank, also with hierarchical sharding
+        if predivide is None:
+            predivide = 1.0 if stage == 0 else float(world)
+        # Multiply by `pre` before the sum and by `post` after it: their product is 1 / world.
+        self.pre, self.post = (1.0 / world, 1.0) if prescale else (1.0 / predivide, predivide / world)
+        if world == 1:
+            self.pre = self.post = 1.0
         self.rank = comm.shard_rank if stage > 0 else 0
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
         # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`. Like PyTorch's
@@ -167,27 +183,37 @@ class Reducer:
     def _launch(self, k: int) -> None:
         b = self.buckets[k]
         buf = self._target(k)
-        # Divide before summing: the mean over ranks without fp16 overflow in the sum.
-        if self.comm.world_size > 1:
-            buf.div_(self.comm.world_size)
+        # A full bucket (stages 0, 1) in another dtype than the reduction's goes through a copy.
+        sent = buf if buf.dtype == self.dtype else buf.to(self.dtype)
+        if self.pre != 1.0:
+            sent.mul_(self.pre)
         # In a fresh window a shard of the right dtype is reduced straight into `acc` (no copy after).
         direct = self.sharded_grads and self.fresh and self.acc_dtype == buf.dtype
         if self.stage == 0:
-            work = self.comm.all_reduce(buf, async_op=True)
+            work = self.comm.all_reduce(sent, async_op=True)
         else:
-            out = self._grad(k) if direct else b.shard(buf, self.rank)
-            work = self.comm.shard_reduce(out, buf, async_op=True)
+            out = self._grad(k) if direct else b.shard(sent, self.rank)
+            work = self.comm.shard_reduce(out, sent, async_op=True)
         self.reduced = not self.sharded_grads
-        self.inflight.append((k, work, direct))
+        self.inflight.append((k, work, direct, sent))
         if not self.overlap:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        k, work, direct = self.inflight.popleft()
+        k, work, direct, sent = self.inflight.popleft()
         work.wait()
-        if self.sharded_grads:
+        b = self.buckets[k]
+        if not self.sharded_grads:  # the reduced values: the whole bucket (stage 0) or the owned chunk
+            reduced = sent if self.stage == 0 else b.shard(sent, self.rank)
+            if self.post != 1.0:
+                reduced.mul_(self.post)
+            if sent is not self.acc[k]:
+                (self.acc[k] if self.stage == 0 else b.shard(self.acc[k], self.rank)).copy_(reduced)
+        else:
+            shard = self._grad(k) if direct else b.shard(self._target(k), self.rank)
+            if self.post != 1.0:
+                shard.mul_(self.post)
             if not direct:
-                shard = self.buckets[k].shard(self._target(k), self.rank)
                 if self.fresh:
                     self._grad(k).copy_(shard)
                 else:

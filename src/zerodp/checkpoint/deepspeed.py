@@ -385,9 +385,10 @@ def _loss_scaler(engine, ds: dict) -> dict:
 def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | None:
     """DeepSpeed's scheduler position as the engine scheduler's state.
 
-    DeepSpeed's WarmupLR-family schedulers have taken the lr for `last_batch_iteration` (one step
-    behind zerodp's, see config.SchedulerConfig); the resumed run keeps DeepSpeed's sequence by
-    setting the engine scheduler's last_epoch to it and its last lrs to the saved param groups' lrs.
+    DeepSpeed's schedulers have taken the lr for `last_batch_iteration`, one less than the optimizer
+    steps taken; zerodp's optimizer step t runs at DeepSpeed's get_lr(t - 1) (config_scheduler.py), so
+    the resumed run keeps DeepSpeed's sequence with the engine scheduler's last_epoch at
+    last_batch_iteration + 1 and its last lrs at the saved param groups' lrs.
     """
     saved, sched = ckpt.model.get("lr_scheduler"), engine.lr_scheduler
     theirs = ds_config.get("scheduler")
@@ -416,7 +417,7 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
     if "last_batch_iteration" not in saved:
         raise CheckpointError(f"DeepSpeed checkpoint '{ckpt.path}' holds lr scheduler state {sorted(saved)}, "
                               "not DeepSpeed's (last_batch_iteration): zerodp cannot continue it")
-    last = int(saved["last_batch_iteration"])
+    last = int(saved["last_batch_iteration"]) + 1
     state.update(last_epoch=last, _step_count=last + 1, _last_lr=[g["lr"] for g in ckpt.param_groups])
     return state
 

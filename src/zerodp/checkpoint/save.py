@@ -49,7 +49,12 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
         err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-    needed = sum(agree(comm, err, mine))  # the bytes this save writes, for a "no space" message
+    first = agree(comm, err, (mine, tag))
+    needed = sum(m for m, _ in first)  # the bytes this save writes, for a "no space" message
+    tags = [t for _, t in first]
+    if len(set(tags)) > 1:  # every rank sees the same list, so every rank raises (checkpoint.tag_validation)
+        raise CheckpointError(f"ranks passed different checkpoint tags to save_checkpoint ({tags}, by rank); "
+                              "every rank must save under the same tag")
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     agree(comm, on_rank0(comm, files.prepare, save_dir, tmp))  # also clears killed saves' leftovers
     try:

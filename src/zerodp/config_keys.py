@@ -1,0 +1,150 @@
+"""Which config keys do nothing here, and which values zerodp refuses: the one place that says so.
+
+Every key of the config model either has an effect (tested; tests/test_config_keys.py names the test),
+or is listed in NO_EFFECT (it tunes a DeepSpeed internal that has no counterpart in zerodp: accepted so
+that DeepSpeed configs load, and documented in docs/DEEPSPEED.md), or is listed in REFUSED with the one
+value zerodp accepts (DeepSpeed's default) and, for any other value, why not and what to use instead.
+tests/test_config_keys.py walks the model and fails when a key is in none of these.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# key path -> why it has no effect in zerodp.
+NO_EFFECT: dict[str, str] = {
+    "zero_allow_untested_optimizer": "zerodp's ZeRO steps any torch.optim optimizer on its flat shards; "
+                                     "there is no list of tested optimizers to allow beyond",
+    "zero_force_ds_cpu_optimizer": "with offload_optimizer the torch optimizer itself steps on the CPU "
+                                   "(fused Adam); there is no DeepSpeed CPUAdam to force",
+    "dump_state": "DeepSpeed's debug print of its engine's settings at start-up; zerodp prints nothing",
+    "disable_allgather": "a DeepSpeed stage-0 switch between all-gather and broadcast for replicated "
+                         "parameters; zerodp's stage 0 gathers nothing",
+    "optimizer.legacy_fusion": "a choice among DeepSpeed's fp16 optimizer kernels; torch's optimizer is the "
+                               "only one here",
+    "fp16.auto_cast": "the engine always casts floating inputs to the working precision",
+    "bf16.immediate_grad_update": "a DeepSpeed bf16-optimizer scheduling detail; gradients are reduced in "
+                                  "buckets during backward as always",
+    "bf16.check_grad_overflow": "every step checks the global gradient norm for inf/nan in every precision "
+                                "(see the non_finite section)",
+    "zero_optimization.contiguous_gradients": "gradients are always copied into contiguous buckets",
+    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter and stage 0 all-reduces; "
+                                        "DeepSpeed's all-reduce alternative gives the same values",
+    "zero_optimization.allgather_partitions": "updated shards are always all-gathered into the flat buffers",
+    "zero_optimization.use_multi_rank_bucket_allreduce": "a DeepSpeed mixture-of-experts all-reduce detail",
+    "zero_optimization.compute_grad_norm": "the global gradient norm is always computed (clipping, the "
+                                          "non-finite check and engine.grad_norm need it)",
+    "zero_optimization.round_robin_gradients": "each bucket is split evenly across ranks, so gradient copies "
+                                               "are already balanced without DeepSpeed's round-robin order",
+    "zero_optimization.elastic_checkpoint": "zerodp's checkpoints always load on any world size",
+    "zero_optimization.parameter_alignment": "every parameter is always aligned to 64 elements in its bucket",
+    "zero_optimization.memory_efficient_linear": "a DeepSpeed stage-3 replacement of nn.Linear's autograd; "
+                                                 "zerodp leaves the model's modules unchanged",
+    "zero_optimization.stage3_max_live_parameters": "stage 3 frees each module's gathered parameters after "
+                                                    "its backward; what is live is bounded by "
+                                                    "stage3_prefetch_bucket_size, not by this count",
+    "zero_optimization.stage3_max_reuse_distance": "stage 3 frees each module's gathered parameters after its "
+                                                   "backward; there is no reuse-distance cache",
+    "zero_optimization.stage3_module_granularity_threshold": "stage 3 gathers per module that registers "
+                                                             "parameters, always",
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather; "
+                                                                "DeepSpeed's all-reduce gives the same values",
+    "zero_optimization.stage3_allgather_sequential": "a DeepSpeed stage-3 launch-order detail",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "zerodp's exports (engine.full_state_dict, "
+                                                                   "zerodp consolidate) always gather the "
+                                                                   "full weights",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "the old name of "
+                                                                  "stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.override_module_apply": "a DeepSpeed zero.Init detail; zerodp partitions after the "
+                                               "model is built",
+    "zero_optimization.log_trace_cache_warnings": "DeepSpeed's stage-3 trace cache does not exist here",
+    "zero_optimization.enable_sanity_checks": "a DeepSpeed stage-3 debugging switch",
+    "zero_optimization.offload_optimizer.buffer_count": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_optimizer.pipeline_read": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_optimizer.pipeline_write": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_optimizer.fast_init": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "sizes DeepSpeed's CPUAdam thread pool; the "
+                                                              "torch optimizer uses torch's threads "
+                                                              "(torch.set_num_threads)",
+    "activation_checkpointing.profile": "DeepSpeed's timing print of checkpointed forwards",
+    "checkpoint.parallel_write.pipeline_stage": "pipeline parallelism does not exist in zerodp; every rank "
+                                                "writes its own shard files already",
+}
+
+_HIER = ("hierarchical (MiCS / ZeRO++ hpZ) sharding is not available in this configuration; "
+         "leave the key out (every rank holds 1/world of the states)")
+_ZPP = ("ZeRO++ quantized communication is not implemented; set communication_data_type to \"bf16\" "
+        "to halve the gradient traffic instead")
+
+# key path -> (the one accepted value, why another is refused and what to use instead).
+REFUSED: dict[str, tuple[Any, str]] = {
+    "sparse_gradients": (False, "gradients are reduced in dense buckets; use nn.Embedding(sparse=False)"),
+    "fp16.fp16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
+    "bf16.bf16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
+    "bf16.bf16_optimizer_states": (False, "zerodp keeps optimizer states in fp32 (next to the fp32 "
+                                          "masters); remove the key"),
+    "zero_optimization.load_from_fp32_weights": (True, "zerodp always restores the fp32 masters from the "
+                                                       "checkpoint's fp32 weights; remove the key"),
+    "zero_optimization.ignore_unused_parameters": (True, "a parameter without a gradient always counts as a "
+                                                         "zero gradient (DeepSpeed's true); remove the key"),
+    "zero_optimization.legacy_stage1": (False, "DeepSpeed's old stage-1 code path; use stage 1"),
+    "zero_optimization.cpu_offload": (False, "DeepSpeed's old key; use "
+                                            "zero_optimization.offload_optimizer: {\"device\": \"cpu\"}"),
+    "zero_optimization.cpu_offload_use_pin_memory": (False, "DeepSpeed's old key; use "
+                                                           "zero_optimization.offload_optimizer.pin_memory"),
+    "zero_optimization.cpu_offload_params": (False, "DeepSpeed's old key; use zero_optimization.offload_param"),
+    "zero_optimization.stage3_model_persistence_threshold": (
+        None, "zerodp has no model-wide cap on persistent parameters; lower "
+              "stage3_param_persistence_threshold to keep fewer parameters gathered"),
+    "zero_optimization.zero_hpz_partition_size": (1, _HIER),
+    "zero_optimization.mics_shard_size": (-1, _HIER),
+    "zero_optimization.mics_hierarchical_params_gather": (False, _HIER),
+    "zero_optimization.zero_quantized_weights": (False, _ZPP),
+    "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZPP),
+    "zero_optimization.zero_quantized_gradients": (False, _ZPP),
+    "zero_optimization.pipeline_loading_checkpoint": (False, "pipeline parallelism does not exist in zerodp"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "the Muon optimizer is refused (see "
+                                                                     "optimizer.type)"),
+    "zero_optimization.leaf_module": (None, "stage 3 gathers per module that registers parameters; "
+                                            "there are no leaf modules to declare"),
+    "zero_optimization.zenflow": (None, "DeepSpeed's ZenFlow (asynchronous offloaded updates) is not "
+                                        "implemented; use offload_optimizer"),
+    "zero_optimization.offload_optimizer.nvme_path": (None, "NVMe offload is not supported by zerodp; use "
+                                                            "\"device\": \"cpu\""),
+    "zero_optimization.offload_optimizer.ratio": (1.0, "partial offload is not implemented: the whole "
+                                                       "optimizer is offloaded; remove the key"),
+    "zero_optimization.offload_optimizer.super_offload": (False, "DeepSpeed's SuperOffload is not "
+                                                                 "implemented; use offload_optimizer"),
+    "activation_checkpointing.partition_activations": (
+        False, "partitioning activations only has meaning with a model-parallel (tensor-parallel) group, "
+               "which zerodp's plain data parallelism does not have, so activations are not partitioned; "
+               "use cpu_checkpointing to move them off the accelerator"),
+    "checkpoint.load_universal": (False, "zerodp's own checkpoints load on any world size without "
+                                         "conversion, and DeepSpeed ZeRO checkpoints are read directly "
+                                         "(engine.load_checkpoint); load one of those instead"),
+    "checkpoint.use_node_local_storage": (False, "checkpoints are written to one shared directory; "
+                                                 "point save_dir at node-local storage yourself if you "
+                                                 "need it (every rank must read every shard on resume)"),
+}
+
+
+def _value_at(config: Any, path: str) -> tuple[bool, Any]:
+    """(found, value) of the dotted `path` in a Config; not found when a section on the way is None."""
+    node = config
+    for part in path.split("."):
+        if node is None or not hasattr(node, part):
+            return False, None
+        node = getattr(node, part)
+    return True, node
+
+
+def refusals(config: Any) -> list[str]:
+    """One line for each refused key set to a value other than the one accepted."""
+    lines = []
+    for path, (accepted, reason) in REFUSED.items():
+        found, value = _value_at(config, path)
+        if found and value != accepted:
+            shown = json.dumps(value, default=str)
+            lines.append(f"config key {path!r} = {shown} is not supported: {reason}")
+    return lines
