@@ -146,7 +146,7 @@ class ZeroConfig(_Section):
     # Engine (shard_size_for), where the world size is known.
     mics_shard_size: Annotated[int, Field(ge=-1)] = -1
     mics_hierarchical_params_gather: bool = False
-    zero_hpz_partition_size: PositiveInt = 1
+    zero_hpz_partition_size: NonNegativeInt = 1  # refused above 1 (config_keys.REFUSED)
 
     def shard_size(self, world_size: int) -> int:
         """S, the ranks one copy of the model states is sharded over, checked against the world."""
@@ -160,24 +160,6 @@ class ZeroConfig(_Section):
             raise ConfigError(f"zero_optimization.mics_shard_size {s} must divide the world size "
                               f"{world_size} (1 <= S <= {world_size}), or be -1 for one flat group")
         return s
-
-    @field_validator("mics_hierarchical_params_gather")
-    @classmethod
-    def _no_two_hop_gather(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("zerodp all-gathers parameters inside the shard group in one collective; "
-                             "the two-hop (inter-node, then intra-node) gather is not implemented: keep "
-                             "mics_shard_size within a node (e.g. the GPUs per node) and set this to false")
-        return value
-
-    @field_validator("zero_hpz_partition_size")
-    @classmethod
-    def _no_hpz(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError(f"zero_hpz_partition_size {value}: ZeRO++'s secondary copy of the stage-3 "
-                             "parameters is not implemented; use mics_shard_size (the same intra-node "
-                             "gathers, with every model state sharded within the group) or set it to 1")
-        return value
 
     # DeepSpeed's other keys: see config_keys.py for what each does here (most: nothing, or refused).
     stage3_gather_fp16_weights_on_model_save: bool = False

@@ -51,9 +51,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather; "
                                                                 "DeepSpeed's all-reduce gives the same values",
     "zero_optimization.stage3_allgather_sequential": "a DeepSpeed stage-3 launch-order detail",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "zerodp's exports (engine.full_state_dict, "
-                                                                   "zerodp consolidate) always gather the "
-                                                                   "full weights",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "the old name of "
                                                                   "stage3_gather_16bit_weights_on_model_save",
     "zero_optimization.override_module_apply": "a DeepSpeed zero.Init detail; zerodp partitions after the "
@@ -67,13 +64,21 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "sizes DeepSpeed's CPUAdam thread pool; the "
                                                               "torch optimizer uses torch's threads "
                                                               "(torch.set_num_threads)",
+    "zero_optimization.offload_param.nvme_path": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_param.buffer_count": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_param.buffer_size": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_param.max_in_cpu": "an NVMe offload setting (NVMe is refused)",
+    **{f"comet.{k}": "the comet section is refused when enabled (zerodp has no Comet monitor)"
+       for k in ("samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
+                 "online", "mode")},
+    **{f"flops_profiler.{k}": "the flops_profiler section is refused when enabled (use "
+                              "torch.utils.flop_counter.FlopCounterMode)"
+       for k in ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")},
     "activation_checkpointing.profile": "DeepSpeed's timing print of checkpointed forwards",
     "checkpoint.parallel_write.pipeline_stage": "pipeline parallelism does not exist in zerodp; every rank "
                                                 "writes its own shard files already",
 }
 
-_HIER = ("hierarchical (MiCS / ZeRO++ hpZ) sharding is not available in this configuration; "
-         "leave the key out (every rank holds 1/world of the states)")
 _ZPP = ("ZeRO++ quantized communication is not implemented; set communication_data_type to \"bf16\" "
         "to halve the gradient traffic instead")
 
@@ -86,8 +91,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
                                           "masters); remove the key"),
     "zero_optimization.load_from_fp32_weights": (True, "zerodp always restores the fp32 masters from the "
                                                        "checkpoint's fp32 weights; remove the key"),
-    "zero_optimization.ignore_unused_parameters": (True, "a parameter without a gradient always counts as a "
-                                                         "zero gradient (DeepSpeed's true); remove the key"),
+    "zero_optimization.ignore_unused_parameters": (True, "a parameter without a gradient is always allowed "
+                                                         "(DeepSpeed's true): it is not stepped, as in PyTorch "
+                                                         "(step_unused_parameters: true steps it with a zero "
+                                                         "gradient, as DeepSpeed does); remove the key"),
     "zero_optimization.legacy_stage1": (False, "DeepSpeed's old stage-1 code path; use stage 1"),
     "zero_optimization.cpu_offload": (False, "DeepSpeed's old key; use "
                                             "zero_optimization.offload_optimizer: {\"device\": \"cpu\"}"),
@@ -97,9 +104,12 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "zero_optimization.stage3_model_persistence_threshold": (
         None, "zerodp has no model-wide cap on persistent parameters; lower "
               "stage3_param_persistence_threshold to keep fewer parameters gathered"),
-    "zero_optimization.zero_hpz_partition_size": (1, _HIER),
-    "zero_optimization.mics_shard_size": (-1, _HIER),
-    "zero_optimization.mics_hierarchical_params_gather": (False, _HIER),
+    "zero_optimization.zero_hpz_partition_size": (
+        1, "ZeRO++'s secondary copy of the stage-3 parameters is not implemented; use mics_shard_size (the "
+           "same intra-node gathers, with every model state sharded within the group)"),
+    "zero_optimization.mics_hierarchical_params_gather": (
+        False, "zerodp all-gathers parameters inside the shard group in one collective; the two-hop "
+               "(inter-node, then intra-node) gather is not implemented: keep mics_shard_size within a node"),
     "zero_optimization.zero_quantized_weights": (False, _ZPP),
     "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZPP),
     "zero_optimization.zero_quantized_gradients": (False, _ZPP),
