@@ -90,6 +90,7 @@ EFFECTS = {
         "test_offload_param.py::test_stage3_offload_param_keeps_the_shards_in_host_memory_and_reports_them_there",
     "zero_optimization.offload_param.pin_memory":
         "test_offload_param.py::test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device",
+    "zero_optimization.cpu_offload": "test_config_keys.py::test_cpu_offload_is_deepspeeds_old_name_for_offload_optimizer",
     "zero_optimization.step_unused_parameters": "test_unused.py::test_step_unused_parameters_true_decays_them_as_deepspeed_does",
     "zero_optimization.mics_shard_size": "test_hierarchical.py::test_world4_matches_single_process",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save":
@@ -199,3 +200,10 @@ def test_bfloat16_is_deepspeeds_old_name_for_bf16():
     assert load_config({"bfloat16": {"enabled": True}}).bf16.enabled
     with pytest.raises(ConfigError, match="both 'bf16' and its old name 'bfloat16'"):
         load_config({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_cpu_offload_is_deepspeeds_old_name_for_offload_optimizer():
+    assert load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization.offload_optimizer.device == "cpu"
+    assert load_config({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer.device == "none"
+    with pytest.raises(ConfigError, match="keep only offload_optimizer"):
+        load_config({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})

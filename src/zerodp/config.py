@@ -132,6 +132,15 @@ class ZeroConfig(_Section):
     step_unused_parameters: bool = False
 
     @model_validator(mode="after")
+    def _old_cpu_offload(self) -> ZeroConfig:
+        if self.cpu_offload:
+            if "offload_optimizer" in self.model_fields_set:
+                raise ValueError("cpu_offload (DeepSpeed's old key) and offload_optimizer are both given; "
+                                 "keep only offload_optimizer")
+            self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+        return self
+
+    @model_validator(mode="after")
     def _offload_param_needs_stage3(self) -> ZeroConfig:
         if self.offload_param.device != "none" and self.stage != 3:
             raise ValueError(
@@ -173,7 +182,9 @@ class ZeroConfig(_Section):
     ignore_unused_parameters: bool = True
     legacy_stage1: bool = False
     parameter_alignment: bool = False
-    cpu_offload: bool = False  # DeepSpeedExamples' configs write "cpu_offload": false
+    # DeepSpeed's old name for offload_optimizer {device: cpu}, which it still maps (its zero/config.py);
+    # DeepSpeedExamples' configs write it.
+    cpu_offload: bool = False
     cpu_offload_params: bool = False
     cpu_offload_use_pin_memory: bool = False
     zero_quantized_weights: bool = False
@@ -280,6 +291,8 @@ class Config(_Section):
     # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
     # when zerodp creates the group).
     comm_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
+    cuda_visible_devices: int | str | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)

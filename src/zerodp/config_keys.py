@@ -18,6 +18,8 @@ NO_EFFECT: dict[str, str] = {
                                      "there is no list of tested optimizers to allow beyond",
     "zero_force_ds_cpu_optimizer": "with offload_optimizer the torch optimizer itself steps on the CPU "
                                    "(fused Adam); there is no DeepSpeed CPUAdam to force",
+    "cuda_visible_devices": "DeepSpeed does not read it either (its launcher's --include / --exclude pick "
+                            "devices); set CUDA_VISIBLE_DEVICES in the environment",
     "dump_state": "DeepSpeed's debug print of its engine's settings at start-up; zerodp prints nothing",
     "disable_allgather": "a DeepSpeed stage-0 switch between all-gather and broadcast for replicated "
                          "parameters; zerodp's stage 0 gathers nothing",
@@ -96,8 +98,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
                                                          "(step_unused_parameters: true steps it with a zero "
                                                          "gradient, as DeepSpeed does); remove the key"),
     "zero_optimization.legacy_stage1": (False, "DeepSpeed's old stage-1 code path; use stage 1"),
-    "zero_optimization.cpu_offload": (False, "DeepSpeed's old key; use "
-                                            "zero_optimization.offload_optimizer: {\"device\": \"cpu\"}"),
     "zero_optimization.cpu_offload_use_pin_memory": (False, "DeepSpeed's old key; use "
                                                            "zero_optimization.offload_optimizer.pin_memory"),
     "zero_optimization.cpu_offload_params": (False, "DeepSpeed's old key; use zero_optimization.offload_param"),
