@@ -4,7 +4,9 @@ Per step and rank, a ring all_reduce moves 2(N-1)/N of the buffer, reduce_scatte
 (N-1)/N each. Stage 0 all-reduces every gradient bucket; stages 1 and 2 reduce-scatter it and
 all-gather the updated parameters: the same 2(N-1)/N·Ψ·bytes, up to the padding of the buckets
 (stage 0 pads each bucket to ALIGN elements, stages 1-2 to N·ALIGN). The only other collective in
-a step is the all_reduce of the squared gradient norm with the non-finite-loss flags: three fp64 (24 bytes), stages 1-2.
+a step is the all_reduce of the squared gradient norm with the non-finite-loss flags, three fp64 (24 bytes),
+and one fp64 "got a gradient" bit per parameter tensor (unused.py), stages 1-2; stage 0 all-reduces
+those bits on their own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from zerodp.train.model import GPT, gpt_config
 
 STEPS, MICRO, SEQ = 3, 2, 16
 NORM_BYTES = 24  # the fp64 squared norm and the two non-finite-loss flags (non_finite.py)
+
+
+def norm_bytes(run: dict) -> int:
+    """The norm's all_reduce: NORM_BYTES and 8 bytes of used bit per parameter tensor (unused.py)."""
+    return NORM_BYTES + 8 * run["slots"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BUCKETS = {"one_bucket": 500_000_000, "many_buckets": 30_000}
 JOBS = [(stage, dtype, bucket) for stage in (0, 1, 2) for dtype in DTYPES for bucket in BUCKETS]
@@ -54,7 +61,7 @@ def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str, shard: 
     return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi, "by_group": dict(traffic.by_group),
             "gathered": (len(uses), sum(b.numel for b in uses)),
             "bucket_numels": [b.numel for fg in engine.flat_groups for b in fg.buckets],
-            "slots": sum(len(b.slots) for fg in engine.flat_groups for b in fg.buckets),
+            "slots": sum(len(b.slots) for fg in engine.flat_groups for b in fg.buckets), "world": world,
             "element_size": torch.empty((), dtype=DTYPES[dtype]).element_size()}
 
 
@@ -78,7 +85,7 @@ def gradient_bytes(run: dict) -> int:
     b.pop("broadcast", None)
     if b.get("reduce_scatter"):  # stages 1-2: the only all_reduce is the norm, once per step
         return b["reduce_scatter"] + b["all_gather"]
-    return b["all_reduce"]
+    return b["all_reduce"] - STEPS * int(2 * _ring(run["world"], 8 * run["slots"]))  # stage 0: less the used bits
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world={w}")
@@ -91,8 +98,10 @@ def test_stage0_all_reduces_every_padded_bucket_once_per_step(world, dtype, buck
     run = runs(world)[(0, dtype, bucket)]
     padded = sum(run["bucket_numels"])
     assert set(run["bytes"]) == {"all_reduce"}, "stage 0 uses all_reduce only (the norm is local)"
-    assert run["calls"]["all_reduce"] == STEPS * len(run["bucket_numels"])
-    assert run["bytes"]["all_reduce"] == STEPS * 2 * _ring(world, padded * run["element_size"])
+    # Every bucket, and the used bits in an all_reduce of their own.
+    assert run["calls"]["all_reduce"] == STEPS * (len(run["bucket_numels"]) + 1)
+    assert run["bytes"]["all_reduce"] == STEPS * (2 * _ring(world, padded * run["element_size"])
+                                                  + int(2 * _ring(world, 8 * run["slots"])))
 
 
 @WORLDS
@@ -107,7 +116,7 @@ def test_stage_moves_2_psi_per_step_reduce_scatter_plus_all_gather(stage, world,
     assert run["bytes"]["all_gather"] == STEPS * _ring(world, padded * esz)
     # The norm: exactly one scalar all_reduce per step, excluded from the comparison with stage 0.
     assert run["calls"]["all_reduce"] == STEPS
-    assert run["bytes"]["all_reduce"] == STEPS * int(2 * _ring(world, NORM_BYTES))
+    assert run["bytes"]["all_reduce"] == STEPS * int(2 * _ring(world, norm_bytes(run)))
 
 
 @WORLDS
@@ -135,7 +144,7 @@ def test_stage_moves_the_same_bytes_per_step_as_stage0(stage, world, dtype, buck
 def test_counted_bytes_per_group_match_the_communication_plan(stage, world):
     run = runs(world)[(stage, "bf16", "many_buckets", 2)]
     job = comm_plan.Job(sum(run["bucket_numels"]), world, stage, 2, run["element_size"], len(run["bucket_numels"]),
-                        gathered=run["gathered"])
+                        gathered=run["gathered"], params=run["slots"])
     planned = {(x.group, x.op): x for x in comm_plan.transfers(job)}
     counted = {k: v for k, v in run["by_group"].items() if v and k[1] != "broadcast"}
     assert counted.keys() == planned.keys()
@@ -147,10 +156,10 @@ def test_counted_bytes_per_group_match_the_communication_plan(stage, world):
 def test_shard_size_2_of_4_keeps_gathers_in_the_pair_and_sends_half_a_shard_across():
     """World 4, S = 2, stage 2: reduce_scatter and all_gather of the padded buckets inside the pair
     (intra-node when pairs share a node), all_reduce of the 1/2 shard across the pairs (inter-node):
-    each ring sends half of the buffer here; only the norm's 24 bytes use the whole world."""
+    each ring sends half of the buffer here; only the norm (24 bytes and the used bits) uses the whole world."""
     run = runs(4)[(2, "bf16", "many_buckets", 2)]
     g, nbytes = run["by_group"], sum(run["bucket_numels"]) * run["element_size"]
     assert g[("shard", "reduce_scatter")] == g[("shard", "all_gather")] == STEPS * nbytes / 2
     assert g[("replica", "all_reduce")] == STEPS * 2 * _ring(2, nbytes / 2)
     assert {k for k, v in g.items() if v and k[0] == "world"} == {("world", "all_reduce")}
-    assert g[("world", "all_reduce")] == STEPS * int(2 * _ring(4, NORM_BYTES))
+    assert g[("world", "all_reduce")] == STEPS * int(2 * _ring(4, norm_bytes(run)))

@@ -12,7 +12,9 @@ all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hi
   stage 3     all_gather of each module's parameters before its forward (a tied weight for each module
               using it) and of each bucket once in the backward, every micro-step (modules under
               stage3_param_persistence_threshold stay gathered);
-  stages 1-3  one all_reduce of the squared gradient norm and two flags (24 bytes) over the world.
+  stages 1-3  one all_reduce of the squared gradient norm and two flags (24 bytes) over the world, with
+              one fp64 "used" bit per trainable parameter tensor (8 bytes each, unused.py); stage 0
+              sends those bits in an all_reduce of their own.
 Links: ranks r, r+1, ... fill a node of `gpus_per_node`; a group whose ranks all sit in one node uses
 the intra-node link (NVLink), any other group the inter-node one (InfiniBand): a ring runs at its
 slowest hop. Time of a collective kind: calls x hops x latency + bytes / bandwidth, hops being n-1 for
@@ -69,6 +71,9 @@ class Job:
     gas: int = 1
     gpus_per_node: int = 8
     gathered: tuple[int, int] | None = None  # (buckets, elements); None = all of them
+    # Trainable parameter tensors: each one's "got a gradient" bit (fp64) rides in the norm's all_reduce
+    # (unused.py); 0 with zero_optimization.step_unused_parameters true, which sends none.
+    params: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,8 +113,9 @@ def transfers(job: Job) -> list[Transfer]:
 
     if n == 1:
         return []
-    if job.stage == 0:
-        return [t("all_reduce", "world", n, job.buckets, 2 * _ring(n, grads))]
+    bits = 8 * job.params
+    if job.stage == 0:  # the used bits in an all_reduce of their own
+        return [t("all_reduce", "world", n, job.buckets + (1 if bits else 0), 2 * _ring(n, grads) + 2 * _ring(n, bits))]
     passes = 1 if job.stage == 1 else job.gas
     shard = "shard" if hier else "world"
     out = [t("reduce_scatter", shard, s, passes * job.buckets, passes * _ring(s, grads))]
@@ -120,7 +126,7 @@ def transfers(job: Job) -> list[Transfer]:
     else:
         calls, numel = job.gathered or (2 * job.buckets, 2 * job.numel)
         out.append(t("all_gather", shard, s, job.gas * calls, job.gas * _ring(s, numel * job.element_size)))
-    out.append(t("all_reduce", "world", n, 1, 2 * _ring(n, NORM_BYTES)))
+    out.append(t("all_reduce", "world", n, 1, 2 * _ring(n, NORM_BYTES + bits)))
     return [x for x in out if x.ranks > 1]
 
 
@@ -187,9 +193,10 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
     """The plan's Job for a model (on any device, meta included) laid out as the engine would (unpadded).
     Stage 3: a bucket per module that owns parameters, gathered as Job.gathered says."""
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    params = sum(1 for p in model.parameters() if p.requires_grad)  # tied weights once, as parameters() gives
     if stage != 3:
         return Job(psi, world, stage, shard or world, element_size, max(1, math.ceil(psi / bucket_numel)), gas,
-                   per_node)
+                   per_node, params=params)
     owner: dict[int, int] = {}
     size: dict[int, int] = {}
     for m in model.modules():
@@ -200,7 +207,8 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
     uses = [size[o] for m in model.modules()
             for o in {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}]
     big = [u for u in uses + list(size.values()) if u >= persistence]  # forward uses, then backward
-    return Job(psi, world, stage, shard or world, element_size, len(size), gas, per_node, (len(big), sum(big)))
+    return Job(psi, world, stage, shard or world, element_size, len(size), gas, per_node, (len(big), sum(big)),
+               params=params)
 
 
 def render(args: argparse.Namespace, plan_model, console) -> None:

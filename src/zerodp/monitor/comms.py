@@ -51,14 +51,18 @@ class CommsLogger:
         self.stats: dict[str, OpStats] = defaultdict(OpStats)
 
     def attach(self, comm) -> None:
-        for op in self.ops:
-            setattr(comm, op, self._wrap(op, getattr(comm, op)))
+        # With hierarchical sharding the shard and replica groups are Comms of their own (comm.split).
+        groups = {id(c): c for c in (comm, getattr(comm, "shard", None), getattr(comm, "replica", None))
+                  if c is not None}
+        for c in groups.values():
+            for op in self.ops:
+                setattr(c, op, self._wrap(op, getattr(c, op)))
 
     def _wrap(self, op: str, inner):
         @functools.wraps(inner)
         def logged(*args, **kwargs):
             nbytes = max(t.numel() * t.element_size() for t in args[:2] if hasattr(t, "numel"))
-            name = f"{op} | {sys._getframe(1).f_code.co_name}" if self.config.debug else op
+            name = f"{op} | {_caller()}" if self.config.debug else op
             start = time.perf_counter()
             work = inner(*args, **kwargs)
             done = functools.partial(self._record, name, nbytes, start)
@@ -87,3 +91,12 @@ class CommsLogger:
 
     def reset(self) -> None:
         self.stats.clear()
+
+
+def _caller() -> str:
+    """The function that asked for the collective: the first frame outside this file and comm.py
+    (Comm.shard_gather / shard_reduce pass collectives on to their groups)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.endswith(("comm.py", "comms.py")):
+        frame = frame.f_back
+    return frame.f_code.co_name
