@@ -27,23 +27,21 @@ from zerodp.config import ConfigError, ZeroConfig
 
 STAGES = [1, 2, 3]
 STAGE3_UNSUPPORTED = {"used_by_parent"}  # as in test_engine.py
-# The suite's time budget runs the cases that reach the replica paths differently (padding-only
-# shards, unused parameters, accumulation windows, ties, groups); ZERODP_FULL_ORACLE=1 runs every
-# oracle case at S = 2 (all pass) and the flat comparison at every stage.
-FULL = os.environ.get("ZERODP_FULL_ORACLE") == "1"
-S2_CASES = ["plain", "unused", "tied", "tiny_group", "accumulation", "param_groups"]
+# Every oracle case at S = 2 in fp32; in bf16 the cases that reach the replica paths differently
+# (padding-only shards, unused parameters, accumulation windows, ties, groups).
+BF16_CASES = ["plain", "unused", "tied", "tiny_group", "accumulation", "param_groups"]
 ENDS = ["plain", "accumulation"]  # S = 1 (every rank holds everything) and S = 4 (flat)
 
 
 def oracle_jobs() -> list[tuple]:
-    """Every oracle case at S = 2 (fp32, and bf16 for `plain`); the two ends, and S = 4 beside the flat
-    default for a bit-for-bit comparison, on fewer cases (the suite's time budget)."""
-    cases = list(oracle.CASES) if FULL else S2_CASES
+    """Every oracle case at S = 2 (fp32; bf16 for BF16_CASES); the two ends on fewer cases, and S = 4
+    beside the flat default for a bit-for-bit comparison."""
+    cases = list(oracle.CASES)
     jobs = [(case, stage, "fp32", 2) for case in cases for stage in STAGES
             if not (stage == 3 and case in STAGE3_UNSUPPORTED)]
-    jobs += [("plain", stage, "bf16", 2) for stage in STAGES]
+    jobs += [(case, stage, "bf16", 2) for case in BF16_CASES for stage in STAGES]
     jobs += [(case, stage, "fp32", 1) for case in ENDS for stage in STAGES]
-    jobs += [("plain", stage, "fp32", s) for s in (4, None) for stage in (STAGES if FULL else [2])]
+    jobs += [("plain", stage, "fp32", s) for s in (4, None) for stage in STAGES]
     return jobs
 
 
@@ -182,7 +180,7 @@ def test_world4_matches_single_process(job):
         assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
 
 
-@pytest.mark.parametrize("stage", STAGES if FULL else [2], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
 def test_shard_size_equal_to_world_is_flat_bit_for_bit(stage):
     runs = world4()[0]
     a, b = runs[("plain", stage, "fp32", 4)], runs[("plain", stage, "fp32", None)]
