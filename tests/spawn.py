@@ -38,8 +38,8 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300, start_method: str =
     (and transformers) again, ~2-6 s of CPU per fresh rank; test_accumulation.py took 55 s of CPU with
     "spawn" and 22 s with "fork". Callers must hold no process group when they call (fork copies it).
     """
-    if dist.is_initialized():  # a forked rank would inherit this process's group: start fresh ones
-        start_method = "spawn"
+    if dist.is_initialized() or torch.cuda.is_initialized():
+        start_method = "spawn"  # a forked rank would inherit this process's group, or a CUDA context it cannot use
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args, timeout_s), nprocs=world,
                            join=True, start_method=start_method)
