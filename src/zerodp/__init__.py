@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+from .lazy import lazy_names
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -34,18 +35,7 @@ __all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init
            "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    else:  # a submodule, e.g. zerodp.activations after a bare `import zerodp`
-        try:
-            value = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, submodules=True)
 
 
 def __dir__() -> list[str]:

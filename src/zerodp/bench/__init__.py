@@ -18,8 +18,7 @@ Two files, read in this order:
   driver.py   `zerodp bench` (main): one fresh process per mode, repeats, ratios, the table, --json
 """
 
-import importlib
-from typing import Any
+from zerodp.lazy import lazy_names
 
 # Every public name of the former single-file bench.py, so zerodp.bench.X keeps working; each is
 # imported on first use (PEP 562), so that `zerodp bench --help` answers before torch loads.
@@ -30,9 +29,4 @@ _WORKER = ("FAKE_MODES", "GIB", "MODES", "PEAK_TFLOPS", "Result", "build_model",
 __all__ = sorted(_DRIVER + _WORKER)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".driver" if name in _DRIVER else ".worker", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, {**dict.fromkeys(_DRIVER, "driver"), **dict.fromkeys(_WORKER, "worker")})

@@ -28,8 +28,7 @@ One concept per file, read in this order:
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
-import importlib
-from typing import Any
+from zerodp.lazy import lazy_names
 
 # Each name is imported from its module on first use (PEP 562), so that `zerodp consolidate --help`
 # answers before torch loads (command.py, the command line, is torch-free).
@@ -42,9 +41,4 @@ __all__ = ["CheckpointError", "consolidate", "load_checkpoint", "local_state", "
            "save_checkpoint", "write_consolidated", "write_hf_folder"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY)
