@@ -46,9 +46,21 @@ class BF16Config(_Section):
     bf16_optimizer_states: bool = False
 
 
-class OffloadOptimizerConfig(_Section):
+class _OffloadConfig(_Section):
+    """What offload_optimizer and offload_param share: where, and pinned host buffers."""
+
     device: Literal["none", "cpu"] = "none"
     pin_memory: bool = True
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _no_nvme(cls, device: Any) -> Any:
+        if device == "nvme":
+            raise ValueError("NVMe offload is not supported by zerodp; use \"cpu\"")
+        return device
+
+
+class OffloadOptimizerConfig(_OffloadConfig):
     nvme_path: str | None = None
     buffer_count: NonNegativeInt = 4
     pipeline_read: bool = False
@@ -58,32 +70,16 @@ class OffloadOptimizerConfig(_Section):
     super_offload: bool = False
     cpuadam_cores_perc: Annotated[float, Field(ge=0, le=1)] = 0.8
 
-    @field_validator("device", mode="before")
-    @classmethod
-    def _no_nvme(cls, device: Any) -> Any:
-        if device == "nvme":
-            raise ValueError("NVMe offload is not supported by zerodp; use \"cpu\"")
-        return device
 
-
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_OffloadConfig):
     """Stage 3's parameter shards in host memory (DeepSpeed's offload_param): each gather copies the
     rank's shard to the device first. buffer_count, buffer_size, max_in_cpu and nvme_path size
     DeepSpeed's NVMe buffers, which zerodp does not have: accepted (DeepSpeed's types) with no effect."""
 
-    device: Literal["none", "cpu"] = "none"
-    pin_memory: bool = True
     nvme_path: str | None = None
     buffer_count: NonNegativeInt = 5
     buffer_size: NonNegativeInt = 100_000_000
     max_in_cpu: NonNegativeInt = 1_000_000_000
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _no_nvme(cls, device: Any) -> Any:
-        if device == "nvme":
-            raise ValueError("NVMe offload is not supported by zerodp; use \"cpu\"")
-        return device
 
 
 class NonFiniteConfig(_Section):
