@@ -390,6 +390,22 @@ def _divide(train: int, unknown: str, other_name: str, other: int, world_size: i
     return train // (other * world_size)
 
 
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON config file as a dict, or a ConfigError naming the file and what is wrong with it."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON: line {e.lineno} "
+                          f"column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a JSON object (a dict), got {type(raw).__name__}")
+    return raw
+
+
 def load_config(source: Config | dict[str, Any] | str | os.PathLike[str] | None) -> Config:
     """A Config from a Config (returned as is), None (defaults), a dict, or a JSON file path."""
     if isinstance(source, Config):
@@ -398,16 +414,8 @@ def load_config(source: Config | dict[str, Any] | str | os.PathLike[str] | None)
         return Config()
     origin = ""
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        origin = f"in config file {path!r}:\n"
-        try:
-            with open(path, encoding="utf-8") as f:
-                source = json.load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path!r} is not valid JSON: line {e.lineno} "
-                              f"column {e.colno}: {e.msg}") from None
+        origin = f"in config file {os.fspath(source)!r}:\n"
+        source = read_config_file(source)
     if not isinstance(source, dict):
         raise ConfigError(f"{origin}a config must be a JSON object (a dict), got {type(source).__name__}")
     try:

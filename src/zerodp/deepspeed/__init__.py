@@ -12,8 +12,6 @@ What maps to what, and what is refused, is in docs/DEEPSPEED.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zerodp
 from zerodp.comm import init_distributed as _init_distributed
-from zerodp.config import ConfigError, load_config
+from zerodp.config import load_config, read_config_file
 
 from . import zero
 from .auto import resolve_auto
@@ -108,16 +106,7 @@ def _config_dict(args: Any, config: dict | str | None) -> dict:
         raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file, or config=")
     if isinstance(config, dict):
         return config
-    try:
-        with open(os.fspath(config), encoding="utf-8") as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {config!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config file {config!r} is not valid JSON: line {e.lineno}: {e.msg}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {config!r} must hold a JSON object")
-    return raw
+    return read_config_file(config)
 
 
 def _known(model: nn.Module, optimizer: Any) -> dict[str, Any]:

@@ -11,14 +11,13 @@ explicitly also becomes the scheduler's warmup_max_lr. Rank 0 prints one line sa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from zerodp.config import ConfigError, load_config
+from zerodp.config import load_config, read_config_file
 from zerodp.deepspeed.auto import resolve_auto
 
 from .build import build_optimizer, warmup_cosine
@@ -41,15 +40,7 @@ def known_from_options(o: dict[str, Any], world: int) -> dict[str, Any]:
 
 def read_ds_config(path: str, o: dict[str, Any], world: int) -> dict[str, Any]:
     """The --ds-config file as a dict, "auto" resolved from the options `o` (ConfigError if it cannot be)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read it: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"not valid JSON: line {e.lineno}: {e.msg}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("a config must be a JSON object")
+    raw = read_config_file(path)
     return resolve_auto(raw, known_from_options(o, world))
 
 
