@@ -24,18 +24,12 @@ import copy
 from typing import Any
 
 from zerodp.config import ConfigError
+from zerodp.integrations.hf.auto import bucket_sizes
 
 AUTO = "auto"
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Hugging Face's Trainer always starts a warmup from 0.
 _DEFAULTS = {"warmup_min_lr": 0.0}
-
-
-def _bucket_sizes(hidden: int) -> dict[str, int]:
-    """Hugging Face's rule (transformers.integrations.deepspeed) for ZeRO's sizes from the width."""
-    return {"reduce_bucket_size": hidden * hidden,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
 
 
 def resolve_auto(config: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
@@ -59,9 +53,9 @@ def resolve_auto(config: dict[str, Any], known: dict[str, Any]) -> dict[str, Any
                 _fill(params, key, known, source, f"{name}.params.{key}", missing)
     zero = out.get("zero_optimization")
     if isinstance(zero, dict):
-        sizes = _bucket_sizes(int(known["hidden_size"])) if "hidden_size" in known else {}
+        sizes = bucket_sizes(int(known["hidden_size"])) if "hidden_size" in known else {}
         for key in [k for k, v in zero.items() if v == AUTO]:
-            if key in _bucket_sizes(1):
+            if key in bucket_sizes(1):
                 if key in sizes:
                     zero[key] = sizes[key]
                 else:

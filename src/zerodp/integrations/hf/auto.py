@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from ...config import ConfigError
+from ...config import ConfigError, read_config_file
 
 _ABSENT = object()
 
@@ -67,12 +67,7 @@ def _as_dict(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict[str
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read the zerodp config file {path!r}: {e}") from None
+        config = read_config_file(config)
     if not isinstance(config, dict):
         raise ConfigError(f"the zerodp config must be a dict or a JSON file path, got {type(config).__name__}")
     return copy.deepcopy(config)
@@ -111,14 +106,19 @@ def _same(given: Any, wanted: Any) -> bool:
     return given == wanted
 
 
+def bucket_sizes(hidden: int) -> dict[str, int]:
+    """Hugging Face's rule (transformers.integrations.deepspeed) for ZeRO's "auto" sizes from the width."""
+    return {"reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
 def _fill_bucket_sizes(config: dict[str, Any], model: nn.Module | None) -> None:
     """"auto" bucket sizes from the model's hidden size, with HF's DeepSpeed formulas."""
     zero = config.get("zero_optimization")
     if not isinstance(zero, dict):
         return
-    keys = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-            "stage3_param_persistence_threshold": lambda h: 10 * h}
-    auto = [k for k in keys if zero.get(k) == "auto"]
+    auto = [k for k in bucket_sizes(1) if zero.get(k) == "auto"]
     if not auto:
         return
     hidden = _hidden_size(model)
@@ -126,8 +126,9 @@ def _fill_bucket_sizes(config: dict[str, Any], model: nn.Module | None) -> None:
         raise ConfigError(f"config keys {', '.join('zero_optimization.' + k for k in auto)} are \"auto\", which "
                           "needs the model's config.hidden_size (or hidden_sizes), and the model has none; "
                           "give these keys numbers")
+    sizes = bucket_sizes(hidden)
     for k in auto:
-        zero[k] = keys[k](hidden)
+        zero[k] = sizes[k]
 
 
 def _hidden_size(model: nn.Module | None) -> int | None:
