@@ -57,7 +57,8 @@ class CometConfig(_Section):
     def _refused(cls, enabled: bool) -> bool:
         if enabled:
             raise ValueError("zerodp has no Comet monitor; use 'tensorboard', 'csv_monitor' or 'wandb', "
-                             "or write engine.last_events() to Comet yourself")
+                             "or send engine.monitor.last_events (each step's (name, value, step) "
+                             "events) to Comet yourself")
         return enabled
 
 
