@@ -18,7 +18,7 @@ import time
 import torch
 
 import zerodp
-from zerodp.train.model import GPT, gpt_config
+from zerodp.models.gpt import GPT, gpt_config
 
 
 def _sync(device: torch.device) -> None:

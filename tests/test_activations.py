@@ -11,7 +11,7 @@ import torch
 import zerodp
 from spawn import run_ranks
 from zerodp.activations import Checkpointer, attached, checkpoint, checkpoint_blocks
-from zerodp.train.model import GPT, Block, gpt_config
+from zerodp.models.gpt import GPT, Block, gpt_config
 
 MICRO, SEQ, STEPS = 2, 32, 3
 STAGES = [0, 2]  # checkpointing only changes backward: the stages that reduce differently suffice

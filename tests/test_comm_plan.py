@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from zerodp import comm_plan, estimate
-from zerodp.comm_plan import Job, Links, step_time, transfers
+from zerodp.plan import communication as comm_plan
+
+from zerodp.plan import estimate
+from zerodp.plan.communication import Job, Links, step_time, transfers
 
 PSI = 1_000_000_000
 

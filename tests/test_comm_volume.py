@@ -18,9 +18,9 @@ import torch
 
 import zerodp
 from spawn import run_ranks
-from zerodp import comm_plan
-from zerodp.flat import ALIGN
-from zerodp.train.model import GPT, gpt_config
+from zerodp.plan import communication as comm_plan
+from zerodp.engine.flat import ALIGN
+from zerodp.models.gpt import GPT, gpt_config
 
 STEPS, MICRO, SEQ = 3, 2, 16
 NORM_BYTES = 24  # the fp64 squared norm and the two non-finite-loss flags (non_finite.py)

@@ -16,8 +16,8 @@ import pytest
 from pydantic import BaseModel
 
 from zerodp.config import Config, ConfigError, load_config
-from zerodp.config_keys import NO_EFFECT, REFUSED
-from zerodp.config_scheduler import PARAMS
+from zerodp.config.keys import NO_EFFECT, REFUSED
+from zerodp.config.scheduler import PARAMS
 
 TESTS = Path(__file__).parent
 DOCS = TESTS.parent / "docs" / "DEEPSPEED.md"

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from zerodp import estimate, memory
-from zerodp.estimate_tables import size
-from zerodp.plan_model import PlanModel, PlanModelError
+from zerodp.plan import estimate
+
+from zerodp.engine import memory
+from zerodp.plan.tables import size
+from zerodp.plan.models import PlanModel, PlanModelError
 
 LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 176,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -71,7 +73,7 @@ def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
 
 
 def test_fit_scales_the_given_config_and_answers_the_largest_that_fits(tmp_path, capsys):
-    from zerodp.estimate_tables import _need, family, largest_fitting, params_text
+    from zerodp.plan.tables import _need, family, largest_fitting, params_text
     cfg = tmp_path / "wide.json"
     cfg.write_text(json.dumps({"size": "125M", "n_embd": 1024, "n_head": 16, "vocab_size": 32000}))
     estimate.main(["--fit", "40GiB", "--model", str(cfg), "--world", "64", "--stage", "2"])
@@ -90,5 +92,5 @@ def test_fit_scales_the_given_config_and_answers_the_largest_that_fits(tmp_path,
 
 def test_bucket_default_is_the_engines():
     from zerodp.config import ZeroConfig
-    from zerodp.measure import DEFAULT_BUCKET
+    from zerodp.plan.measure import DEFAULT_BUCKET
     assert estimate.DEFAULT_BUCKET == DEFAULT_BUCKET == ZeroConfig.model_fields["reduce_bucket_size"].default

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerodp
-from zerodp import cpu_bf16
+from zerodp.engine import cpu_bf16
 
 COMMANDS = (["train"], ["estimate"], ["consolidate"], ["bench"])
 
@@ -29,7 +29,7 @@ for argv in {[[]] + [c for c in COMMANDS]}:
         zerodp.cli.main(argv + ["--help"])
     except SystemExit:
         pass
-for module in ("zerodp.train", "zerodp.bench", "zerodp.checkpoint", "zerodp.estimate"):
+for module in ("zerodp.train", "zerodp.bench", "zerodp.checkpoint", "zerodp.plan.estimate"):
     sys.argv = ["x", "--help"]
     try:
         runpy.run_module(module, run_name="__main__")
@@ -60,7 +60,8 @@ print("EXTRAS", sorted(m for m in extras if m in sys.modules and m not in by_tor
                                                    (["--stage", "3", "--offload"], 3, "cpu"),
                                                    (["--stage", "1", "--offload"], 1, "cpu")])
 def test_train_options_stage_3_and_offload_reach_the_engine(flags, stage, offload):
-    from zerodp.train.build import build_model, build_optimizer
+    from zerodp.models.build import build_model
+    from zerodp.train.build import build_optimizer
     from zerodp.train.options import ds_config, parse_options
 
     opts = parse_options(["--model", "tiny", "--nproc", "1", "--steps", "2", *flags])

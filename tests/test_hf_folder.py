@@ -19,11 +19,12 @@ from safetensors.torch import load_file  # noqa: E402
 from test_train import corpus, train  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from zerodp.integrations.hf import folder as hf_folder  # noqa: E402
+from zerodp.models import hf_folder  # noqa: E402
 from zerodp.checkpoint import CheckpointError, main as consolidate_main, write_hf_folder  # noqa: E402
-from zerodp.train.build import build_corpus, build_model, hf_description  # noqa: E402
+from zerodp.models.build import build_model, hf_description  # noqa: E402
+from zerodp.train.build import build_corpus  # noqa: E402
 from zerodp.train.data import load_corpus  # noqa: E402
-from zerodp.train.model import gpt_config  # noqa: E402
+from zerodp.models.gpt import gpt_config  # noqa: E402
 from zerodp.train.options import parse_options  # noqa: E402
 
 DS_CHECKPOINT = Path(__file__).parent / "data" / "deepspeed" / "stage2_fp32"

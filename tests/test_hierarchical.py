@@ -21,7 +21,8 @@ import torch
 import oracle
 import zerodp
 from spawn import run_ranks
-from zerodp import measure, memory
+from zerodp.plan import measure
+from zerodp.engine import memory
 from zerodp.checkpoint.pieces import local_state, owned_pieces
 from zerodp.config import ConfigError, ZeroConfig
 

@@ -7,10 +7,14 @@ import functools
 
 import pytest
 
-from zerodp import estimate, measure, memory
-from zerodp.estimate_tables import size
-from zerodp.plan_model import PlanModel
-from zerodp.reducer import POOL_BUFFERS
+from zerodp.plan import estimate
+
+from zerodp.plan import measure
+
+from zerodp.engine import memory
+from zerodp.plan.tables import size
+from zerodp.plan.models import PlanModel
+from zerodp.engine.reducer import POOL_BUFFERS
 
 # A GPT of about 3.3 million parameters.
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
@@ -86,7 +90,7 @@ def test_stage3_holds_a_shard_of_the_working_params_and_only_small_buckets_whole
 def _modules():
     """Each module's direct parameters, as stage 3 buckets them (a tied weight counted once)."""
     import torch
-    from zerodp.train.model import GPT, GPTConfig
+    from zerodp.models.gpt import GPT, GPTConfig
     with torch.device("meta"):
         model = GPT(GPTConfig(**MODEL))
     seen, out = set(), []
@@ -203,7 +207,7 @@ def test_parse_bytes_reads_units():
     assert estimate.parse_bytes("1.5e9") == 1_500_000_000
 
 
-# ---- peak of a step on fake tensors (zerodp.peak) -----------------------------------------------
+# ---- peak of a step on fake tensors (zerodp.plan.peak) -----------------------------------------------
 # Fake tensors cost the same at any size; this one is small for the run on real tensors beside them.
 PEAK_MODEL = dict(n_layer=2, n_head=2, n_embd=128, vocab_size=256, block_size=64)
 PEAK_RUNS = {(mode, stage): {"mode": mode, "stage": stage, "world": 8, "model": PEAK_MODEL, "micro_batch": 2,
@@ -215,7 +219,7 @@ PEAK_RUNS[("real", 2)] = {**PEAK_RUNS[("zerodp", 2)], "fake": False}  # real CPU
 
 @functools.cache
 def peaks() -> dict:
-    from zerodp.peak import measure_peaks
+    from zerodp.plan.peak import measure_peaks
     return dict(zip(PEAK_RUNS, measure_peaks(list(PEAK_RUNS.values()), timeout=300)))
 
 

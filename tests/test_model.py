@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from zerodp.train.model import GPT, SIZES, gpt_config
+from zerodp.models.gpt import GPT, SIZES, gpt_config
 
 
 def tiny_gpt(**overrides) -> GPT:

@@ -10,7 +10,7 @@ import torch
 
 import zerodp
 from oracle import D_IN, D_OUT, Toy, one_group
-from zerodp.memory import offload_split
+from zerodp.engine.memory import offload_split
 
 
 def _config(stage: int = 3, offload_param: dict | None = None, **extra) -> dict:

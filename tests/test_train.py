@@ -22,8 +22,9 @@ TINY = ["--model", "tiny", "--micro-batch", "4", "--eval-batches", "2"]
 
 
 def corpus(tmp_path: Path) -> str:
-    """A small fixed text corpus (this repo's model and data code), copied so it cannot change."""
-    text = "".join((REPO / "src/zerodp/train" / f).read_text() for f in ("model.py", "data.py"))
+    """A small fixed text corpus (a copy of this repo's model and data code, kept in tests/data so that
+    changes to the code do not change it)."""
+    text = (REPO / "tests/data/corpus.txt").read_text()
     path = tmp_path / "corpus.txt"
     path.write_text(text * 4)
     return str(path)

@@ -8,25 +8,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .lazy import lazy_names
+from zerodp.lazy import lazy_names
 
 if TYPE_CHECKING:
     import torch.distributed as dist
     from torch import nn
 
-    from .config import Config
-    from .engine import Engine
-    from .optimizer import OptimizerLike
+    from zerodp.config import Config
+    from zerodp.engine.engine import Engine
+    from zerodp.engine.optimizer import OptimizerLike
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
 _LAZY = {
     "checkpoint_blocks": "activations",
-    "DEFAULT_TIMEOUT_S": "comm", "Comm": "comm", "PeerFailure": "comm", "init_distributed": "comm",
+    "DEFAULT_TIMEOUT_S": "distributed.comm", "Comm": "distributed.comm", "PeerFailure": "distributed.comm",
+    "init_distributed": "distributed.comm",
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "Engine": "engine",
-    "NonFiniteError": "non_finite",
-    "OptimizerLike": "optimizer",
+    "Engine": "engine.engine",
+    "NonFiniteError": "engine.non_finite",
+    "OptimizerLike": "engine.optimizer",
 }
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
@@ -62,9 +63,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
-    from .comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
-    from .config import load_config
-    from .engine import Engine
+    from zerodp.config import load_config
+    from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
+    from zerodp.engine.engine import Engine
 
     try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
         cfg, error = load_config(config), None

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from .config import ActivationCheckpointingConfig
+from zerodp.config import ActivationCheckpointingConfig
 
 # Slots start on 512-byte boundaries: any dtype view is aligned, and so are the copies into them.
 SLOT_ALIGN = 512

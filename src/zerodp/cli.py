@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "train": ("zerodp.train", "train a GPT (or a Hugging Face model) with ZeRO"),
-    "estimate": ("zerodp.estimate", "per-rank memory: the formula, a measured step, the peak on fake tensors"),
+    "estimate": ("zerodp.plan.estimate", "per-rank memory: the formula, a measured step, the peak on fake tensors"),
     "consolidate": ("zerodp.checkpoint", "write a sharded checkpoint as one full fp32 state dict"),
     "bench": ("zerodp.bench", "throughput and memory side by side with PyTorch, DDP, FSDP2, DeepSpeed"),
 }

@@ -1,9 +1,14 @@
-"""A package's public names imported from their modules on first use (PEP 562), so that importing the
-package imports no torch and every command's --help answers before torch loads."""
+"""What is imported when. A package's public names are imported from their modules on first use
+(PEP 562), so that importing the package imports no torch and every command's --help answers before
+torch loads. The optional dependencies: `pip install zerodp` is the library (torch, pydantic,
+safetensors, numpy); the commands' tables, progress bars and plots come with `zerodp[train]`, Hugging
+Face models with `zerodp[hf]`; a command checks for what it needs before it starts (`require`), and
+says what to install."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable
 
@@ -29,3 +34,15 @@ def lazy_names(package: str, names: dict[str, str], submodules: bool = False) ->
         return value
 
     return __getattr__
+
+
+EXTRA_OF = {"rich": "train", "tqdm": "train", "matplotlib": "train", "transformers": "hf"}
+
+
+def require(command: str, *modules: str) -> None:
+    """SystemExit naming the pip extra when one of `modules` is not installed."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        extras = ",".join(sorted({EXTRA_OF.get(m, "train") for m in missing}))
+        raise SystemExit(f"{command} needs {', '.join(missing)}, which `pip install zerodp` leaves out: "
+                         f"pip install 'zerodp[{extras}]' (or, in a clone, pip install -e '.[{extras}]')")

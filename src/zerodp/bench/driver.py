@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict
 
 # torch and the worker are imported on use: `zerodp bench --help` answers before torch loads.
-from .rows import FAKE_MODES, MODES, Result
+from zerodp.bench.rows import FAKE_MODES, MODES, Result
 
 # Defaults that depend on the device, (CUDA, CPU): filled in after parsing (main), when torch is loaded.
 _DEVICE_DEFAULTS = {"model": ("350M", "tiny"), "micro_batch": (8, 2), "seq": (1024, 64), "steps": (20, 5),
@@ -39,7 +39,7 @@ def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0)
     """Run one mode in a fresh process (torchrun for world > 1 or DeepSpeed) and read its row."""
     import torch
 
-    from .worker import skip_reason
+    from zerodp.bench.worker import skip_reason
 
     reason = skip_reason(mode, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if reason:  # known before any process starts
@@ -132,7 +132,7 @@ def device_name() -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerodp bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a size of zerodp.train.model.SIZES" + _default("model"))
+    p.add_argument("--model", help="a size of zerodp.models.gpt.SIZES" + _default("model"))
     p.add_argument("--micro-batch", type=int, help="sequences per rank" + _default("micro_batch"))
     p.add_argument("--seq", type=int, help="sequence length" + _default("seq"))
     p.add_argument("--steps", type=int, help="timed steps" + _default("steps"))
@@ -192,12 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     fill_device_defaults(args)
     if not args.worker:
-        from ..extras import require
+        from zerodp.lazy import require
         require("zerodp bench", "rich")
     import torch
 
-    from ..train.model import gpt_config
-    from .worker import run_worker
+    from zerodp.bench.worker import run_worker
+    from zerodp.models.gpt import gpt_config
 
     if args.loss_chunk is None:
         # The fp32 logits of a 50k vocabulary outweigh every checkpointed block input together

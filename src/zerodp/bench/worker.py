@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..train.model import GPT, Block, gpt_config
-from .rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
+from zerodp.bench.rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
+from zerodp.models.gpt import GPT, Block, gpt_config
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device-name substring (first match wins).
 PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 148.0),

@@ -1,6 +1,6 @@
 """`python -m zerodp.checkpoint DIR OUT`, the same as `zerodp consolidate DIR OUT`."""
 
-from .command import main
+from zerodp.checkpoint.command import main
 
 if __name__ == "__main__":
     main()

@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.hf_config and not args.hf:
         parser.error("--hf-config is used only with --hf")
-    from .errors import CheckpointError
-    from .export import write_consolidated, write_hf_folder
+    from zerodp.checkpoint.errors import CheckpointError
+    from zerodp.checkpoint.export import write_consolidated, write_hf_folder
 
     try:
         if args.hf:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import CheckpointError, agree
-from .pieces import owned_pieces, signature, untrained
+from zerodp.checkpoint.errors import CheckpointError, agree
+from zerodp.checkpoint.pieces import owned_pieces, signature, untrained
 
 LATEST = "latest"
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -287,7 +287,11 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
 # ---- loading one into an engine ------------------------------------------------------------------
 def load(engine, path: str, parts=None) -> dict:
     """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then load.py's apply."""
-    from .load import _apply, _Parts, _Staged  # load.py dispatches here: imported late, no cycle
+    from zerodp.checkpoint.load import (  # load.py dispatches here: imported late, no cycle
+        _apply,
+        _Parts,
+        _Staged,
+    )
 
     err = meta = staged = None
     try:

@@ -1,7 +1,7 @@
 """Consolidation: a sharded checkpoint as one full fp32 state dict, in one process, no process group.
 
 `zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
-`--hf` as a Hugging Face model folder (zerodp.integrations.hf.folder) that from_pretrained loads, from the HF config
+`--hf` as a Hugging Face model folder (zerodp.models.hf_folder) that from_pretrained loads, from the HF config
 a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none).
 """
 
@@ -11,12 +11,11 @@ import json
 
 import torch
 
-from zerodp.integrations.hf import folder as hf_folder
-
-from . import deepspeed
-from .errors import CheckpointError
-from .pieces import saved_pieces
-from .read import read_metadata, read_tensors, resolve
+from zerodp.checkpoint import deepspeed
+from zerodp.checkpoint.errors import CheckpointError
+from zerodp.checkpoint.pieces import saved_pieces
+from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
+from zerodp.models import hf_folder
 
 
 def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -20,8 +20,8 @@ import re
 import shutil
 import zlib
 
-from .errors import CheckpointError
-from .meta import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
+from zerodp.checkpoint.errors import CheckpointError
+from zerodp.checkpoint.meta import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
 
 META = "zerodp.json"
 LATEST = "latest"

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import deepspeed
-from .errors import CheckpointError, agree, failure_text
-from .pieces import owned_pieces, saved_pieces, signature, untrained
-from .read import read_metadata, read_tensors, resolve
+from zerodp.checkpoint import deepspeed
+from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
+from zerodp.checkpoint.pieces import owned_pieces, saved_pieces, signature, untrained
+from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,

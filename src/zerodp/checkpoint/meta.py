@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import CheckpointError
+from zerodp.checkpoint.errors import CheckpointError
 
 FORMAT = 1  # the layout of a checkpoint directory; a reader refuses any other
 Count = Annotated[int, Field(ge=0)]  # a counter, a size, an index

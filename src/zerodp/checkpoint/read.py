@@ -23,11 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
-from . import files
-from .deepspeed import describe
-from .errors import CheckpointError
-from .files import LATEST, META, TAG
-from .meta import validate
+from zerodp.checkpoint import files
+from zerodp.checkpoint.deepspeed import describe
+from zerodp.checkpoint.errors import CheckpointError
+from zerodp.checkpoint.files import LATEST, META, TAG
+from zerodp.checkpoint.meta import validate
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28

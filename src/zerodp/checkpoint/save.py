@@ -20,11 +20,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import files
-from ..non_finite import first_non_finite
-from .errors import CheckpointError, agree, failure_text, on_rank0, root_oserror
-from .files import FORMAT, LATEST, META, TAG
-from .pieces import bucket_params, group_states, local_state, signature
+from zerodp.checkpoint import files
+from zerodp.checkpoint.errors import (
+    CheckpointError,
+    agree,
+    failure_text,
+    on_rank0,
+    root_oserror,
+)
+from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
+from zerodp.checkpoint.pieces import bucket_params, group_states, local_state, signature
+from zerodp.engine.non_finite import first_non_finite
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,

@@ -20,12 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import zerodp
-from zerodp.comm import init_distributed as _init_distributed
 from zerodp.config import load_config, read_config_file
-
-from . import zero
-from .auto import resolve_auto
-from .engine import DeepSpeedEngine
+from zerodp.config.auto import resolve_auto
+from zerodp.deepspeed import zero
+from zerodp.deepspeed.engine import DeepSpeedEngine
+from zerodp.distributed.comm import init_distributed as _init_distributed
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.engine import Engine
+from zerodp.engine.engine import Engine
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
 # parameters, not the engine). Weak: a freed engine leaves nothing behind.

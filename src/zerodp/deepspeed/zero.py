@@ -13,7 +13,7 @@ from typing import Iterable
 
 from torch import nn
 
-from .engine import owner_of
+from zerodp.deepspeed.engine import owner_of
 
 __all__ = ["GatheredParameters", "Init"]
 

@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from .comms import CommsLogger
-from .timers import PhaseTimers, resolve
-from .writers import build_monitors
+from zerodp.monitor.comms import CommsLogger
+from zerodp.monitor.timers import PhaseTimers, resolve
+from zerodp.monitor.writers import build_monitors
 
 log = logging.getLogger("zerodp")
 

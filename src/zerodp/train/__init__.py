@@ -8,6 +8,8 @@ loop.py the training loop, report.py the metrics, memory figures and the report 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .launch import main as run  # imported on use: `import zerodp.train.model` stays light
+    from zerodp.train.launch import (
+        main as run,  # imported on use: `import zerodp.models.gpt` stays light
+    )
 
     run(argv)

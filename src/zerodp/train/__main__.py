@@ -1,6 +1,6 @@
 """`python -m zerodp.train [options]`, the same as `zerodp train [options]`."""
 
-from .launch import main
+from zerodp.train.launch import main
 
 if __name__ == "__main__":
     main()

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from zerodp.config import load_config, read_config_file
-from zerodp.deepspeed.auto import resolve_auto
-
-from .build import build_optimizer, warmup_cosine
-from .sizes import SIZES
+from zerodp.config.auto import resolve_auto
+from zerodp.models.sizes import SIZES
+from zerodp.train.build import build_optimizer, warmup_cosine
 
 SCHEDULE_FLAGS = ("warmup", "min_lr")  # the built-in schedule's own flags
 

@@ -22,18 +22,18 @@ import uuid
 from pathlib import Path
 
 # options.py is torch-free: `--help` answers before torch is imported (loop/resume import it on use).
-from .options import parse_options
+from zerodp.train.options import parse_options
 
 PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
 
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
-    from zerodp.extras import require
+    from zerodp.lazy import require
 
     require("zerodp train", "tqdm", "matplotlib", *(["transformers"] if opts.model.startswith("hf-") else []))
-    from .loop import run_rank
-    from .resume import plan_resume
+    from zerodp.train.loop import run_rank
+    from zerodp.train.resume import plan_resume
 
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
     plan_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
@@ -51,7 +51,7 @@ def launch(opts: argparse.Namespace) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .loop import EXIT_NON_FINITE
+    from zerodp.train.loop import EXIT_NON_FINITE
 
     # A SIGTERM/SIGINT to this process is forwarded to the ranks (torch's launcher does that), which
     # finish their step, checkpoint and exit; shutdown_timeout bounds the wait before it SIGKILLs them.
@@ -140,8 +140,7 @@ def _launched_rank(opts: argparse.Namespace) -> None:
     if PID_DIR in os.environ:  # for FirstExit
         Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     import zerodp
-
-    from .loop import run_rank
+    from zerodp.train.loop import run_rank
 
     try:
         code = run_rank(opts)

@@ -22,14 +22,19 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.integrations.hf import folder as hf_folder
-
-from .build import build_corpus, build_model, hf_description
-from .ds_sections import optimizer_and_schedule
-from .data import Batches, val_batches
-from .options import ds_config
-from .report import Metrics, gather_memory, make_report, memory_text, progress_bar
-
+from zerodp.models import hf_folder
+from zerodp.models.build import build_model, hf_description
+from zerodp.train.build import build_corpus
+from zerodp.train.data import Batches, val_batches
+from zerodp.train.ds_sections import optimizer_and_schedule
+from zerodp.train.options import ds_config
+from zerodp.train.report import (
+    Metrics,
+    gather_memory,
+    make_report,
+    memory_text,
+    progress_bar,
+)
 
 # A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
 # passes the code on.

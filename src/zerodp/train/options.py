@@ -13,10 +13,11 @@ import math
 import os
 from typing import Any
 
+from zerodp.models.hf_folder import is_model_folder  # torch-free
+
 # No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
 # zerodp.config are imported inside parse_options, after argparse has run).
-from .sizes import HF_MODELS, SIZES
-from zerodp.integrations.hf.folder import is_model_folder  # torch-free
+from zerodp.models.sizes import HF_MODELS, SIZES
 
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
@@ -142,8 +143,7 @@ def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dic
     if path is None:
         return {}
     from zerodp.config import ConfigError, load_config
-
-    from .ds_sections import read_ds_config
+    from zerodp.train.ds_sections import read_ds_config
     try:
         cfg = load_config(read_ds_config(path, prelim, world))
         batch = cfg.batch(world) if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu else None
@@ -203,7 +203,7 @@ def _check(o: dict[str, Any]) -> None:
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
     """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
-    from .ds_sections import job_world, read_ds_config
+    from zerodp.train.ds_sections import job_world, read_ds_config
     base = read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else {}
     # The job builds the optimizer and schedule (ds_sections.py); batch sizes are the job's options.
     for key in ("optimizer", "scheduler", "train_batch_size"):

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerodp.memory import activation_estimate
-
-from .model import GPTConfig
+from zerodp.engine.memory import activation_estimate
+from zerodp.models.gpt import GPTConfig
 
 # Sums of other categories in engine.memory_report(): left out of the stacked bars.
 _AGGREGATES = ("model_states", "host_model_states", "device_model_states")
@@ -26,7 +25,7 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
              if k not in _AGGREGATES and not k.startswith("cuda_") and v}
     if "cuda_peak_allocated" in report:  # measured: the peak beyond what the engine holds
         parts["activations_and_temporaries"] = max(0, report["cuda_peak_allocated"] - sum(parts.values()))
-    else:  # no allocator statistics on the CPU: the formula of zerodp.memory
+    else:  # no allocator statistics on the CPU: the formula of zerodp.engine.memory
         parts["activations_estimate"] = activation_estimate(shape, opts.micro_batch, shape.block_size,
                                                             opts.dtype)
     gathered: list[Any] = [None] * dist.get_world_size()

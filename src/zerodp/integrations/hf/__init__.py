@@ -1,5 +1,5 @@
 """Hugging Face in one place: `ZeroTrainer` trains with `transformers.Trainer` and `TrainingArguments`,
-zerodp doing the data-parallel part; `folder` reads and writes model folders (save_pretrained's).
+zerodp doing the data-parallel part; model folders (save_pretrained's) are read and written by zerodp.models.hf_folder.
 Needs `pip install zerodp[hf]`; names load on first use, so `zerodp train --help` never imports
 transformers."""
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from ...config import ConfigError, read_config_file
+from zerodp.config import ConfigError, read_config_file
+from zerodp.config.auto import bucket_sizes
 
 _ABSENT = object()
 
@@ -105,12 +106,6 @@ def _same(given: Any, wanted: Any) -> bool:
         return float(given) == float(wanted)
     return given == wanted
 
-
-def bucket_sizes(hidden: int) -> dict[str, int]:
-    """Hugging Face's rule (transformers.integrations.deepspeed) for ZeRO's "auto" sizes from the width."""
-    return {"reduce_bucket_size": hidden * hidden,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
 
 
 def _fill_bucket_sizes(config: dict[str, Any], model: nn.Module | None) -> None:

@@ -27,10 +27,10 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
-from ... import initialize
-from ...config import ConfigError
-from ...engine import Engine
-from .auto import fill_from_training_args
+from zerodp import initialize
+from zerodp.config import ConfigError
+from zerodp.engine.engine import Engine
+from zerodp.integrations.hf.auto import fill_from_training_args
 
 # TrainingArguments that would take the data-parallel part away from zerodp, or act on a model the
 # engine owns behind the Trainer's back.

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 import torch
 from torch.optim import Optimizer
 
-from .comm import Comm
-from .flat import Bucket
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import Bucket
 
 
 class UsedParameters:

@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from .comm import Comm
-from .flat import Bucket, FlatGroup
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import Bucket, FlatGroup
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm.

@@ -14,8 +14,8 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from .memory import activation_estimate, bucket_estimate, placed
-from .plan_model import PlanModel
+from zerodp.engine.memory import activation_estimate, bucket_estimate, placed
+from zerodp.plan.models import PlanModel
 
 _SHORT = {"activations": "act", "optimizer": "optim", "step_temps": "step tmp", "gathered": "gathered"}
 
@@ -118,7 +118,7 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
             "dtype": args.dtype, "checkpointing": args.checkpointing}
     zero = {"offload_optimizer": {"device": "cpu"}} if args.offload_optimizer else {}
     if args.measure == "real":
-        from .measure import measure
+        from zerodp.plan.measure import measure
         out = []
         for world, stage in cells:
             with console.status(f"measuring N={world} stage={stage} on this machine ..."):
@@ -132,7 +132,7 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
             parts = {"states": rep["model_states"], "buckets": rep["reduce_buckets"], "step": rep["step_transient"]}
             out.append({"peak": rep.get("cuda_peak_allocated", r["peak_rss"]), "parts": _parts(parts)})
         return {"zerodp": out, "torch": []}
-    from .peak import measure_peaks
+    from zerodp.plan.peak import measure_peaks
     specs = [{**base, "mode": "zerodp", "stage": s, "world": w, "reduce_bucket_size": args.reduce_bucket_size,
               "zero_optimization": zero} for w, s in cells]
     gpt = {k: v for k, v in base.items() if k != "source"} | {"model": model.fields}

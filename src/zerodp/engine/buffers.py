@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import Comm
+from zerodp.distributed.comm import Comm
 
 
 class BufferSync:

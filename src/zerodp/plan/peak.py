@@ -135,15 +135,15 @@ class _FSDPTracker(_Where, FSDPMemTracker):
 
 # ---- one measured configuration (in a child process) --------------------------------------------
 def _gpt(spec: dict[str, Any], device: torch.device):
-    from zerodp.train.model import GPT, GPTConfig
+    from zerodp.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     with torch.device(device):
         return GPT(GPTConfig(**spec["model"]))
 
 
 def _source_model(spec: dict[str, Any], device: torch.device):
-    """spec["source"] (a zerodp.plan_model.PlanModel's fields): the model and its batch, or None."""
-    from zerodp.plan_model import PlanModel
+    """spec["source"] (a zerodp.plan.models.PlanModel's fields): the model and its batch, or None."""
+    from zerodp.plan.models import PlanModel
     torch.manual_seed(0)
     with torch.device(device):
         model, inputs = PlanModel(**spec["source"]).build()
@@ -194,7 +194,7 @@ def _snapshot(tracker, kind: str) -> dict[str, int]:
 def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     import zerodp
     from zerodp.activations import checkpoint_blocks
-    from zerodp.train.model import Block
+    from zerodp.models.gpt import Block
 
     if "source" in spec:
         model, batch = _source_model(spec, device)
@@ -262,7 +262,7 @@ def _run_fsdp2(spec: dict[str, Any], device: torch.device, mesh) -> _FSDPTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from zerodp.activations import checkpoint_blocks
-    from zerodp.train.model import Block
+    from zerodp.models.gpt import Block
 
     model = _gpt(spec, device)
     if spec["checkpointing"]:
@@ -302,7 +302,7 @@ def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     """`zerodp bench`'s plain mode: fp32 parameters, bf16 autocast, fused AdamW, clip 1.0,
     zero_grad(set_to_none=True); one process, no data parallelism."""
     from zerodp.activations import checkpoint_blocks
-    from zerodp.train.model import Block
+    from zerodp.models.gpt import Block
 
     model = _gpt(spec, device)
     if spec["checkpointing"]:
@@ -324,7 +324,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from zerodp.train.model import GPT, GPTConfig
+    from zerodp.models.gpt import GPT, GPTConfig
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world"])
     device = torch.device("cpu")
@@ -341,7 +341,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         dist.destroy_process_group()
     if "source" in spec:
-        from zerodp.plan_model import PlanModel
+        from zerodp.plan.models import PlanModel
         psi = PlanModel(**spec["source"]).num_params()
     else:
         with torch.device("meta"):
@@ -362,8 +362,8 @@ def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> 
     keys), reshard_after_forward (FSDP2, default True), fake (default True; False runs real CPU
     tensors, for small models).
     """
-    from .measure import run_child
-    return run_child(["zerodp.peak", json.dumps(specs)], "the fake-tensor measuring subprocess", timeout)
+    from zerodp.plan.measure import run_child
+    return run_child(["zerodp.plan.peak", json.dumps(specs)], "the fake-tensor measuring subprocess", timeout)
 
 
 if __name__ == "__main__":

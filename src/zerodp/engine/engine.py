@@ -13,20 +13,24 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .buffers import BufferSync
-from .comm import Comm
-from .cpu_bf16 import warn_if_slow_bf16
-from .config import Config, ConfigError
-from .flat import plan
-from .forward_order import ForwardOrder
-from .monitor.step import StepMonitor
-from .monitor.writers import check_available
-from .non_finite import NonFinitePolicy, norm_is_finite, step_flags
-from .optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
-from .precision import LossScaler, cast_floating
-from .reducer import Reducer
-from .stage3 import Gatherer, owning_modules
-from .unused import UsedParameters
+from zerodp.config import Config, ConfigError
+from zerodp.distributed.comm import Comm
+from zerodp.engine.buffers import BufferSync
+from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
+from zerodp.engine.flat import plan
+from zerodp.engine.forward_order import ForwardOrder
+from zerodp.engine.non_finite import NonFinitePolicy, norm_is_finite, step_flags
+from zerodp.engine.optimizer import (
+    OptimizerLike,
+    PartitionedOptimizer,
+    clip_coefficient,
+)
+from zerodp.engine.precision import LossScaler, cast_floating
+from zerodp.engine.reducer import Reducer
+from zerodp.engine.stage3 import Gatherer, owning_modules
+from zerodp.engine.unused import UsedParameters
+from zerodp.monitor.step import StepMonitor
+from zerodp.monitor.writers import check_available
 
 
 def _names_peer_failure(where: str):
@@ -299,7 +303,7 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
-        from .checkpoint import save_checkpoint
+        from zerodp.checkpoint import save_checkpoint
         self.wait_for_parameters()
         return save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
@@ -307,12 +311,12 @@ class Engine:
                         lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
         """Restore a checkpoint saved on any world size; returns its client_state (collective).
         module_only restores the weights alone (no optimizer, scheduler, counters or RNG)."""
-        from .checkpoint import load_checkpoint
+        from zerodp.checkpoint import load_checkpoint
         return load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
-        from .memory import memory_report
+        from zerodp.engine.memory import memory_report
         return memory_report(self)
 
     # ---- set-up checks --------------------------------------------------------------------------

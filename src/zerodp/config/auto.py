@@ -23,13 +23,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from zerodp.config import ConfigError
-from zerodp.integrations.hf.auto import bucket_sizes
+from zerodp.config.base import ConfigError
 
 AUTO = "auto"
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # Hugging Face's Trainer always starts a warmup from 0.
 _DEFAULTS = {"warmup_min_lr": 0.0}
+
+
+def bucket_sizes(hidden: int) -> dict[str, int]:
+    """Hugging Face's rule (transformers.integrations.deepspeed) for ZeRO's "auto" sizes from the width."""
+    return {"reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
 
 
 def resolve_auto(config: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ class GPTConfig:
     loss_chunk: int = 0
 
 
-from .sizes import SIZES  # noqa: E402 - torch-free, so --help can list them (sizes.py)
+from zerodp.models.sizes import SIZES  # noqa: E402 - torch-free, so --help can list them (sizes.py)
 
 
 def gpt_config(size: str, **overrides) -> GPTConfig:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import Config
+from zerodp.config import Config
 
 
 def cast_floating(obj, dtype: torch.dtype):

@@ -17,7 +17,13 @@ from typing import Annotated, Any, Callable, Literal
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .config_base import ConfigError, NonNegativeInt, PositiveInt, _format_errors, _Section
+from zerodp.config.base import (
+    ConfigError,
+    NonNegativeInt,
+    PositiveInt,
+    _format_errors,
+    _Section,
+)
 
 Rate = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 

@@ -19,11 +19,26 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from .config_base import (_AUTO, ConfigError, NonNegativeInt, PositiveInt, _format_errors,  # noqa: F401
-                          _Section, _unknown_key)
-from .config_keys import NO_EFFECT, REFUSED, refusals  # noqa: F401
-from .config_optimizer import OptimizerConfig
-from .config_scheduler import SchedulerConfig
+from zerodp.config.base import (  # noqa: F401
+    _AUTO,
+    ConfigError,
+    NonNegativeInt,
+    PositiveInt,
+    _format_errors,
+    _Section,
+    _unknown_key,
+)
+from zerodp.config.keys import NO_EFFECT, REFUSED, refusals  # noqa: F401
+from zerodp.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from zerodp.config.optimizer import OptimizerConfig
+from zerodp.config.scheduler import SchedulerConfig
 
 
 class FP16Config(_Section):
@@ -253,9 +268,6 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
-# After _Section, which the monitor sections build on (zerodp.monitor.config imports it from here).
-from .monitor.config import (CometConfig, CommsLoggerConfig, CSVConfig, FlopsProfilerConfig,  # noqa: E402
-                             TensorBoardConfig, WandbConfig)
 
 
 class Config(_Section):

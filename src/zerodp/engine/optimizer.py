@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 from torch.optim import Optimizer
 
-from .comm import Comm
-from .flat import ALIGN, Bucket, FlatGroup
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
 
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
 

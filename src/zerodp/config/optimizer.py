@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from .config_base import _AUTO, ConfigError, _Section, _unknown_key
+from zerodp.config.base import _AUTO, ConfigError, _Section, _unknown_key
 
 # torch.optim's classes that step on plain dense tensors (a flat master shard is one).
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",

@@ -217,7 +217,7 @@ def render(args: argparse.Namespace, plan_model, console) -> None:
         return
     import torch
 
-    from .memory import WORKING_BYTES
+    from zerodp.engine.memory import WORKING_BYTES
     with torch.device("meta"):
         model, _ = plan_model.build()
     console.print(*section(args, model, args.micro_batch * args.seq * args.gas, WORKING_BYTES[args.dtype]))

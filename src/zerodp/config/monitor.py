@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from ..config import _Section
+from zerodp.config.base import _Section
 
 
 class TensorBoardConfig(_Section):

@@ -45,7 +45,7 @@ class PlanModel:
     # ---- what the user gave -> a PlanModel ----------------------------------------------------
     @classmethod
     def parse(cls, ref: str) -> PlanModel:
-        from .train.sizes import SIZES
+        from zerodp.models.sizes import SIZES
 
         if ref in SIZES:
             return cls("gpt", ref, {**_gpt_defaults(), **SIZES[ref]})
@@ -70,13 +70,13 @@ class PlanModel:
     def build(self):
         """(module, loss_of(micro_batch, seq, device) -> inputs or None); inputs: module(*inputs) -> loss."""
         if self.kind == "gpt":
-            from .train.model import GPT, GPTConfig
+            from zerodp.models.gpt import GPT, GPTConfig
             model = GPT(GPTConfig(**self.fields))
             return model, _token_batch(self.fields["vocab_size"])
         if self.kind == "hf":
             import transformers
 
-            from .train.build import HFCausalLM
+            from zerodp.models.build import HFCausalLM
             fields = dict(self.fields)
             config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
             model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config))

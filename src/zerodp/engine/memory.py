@@ -42,7 +42,7 @@ def memory_report(engine) -> dict[str, int]:
     rest as device_model_states. Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
-    from .activations import attached
+    from zerodp.activations import attached
 
     flat = {id(s.param) for g in engine.flat_groups for b in g.buckets for s in b.slots}
     untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
@@ -139,7 +139,7 @@ def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16"
     reduce_bucket_size elements; a stage 3 bucket is one module's own parameters (largest_module
     elements when known, else the reduce_bucket_size bound). Stages 0-1 (and one rank) reduce in
     place in the gradient buffer: no pool."""
-    from .reducer import POOL_BUFFERS
+    from zerodp.engine.reducer import POOL_BUFFERS
     if stage < 2 or world == 1:
         return 0
     bucket = largest_module if stage == 3 and largest_module else reduce_bucket_size

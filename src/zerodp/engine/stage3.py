@@ -26,8 +26,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from .comm import Comm
-from .flat import Bucket
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import Bucket
 
 
 def owning_modules(module: nn.Module) -> dict[int, int]:

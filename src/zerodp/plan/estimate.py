@@ -30,7 +30,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 # Extra sections of the report, printed after the memory table: each names a torch-free module
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # plan_model.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
-SECTION_MODULES: tuple[str, ...] = ("zerodp.comm_plan",)
+SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication",)
 
 
 def parse_bytes(text: str) -> int:
@@ -89,18 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from .extras import require
+    from zerodp.lazy import require
     require("zerodp estimate", "rich")
     from rich.console import Console
 
-    from .plan_model import PlanModel, PlanModelError
+    from zerodp.plan.models import PlanModel, PlanModelError
     try:
         model = PlanModel.parse(args.model or "125M")
     except PlanModelError as e:
         ap.error(str(e))
     _check(ap, args, model)
     console = Console(width=WIDTH)
-    from .estimate_tables import fit_table, memory_table
+    from zerodp.plan.tables import fit_table, memory_table
     try:
         console.print(fit_table(args, model) if args.fit is not None else memory_table(args, model, console))
     except PlanModelError as e:  # e.g. a factory that is not there: found when the model is built

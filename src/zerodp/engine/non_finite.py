@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from .config import Config
-from .precision import LossScaler
+from zerodp.config import Config
+from zerodp.engine.precision import LossScaler
 
 logger = logging.getLogger("zerodp")
 
@@ -117,7 +117,9 @@ def first_non_finite(engine) -> str | None:
     One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
     all sums come to the host in one sync); only a master whose sum is non-finite is searched.
     """
-    from .checkpoint.pieces import owned_pieces  # the checkpoint package imports this module
+    from zerodp.checkpoint.pieces import (
+        owned_pieces,  # the checkpoint package imports this module
+    )
 
     masters = engine.partitioned.masters
     if not masters:

@@ -2,7 +2,7 @@
 
 The fake process group (backend "fake": every collective returns at once, nothing is sent) lets one
 process act as rank 0 of N ranks, so it allocates exactly rank 0's partitions; each (N, stage) runs
-in a fresh subprocess (`python -m zerodp.measure SPECS`) because a process holds one default
+in a fresh subprocess (`python -m zerodp.plan.measure SPECS`) because a process holds one default
 process group. The report is memory.memory_report's: bytes of the tensors the engine owns.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .memory import memory_report
+from zerodp.engine.memory import memory_report
 
 DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default (estimate reads it torch-free)
 
@@ -30,7 +30,7 @@ def measure_many(specs: list[dict[str, Any]], timeout: float | None = None) -> l
     """Several measured steps one after another in one fresh Python process (cheaper to start);
     the process group is destroyed and created anew between them."""
     where = ", ".join(f"world={s['world']} stage={s['stage']}" for s in specs)
-    return run_child(["zerodp.measure", json.dumps(specs)], f"the measuring subprocess for {where}",
+    return run_child(["zerodp.plan.measure", json.dumps(specs)], f"the measuring subprocess for {where}",
                      timeout)
 
 
@@ -48,8 +48,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
 
     import zerodp
     from zerodp.activations import checkpoint_blocks
-    from zerodp.plan_model import PlanModel
-    from zerodp.train.model import Block
+    from zerodp.models.gpt import Block
+    from zerodp.plan.models import PlanModel
 
     world, stage = spec["world"], spec["stage"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -1,0 +1,2 @@
+"""What a rank owns besides its model: the process group (comm.py: the few collectives zerodp uses, the
+agreement that turns one rank's error into every rank's, the shard and replica groups)."""

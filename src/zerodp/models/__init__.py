@@ -1,0 +1,2 @@
+"""The models zerodp's commands train: the GPT of the main job and its sizes (gpt.py, sizes.py), the
+models built by name (build.py), and Hugging Face model folders read and written (hf_folder.py)."""
