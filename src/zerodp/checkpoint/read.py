@@ -16,7 +16,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -169,6 +169,14 @@ def read_metadata(path: str):
 
 def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None]) -> None:
     """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
+    for chunk in iter_tensors(path, metadata, keys, meta):
+        consume(chunk)
+
+
+def iter_tensors(path: str, metadata, keys: list[str], meta: dict,
+                 chunk_numel: int = LOAD_CHUNK_NUMEL) -> Iterator[dict[str, torch.Tensor]]:
+    """The saved tensors `keys`, whole, in chunks of about `chunk_numel` elements, in key order
+    (the files checked once, before the first)."""
     md = metadata.state_dict_metadata
     for key in keys:
         if not isinstance(md.get(key), TensorStorageMetadata):
@@ -180,7 +188,7 @@ def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Call
     for i, key in enumerate(keys):
         chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
         size += chunk[key].numel()
-        if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
+        if size >= chunk_numel or i == len(keys) - 1:
             try:
                 with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
                     warnings.simplefilter("ignore", UserWarning)
@@ -188,5 +196,5 @@ def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Call
             except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
                                       f"({type(e).__name__}: {e})") from None
-            consume(chunk)
+            yield chunk
             chunk, size = {}, 0

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from zerodp.models import hf_folder
+from zerodp.checkpoint.export_engine import save_final
 from zerodp.models.build import build_model, hf_description
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
@@ -209,13 +209,14 @@ def train(opts: argparse.Namespace) -> int:
     if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
         val_loss = evaluate()
 
-    final = engine.full_state_dict()  # collective: every rank takes part, rank 0 writes
+    # Collective: every rank sends one bucket at a time, rank 0 writes final.pt (and, for an HF model,
+    # the folder AutoModelForCausalLM.from_pretrained loads) as they arrive.
+    notes = save_final(engine, out, hf)
     if rank == 0:
-        torch.save(final, out / "final.pt")
         report = make_report(out)
         written = f"  weights {out / 'final.pt'}"
-        if hf is not None:  # an HF model: also as a folder that AutoModelForCausalLM.from_pretrained loads
-            for note in hf_folder.write_folder(out / "hf", final, hf):
+        if hf is not None:
+            for note in notes:
                 print(f"zerodp train: {note}", file=sys.stderr, flush=True)
             written += f"\n  HF folder {out / 'hf'}"
         print(f"zerodp train: final validation loss {val_loss:.4f} after {engine.global_steps} steps\n"
