@@ -74,6 +74,7 @@ def _tee(stream: Iterable[tuple[str, torch.Tensor]], file: TorchSaveFile | None,
             except (OSError, ValueError) as e:
                 errors.append(e)
         yield name, tensor
+        del tensor  # before the stream makes its next bucket
 
 
 def _select(weights: Weights, dtype: torch.dtype | None, names: set[str] | None) -> Weights:

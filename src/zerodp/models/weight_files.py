@@ -8,18 +8,19 @@ values as they arrive (`put`), in any order, and write them in place:
                    file is the one save_file writes from the same tensors; the values go at their
                    offsets with positioned writes.
   TorchSaveFile    `torch.save`'s format: torch.save itself writes the file from fake tensors with
-                   `torch.serialization.skip_data` (storages laid out, bytes left empty), then the
-                   file is memory-mapped shared and each value copied into its storage. Names that
-                   share a tensor share its storage, as torch.save keeps them. (The zip records'
-                   CRC-32 fields are those of the empty bytes: torch.load does not read them.)
+                   `torch.serialization.skip_data` (storages laid out, bytes left empty); each value
+                   then goes into its storage's zip record, and its CRC-32 into the record's two
+                   headers, so the zip is as torch.save writes it. Names that share a tensor share
+                   its storage, as torch.save keeps them.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
+import zipfile
+import zlib
 from typing import Iterable
 
 import torch
@@ -93,28 +94,53 @@ class TorchSaveFile:
         skeleton = {n: skeleton[n] for n in shapes}  # state_dict order, as torch.save(state) writes it
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(skeleton, path)
-        del skeleton
-        previous = torch.serialization.get_default_mmap_options()
-        torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)  # writes go to the file
-        try:
-            self.mapped = torch.load(path, mmap=True, weights_only=True)
-        finally:
-            torch.serialization.set_default_mmap_options(previous)
-        self.path, self.pending = path, {n for n in shapes if n not in ties}
+        # torch.save numbers storages in the order it first meets them: the non-aliases in order.
+        plain = [n for n in shapes if n not in ties]
+        self.records = _records(path, [torch.Size(shapes[n][0]).numel() * shapes[n][1].itemsize for n in plain])
+        self.names = dict(zip(plain, range(len(plain))))
+        self.shapes, self.path, self.pending = shapes, path, set(plain)
+        self.file = open(path, "r+b")
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        target = self.mapped[name]
-        if tensor.shape != target.shape or tensor.dtype != target.dtype:
+        shape, dtype = self.shapes[name]
+        if tensor.shape != shape or tensor.dtype != dtype:
             raise ValueError(f"tensor '{name}' is {tuple(tensor.shape)} {tensor.dtype}; "
-                             f"{self.path} lays out {tuple(target.shape)} {target.dtype}")
-        target.copy_(tensor.detach())
+                             f"{self.path} lays out {tuple(shape)} {dtype}")
+        data_at, local_crc, central_crc = self.records[self.names[name]]
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+        crc = struct.pack("<I", zlib.crc32(data))
+        for offset, chunk in ((data_at, data), (local_crc, crc), (central_crc, crc)):
+            self.file.seek(offset)
+            self.file.write(chunk)
         self.pending.discard(name)
 
     def close(self) -> None:
-        self.mapped = None  # unmaps: the shared pages are the file's
+        self.file.close()
         if self.pending:
             missing = sorted(self.pending)
             raise ValueError(f"{self.path}: {len(missing)} tensor(s) never written, e.g. {', '.join(missing[:3])}")
+
+
+def _records(path: str | os.PathLike, sizes: list[int]) -> list[tuple[int, int, int]]:
+    """For storage i of a torch.save zip (stored, uncompressed): (where its bytes start, where its
+    local header's CRC-32 is, where its central directory entry's CRC-32 is)."""
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        infos = z.infolist()
+        central, at = {}, z.start_dir
+        for info in infos:  # central directory entries are consecutive, in this order
+            central[info.filename] = at + 16
+            at += 46 + len(info.orig_filename.encode()) + len(info.extra) + len(info.comment)
+        archive = infos[0].filename.split("/")[0]
+        out = []
+        for i, size in enumerate(sizes):
+            info = z.getinfo(f"{archive}/data/{i}")
+            if info.file_size != size or info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{path}: storage {i} is laid out as {info.file_size} bytes, not {size}")
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            out.append((info.header_offset + 30 + name_len + extra_len, info.header_offset + 14,
+                        central[info.filename]))
+        return out
 
 
 def write_all(stream: Iterable[tuple[str, torch.Tensor]],
@@ -132,6 +158,7 @@ def write_all(stream: Iterable[tuple[str, torch.Tensor]],
                     file.put(key, tensor)
             except (OSError, ValueError) as e:
                 error = e
+        del tensor  # before the stream makes its next bucket: one bucket alive at a time
     for f in files.values():
         try:
             f.close()
