@@ -51,31 +51,51 @@ class Engine:
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
                  comm: Comm, lr_scheduler: Callable | None = None):
         self.config, self.comm, self.module = config, comm, module
-        zero = config.zero_optimization
+        optimizer, groups = self._agreed_set_up(optimizer)
+        self._cast_and_sync_untrained(groups)
+        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
+                            else None)
+        layout, fp32_shards = self._flat_buffers(groups)
+        self._step_parts(optimizer, layout, fp32_shards)
+        del fp32_shards
+        self.scaler = LossScaler.from_config(config)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = config.scheduler.build
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.clip = config.gradient_clipping
+        self._start_counters()
+        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
+        self.monitor = StepMonitor(config, comm, self.device)
+        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
+
+    # ---- set-up, in the order __init__ runs it ---------------------------------------------------
+    def _agreed_set_up(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
+        """The local checks, then the first collective: a set-up error on any rank raises on every rank
+        (zerodp.initialize meets this agreement directly when its config failed to load)."""
         error = None
         try:
             optimizer, groups = self._local_checks(optimizer)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
-        # The first collective: a set-up error on any rank raises on every rank (zerodp.initialize
-        # meets this agreement directly when its config failed to load).
-        comm.agree(error, "zerodp.initialize")
+        self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
-        warn_if_slow_bf16(self.device, self.dtype, comm.rank)
-        comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        if config.seed is not None:
-            _seed_everything(config.seed + comm.rank)
+        warn_if_slow_bf16(self.device, self.dtype, self.comm.rank)
+        self.comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
+        if self.config.seed is not None:
+            _seed_everything(self.config.seed + self.comm.rank)
+        return optimizer, groups
 
-        self._cast_and_sync_untrained(groups)
-        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
-                            else None)
-        units = owning_modules(module) if self.stage == 3 else None
+    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+        """The parameters become views into flat buckets holding rank 0's weights; returns the layout
+        and this rank's fp32 values, bucket by bucket, which the masters start from."""
+        zero, comm = self.config.zero_optimization, self.comm
+        units = owning_modules(self.module) if self.stage == 3 else None
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
         layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
+        fp32_shards = []
         for g in layout:
             fulls = [b.flatten(torch.float32) for b in g.buckets]
             for full in fulls:
@@ -87,42 +107,42 @@ class Engine:
             fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
             del fulls
         self.flat_groups = layout
+        return layout, fp32_shards
+
+    def _step_parts(self, optimizer: OptimizerLike, layout: list, fp32_shards: list[torch.Tensor]) -> None:
+        """The partitioned optimizer, the used-parameter tracker, stage 3's gatherer, overlap_param_gather's
+        forward order and the gradient reducer, over one layout."""
+        config, comm, zero = self.config, self.comm, self.config.zero_optimization
         offload = zero.offload_optimizer
         self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
                                                 offload.device == "cpu", offload.pin_memory,
                                                 zero.allgather_bucket_size, zero.sub_group_size)
-        del fp32_shards
         self.optimizer: Optimizer = self.partitioned.optimizer
         self.unused = (None if zero.step_unused_parameters else
                        UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
         self.partitioned.used_only = self.unused
         # Stage 0 gathers nothing and stage 3 gathers per module already.
-        self.forward_order = (ForwardOrder(module, self.partitioned)
+        self.forward_order = (ForwardOrder(self.module, self.partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
-        self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
+        self.gatherer = Gatherer(self.module, buckets, comm, zero.stage3_param_persistence_threshold,
                                  zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                                comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
                                predivide=config.gradient_predivide_factor)
-        self.scaler = LossScaler.from_config(config)
-        if lr_scheduler is None and config.scheduler is not None:
-            lr_scheduler = config.scheduler.build
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.clip = config.gradient_clipping
+
+    def _start_counters(self) -> None:
+        """Steps, the accumulation window and no_sync's state, all at zero; the byte tally too."""
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._stepped_at = 0
         self._scale_used = self.scaler.scale
         self._grad_norm: torch.Tensor | None = None
-        self.non_finite = NonFinitePolicy(config, comm.rank)
+        self.non_finite = NonFinitePolicy(self.config, self.comm.rank)
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
-        comm.traffic.reset()
-        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
-        self.monitor = StepMonitor(config, comm, self.device)
-        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
+        self.comm.traffic.reset()
 
     # ---- the training step ----------------------------------------------------------------------
     @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
