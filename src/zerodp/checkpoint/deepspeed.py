@@ -12,7 +12,7 @@ step) over the same partition:
               k = ceil(numel / world), the pieces of a group's parameters concatenated in order.
 `read` works out where each parameter's elements lie in those partitions (`Segment`s, by parameter
 name: the layout-free view zerodp's own checkpoints use); `load` copies out the pieces this rank now
-owns, on any world size and stage, and hands them to load.py's `_apply` like a zerodp checkpoint's: the
+owns, on any world size and stage, and hands them to apply.py's `apply` like a zerodp checkpoint's: the
 engine never learns DeepSpeed's names. The optimizer files are memory-mapped, so a rank reads about
 its own share of them. DeepSpeed's files are pickles: they are read with
 torch.load(weights_only=True) and an allow-list of the few DeepSpeed globals they hold (`ALLOWED`),
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.pieces import owned_pieces, signature, untrained
 
@@ -286,25 +287,19 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
 
 # ---- loading one into an engine ------------------------------------------------------------------
 def load(engine, path: str, parts=None) -> dict:
-    """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then load.py's apply."""
-    from zerodp.checkpoint.load import (  # load.py dispatches here: imported late, no cycle
-        _apply,
-        _Parts,
-        _Staged,
-    )
-
+    """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then apply.py."""
     err = meta = staged = None
     try:
         ckpt = read(path)
         _check_model(engine, ckpt)
         meta = _meta(engine, ckpt)
-        staged = _stage(engine, ckpt, _Staged)
+        staged = _stage(engine, ckpt)
     except CheckpointError as e:
         err = str(e)
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
     agree(engine.comm, err)
-    _apply(engine, meta, staged, parts or _Parts())
+    apply(engine, meta, staged, parts or Parts())
     return meta["client_state"]
 
 
@@ -339,7 +334,7 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
                               f"groups, the optimizer has {len(engine.optimizer.param_groups)}")
 
 
-def _stage(engine, ckpt: DeepSpeedCheckpoint, staged_type):
+def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
     part = engine.partitioned
     kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.parts}
@@ -348,11 +343,11 @@ def _stage(engine, ckpt: DeepSpeedCheckpoint, staged_type):
             ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])
     model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in untrained(engine).items()}
     masters = kinds.pop("master")
-    return staged_type(masters, kinds, dict(ckpt.scalars), model_state, {})
+    return Staged(masters, kinds, dict(ckpt.scalars), model_state, {})
 
 
 def _meta(engine, ckpt: DeepSpeedCheckpoint) -> dict:
-    """What load.py's _apply reads from a zerodp.json, from DeepSpeed's host state."""
+    """What apply.py's apply reads from a zerodp.json, from DeepSpeed's host state."""
     ds_config = ckpt.model.get("ds_config") or {}
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))
     schedule = _lr_scheduler(engine, ckpt, ds_config)  # first: it may set the groups' lr

@@ -110,5 +110,28 @@ def local_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def first_non_finite(engine) -> str | None:
+    """This rank's first non-finite fp32 master value, as "'NAME' element I (nan)", or None.
+
+    One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
+    all sums come to the host in one sync); only a master whose sum is non-finite is searched.
+    """
+    masters = engine.partitioned.masters
+    if not masters:
+        return None
+    sums = torch.stack([m.detach().sum() for m in masters])
+    for i in torch.isfinite(sums).logical_not().nonzero().flatten().tolist():
+        bad = torch.isfinite(masters[i]).logical_not().nonzero().flatten()
+        if bad.numel() == 0:  # finite values whose sum overflowed
+            continue
+        k = int(bad[0])
+        value = float(masters[i][k])
+        for p in owned_pieces(engine):
+            if p.master == i and p.offset <= k < p.offset + p.numel:
+                return f"'{p.name}' element {p.start + k - p.offset} ({value})"
+        return f"the padding of bucket {i} ({value})"
+    return None
+
+
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True).contiguous()

@@ -29,8 +29,7 @@ from zerodp.checkpoint.errors import (
     root_oserror,
 )
 from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
-from zerodp.checkpoint.pieces import bucket_params, group_states, local_state, signature
-from zerodp.engine.non_finite import first_non_finite
+from zerodp.checkpoint.pieces import bucket_params, first_non_finite, group_states, local_state, signature
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -97,7 +96,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     if not TAG.fullmatch(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
                               "'_.+-', not starting with '.', and not 'latest'")
-    if engine.micro_steps != engine._stepped_at:  # backward() calls not yet applied by a step()
+    if engine.pending_micro_steps:  # backward() calls not yet applied by a step()
         raise CheckpointError(
             f"save_checkpoint in the middle of a gradient accumulation (micro step "
             f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "

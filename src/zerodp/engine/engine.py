@@ -7,7 +7,7 @@ import functools
 import hashlib
 import itertools
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -45,12 +45,24 @@ def _names_peer_failure(where: str):
     return wrap
 
 
+class CheckpointIO(Protocol):
+    """What engine.save_checkpoint / load_checkpoint call: the zerodp.checkpoint package, which sits
+    above the engine (it reads the engine's state), handed in by zerodp.initialize."""
+
+    def save_checkpoint(self, engine: Engine, save_dir: str, tag: str | None, client_state: dict | None,
+                        keep_last: int | None) -> str: ...
+
+    def load_checkpoint(self, engine: Engine, load_dir: str, tag: str | None, optimizer_states: bool,
+                        lr_scheduler_states: bool, module_only: bool) -> dict: ...
+
+
 class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None):
+                 comm: Comm, lr_scheduler: Callable | None = None, *, checkpoint_io: CheckpointIO | None = None):
         self.config, self.comm, self.module = config, comm, module
+        self.checkpoint_io = checkpoint_io
         optimizer, groups = self._agreed_set_up(optimizer)
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
@@ -323,16 +335,39 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
-        from zerodp.checkpoint import save_checkpoint
         self.wait_for_parameters()
-        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+        return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
                         lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
         """Restore a checkpoint saved on any world size; returns its client_state (collective).
         module_only restores the weights alone (no optimizer, scheduler, counters or RNG)."""
-        from zerodp.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
+        return self._checkpoints().load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states,
+                                                   module_only)
+
+    def _checkpoints(self) -> CheckpointIO:
+        if self.checkpoint_io is None:
+            raise RuntimeError("this Engine was built without checkpoint_io, so it cannot save or load "
+                               "checkpoints; build it with zerodp.initialize, or call "
+                               "zerodp.checkpoint.save_checkpoint(engine, ...) / load_checkpoint(engine, ...)")
+        return self.checkpoint_io
+
+    @property
+    def pending_micro_steps(self) -> int:
+        """backward() calls since the last update that no step() has applied yet."""
+        return self.micro_steps - self._stepped_at
+
+    def drop_gradients(self) -> None:
+        """The weights were replaced (a checkpoint was loaded): the gradients and the last norm are gone."""
+        self.reducer.zero()
+        self._grad_norm = None
+
+    def resume_counters(self, global_steps: int, skipped_steps: int) -> None:
+        """A checkpoint's step counts, restarting at an accumulation boundary (the accumulation steps
+        may differ from the saved run's when the world size did), with the loss scale now in force."""
+        self.global_steps, self.skipped_steps = global_steps, skipped_steps
+        self.micro_steps = self._stepped_at = global_steps * self.gas
+        self._scale_used = self.scaler.scale
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
