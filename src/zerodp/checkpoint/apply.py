@@ -33,7 +33,7 @@ class Staged:
 
 def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
     """Write what was staged into the engine; parts says what besides the weights."""
-    part = engine.partitioned
+    part = engine.partitioned_optimizer
     with torch.no_grad():
         for m, new in zip(part.masters, staged.masters):
             m.copy_(new.view(m.shape))
@@ -59,7 +59,7 @@ def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
 def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
-    part, opt = engine.partitioned, engine.optimizer
+    part, opt = engine.partitioned_optimizer, engine.optimizer
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
@@ -75,9 +75,9 @@ def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    if engine.unused is not None:
+    if engine.used_only is not None:
         names = {id(p): n for n, p in engine.module.named_parameters()}
-        engine.unused.after_load(opt, part.masters, names, meta.get("step_counts"))
+        engine.used_only.after_load(opt, part.masters, names, meta.get("step_counts"))
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:

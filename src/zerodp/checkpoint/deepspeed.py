@@ -106,7 +106,7 @@ def find(load_dir: str, tag: str | None = None) -> str | None:
     return path if tag and "/" not in tag and _is_tag_dir(path) else None
 
 
-def describe(path: str) -> str:
+def directory_contents(path: str) -> str:
     """What a directory holds, for an error that says what was found instead of a checkpoint."""
     try:
         names = sorted(os.listdir(path))
@@ -228,7 +228,7 @@ def _optim_file(path: str, rank: int) -> dict:
     if len(found) != 1:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' is incomplete: {'no' if not found else 'more than one'}"
                               f" optimizer file for data-parallel rank {rank} (zero_pp_rank_{rank}_mp_rank_00_"
-                              f"optim_states.pt); {describe(path)}")
+                              f"optim_states.pt); {directory_contents(path)}")
     sd = torch_load(found[0], mmap=True)
     if not isinstance(sd.get("optimizer_state_dict"), dict):
         raise CheckpointError(f"'{found[0]}' has no optimizer_state_dict: not a DeepSpeed ZeRO optimizer file")
@@ -336,7 +336,7 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
 
 def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
-    part = engine.partitioned
+    part = engine.partitioned_optimizer
     kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.parts}
     for pc in owned_pieces(engine):
         for kind, dests in kinds.items():

@@ -80,7 +80,7 @@ def _check_model(engine, path: str, meta: dict) -> None:
 def _stage(engine, path: str, meta: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
-    part, rank = engine.partitioned, engine.comm.rank
+    part, rank = engine.partitioned_optimizer, engine.comm.rank
     masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
     keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
     states = {}

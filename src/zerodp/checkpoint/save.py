@@ -111,7 +111,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
                               f"bools, None): {e}") from None
-    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+    for b, m in zip(engine.partitioned_optimizer.buckets, engine.partitioned_optimizer.masters):
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
                 raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
@@ -142,11 +142,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "client_state": client_state,
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
-        "step_counts": (None if engine.unused is None else
-                        engine.unused.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
+        "step_counts": (None if engine.used_only is None else
+                        engine.used_only.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
-                   for b in engine.partitioned.buckets],
+                   for b in engine.partitioned_optimizer.buckets],
     }
 
 

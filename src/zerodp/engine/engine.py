@@ -17,8 +17,9 @@ from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import plan
+from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
+from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import NonFinitePolicy, norm_is_finite, step_flags
 from zerodp.engine.optimizer import (
     OptimizerLike,
@@ -78,7 +79,7 @@ class Engine:
         self._start_counters()
         # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
         self.monitor = StepMonitor(config, comm, self.device)
-        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
+        self.monitor.instrument_gathers(self.partitioned_optimizer, self.gatherer)
 
     # ---- set-up, in the order __init__ runs it ---------------------------------------------------
     def _agreed_set_up(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
@@ -105,7 +106,7 @@ class Engine:
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        layout = lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []
         for g in layout:
@@ -126,15 +127,17 @@ class Engine:
         forward order and the gradient reducer, over one layout."""
         config, comm, zero = self.config, self.comm, self.config.zero_optimization
         offload = zero.offload_optimizer
-        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
-                                                offload.device == "cpu", offload.pin_memory,
-                                                zero.allgather_bucket_size, zero.sub_group_size)
-        self.optimizer: Optimizer = self.partitioned.optimizer
-        self.unused = (None if zero.step_unused_parameters else
-                       UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
-        self.partitioned.used_only = self.unused
+        partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
+                                           offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size)
+        self.partitioned_optimizer = partitioned
+        self.optimizer: Optimizer = partitioned.optimizer
+        # Steps only the parameters that got a gradient (PyTorch's semantics, unused.py); None when
+        # step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's).
+        self.used_only = (None if zero.step_unused_parameters else
+                          UsedParameters(partitioned.buckets, partitioned.rank, comm, self.stage))
+        partitioned.used_only = self.used_only
         # Stage 0 gathers nothing and stage 3 gathers per module already.
-        self.forward_order = (ForwardOrder(self.module, self.partitioned)
+        self.forward_order = (ForwardOrder(self.module, partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(self.module, buckets, comm, zero.stage3_param_persistence_threshold,
@@ -184,8 +187,8 @@ class Engine:
             self.reducer.begin(communicate=communicate)
             loss.backward()
             self.reducer.finish_backward()
-            if self.unused is not None:
-                self.unused.after_backward(self.reducer.arrived)
+            if self.used_only is not None:
+                self.used_only.after_backward(self.reducer.arrived)
             if self.gatherer is not None:
                 self.gatherer.release_all()
         self.micro_steps += 1
@@ -226,10 +229,10 @@ class Engine:
             self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
-        if self.unused is None:
-            norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        if self.used_only is None:
+            norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
         else:  # the used bits ride in the same all-reduce
-            norm_sq, flags = self.unused.norm_and_agree(self.partitioned, grads, flags)
+            norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
         # The one host sync of the step, in every precision, on a value every rank agrees on: a
         # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
@@ -237,14 +240,14 @@ class Engine:
         if skip:
             self.skipped_steps += 1
         else:
-            self.partitioned.step(grads, coef, defer_gather=self.forward_order is not None)
+            self.partitioned_optimizer.step(grads, coef, defer_gather=self.forward_order is not None)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         if self.gatherer is not None and not skip:
             self.gatherer.refresh_persistent()
         self.scaler.update(skip)
-        if self.unused is not None:
-            self.unused.end_window(stepped=not skip)
+        if self.used_only is not None:
+            self.used_only.end_window(stepped=not skip)
         self.reducer.zero()
         self._window_loss = None
         self.global_steps += 1
@@ -277,7 +280,7 @@ class Engine:
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
         gathered and the next forward waits for them; call this to read them directly before that."""
-        self.partitioned.wait_for_parameters()
+        self.partitioned_optimizer.wait_for_parameters()
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -309,19 +312,19 @@ class Engine:
         unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
-        buckets = [b for b in self.partitioned.buckets
+        buckets = [b for b in self.partitioned_optimizer.buckets
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
-                self.partitioned.adopt_working(buckets, modifier_rank, wanted)
+                self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
         self.wait_for_parameters()
         values: dict[int, torch.Tensor] = {}
-        for b, m in zip(self.partitioned.buckets, self.partitioned.masters):
-            full = self.partitioned.full_master(b, m)
+        for b, m in zip(self.partitioned_optimizer.buckets, self.partitioned_optimizer.masters):
+            full = self.partitioned_optimizer.full_master(b, m)
             for s in b.slots:
                 values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
         out = {}
@@ -371,7 +374,6 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
-        from zerodp.engine.memory import memory_report
         return memory_report(self)
 
     # ---- set-up checks --------------------------------------------------------------------------

@@ -239,8 +239,8 @@ def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
             tracker.label(g.data, Ref.PARAM)
         for b in g.buckets if engine.gatherer is not None else ():
             tracker.label(b.data, Ref.GATHERED)
-    if engine.partitioned.separate:  # in fp32 the master is the working buffer's shard itself
-        for m in engine.partitioned.masters:
+    if engine.partitioned_optimizer.separate:  # in fp32 the master is the working buffer's shard itself
+        for m in engine.partitioned_optimizer.masters:
             tracker.label(m, Ref.MASTER)
     for t in batch or ():
         if isinstance(t, torch.Tensor):

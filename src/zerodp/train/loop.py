@@ -162,7 +162,8 @@ def train(opts: argparse.Namespace) -> int:
             save(job)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} {job.tokens_per_step / dt:,.0f} tok/s "
+            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} "
+                                f"{job.tokens_per_step / dt:,.0f} tok/s "
                                 f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
                                 f"mem/rank {memory_text(memory)}")
         if stopping:
@@ -193,7 +194,7 @@ def set_up(opts: argparse.Namespace) -> Job:
     data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
 
-    # main's plan_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
+    # main's choose_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
     # DeepSpeed checkpoint; one this job did not write has no data order: go on from its step).
     resumed = opts.resume_path is not None
     if resumed:
