@@ -126,20 +126,20 @@ class Engine:
         """The partitioned optimizer, the used-parameter tracker, stage 3's gatherer, overlap_param_gather's
         forward order and the gradient reducer, over one layout."""
         config, comm, zero = self.config, self.comm, self.config.zero_optimization
-        offload = zero.offload_optimizer
-        partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
-                                           offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size)
-        self.partitioned_optimizer = partitioned
-        self.optimizer: Optimizer = partitioned.optimizer
+        buckets = [b for g in layout for b in g.buckets]
         # Steps only the parameters that got a gradient (PyTorch's semantics, unused.py); None when
         # step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's).
         self.used_only = (None if zero.step_unused_parameters else
-                          UsedParameters(partitioned.buckets, partitioned.rank, comm, self.stage))
-        partitioned.used_only = self.used_only
+                          UsedParameters(buckets, comm.shard_rank if self.stage > 0 else 0, comm, self.stage))
+        offload = zero.offload_optimizer
+        partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
+                                           offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
+                                           self.used_only)
+        self.partitioned_optimizer = partitioned
+        self.optimizer: Optimizer = partitioned.optimizer
         # Stage 0 gathers nothing and stage 3 gathers per module already.
         self.forward_order = (ForwardOrder(self.module, partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
-        buckets = [b for g in layout for b in g.buckets]
         self.gatherer = Gatherer(self.module, buckets, comm, zero.stage3_param_persistence_threshold,
                                  zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
+from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import gather_phase
 
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
@@ -31,13 +32,14 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 class PartitionedOptimizer:
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
-                 allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000):
+                 allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
+                 used_only: UsedParameters | None = None):
         self.comm, self.stage, self.offload = comm, stage, offload
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
-        self.used_only = None  # unused.UsedParameters: parameters without a gradient are not stepped
+        self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
         self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
