@@ -7,7 +7,7 @@ model of a recorded config on the meta device, assigns the trained fp32 tensors 
 `model.` prefix stripped) and lets `save_pretrained` write config.json, generation_config.json and
 model.safetensors with HF's own key names and tied weights (GPT-2's lm_head is not stored: HF re-ties
 it on load); the tokenizer is copied through `AutoTokenizer`. What a checkpoint records to make this
-possible later (`zerodp consolidate --hf`) is `describe(model, tokenizer_from)`.
+possible later (`zerodp consolidate --hf`) is `description(model, tokenizer_from)`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def tokenize(text: str, tokenizer) -> np.ndarray:
     return np.fromiter((t for line in ids for t in line), dtype=dtype)
 
 
-def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
+def description(model, tokenizer_from: str | None) -> dict[str, Any]:
     """What a checkpoint records of an HF model to write its folder later: config, generation
     config and where its tokenizer is (JSON)."""
     generation = getattr(model, "generation_config", None)
@@ -92,7 +92,7 @@ def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
 
 
 def read_description(path: str) -> dict[str, Any]:
-    """describe()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
+    """description()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     file = os.path.join(path, CONFIG) if os.path.isdir(path) else path
     try:

@@ -70,7 +70,7 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
                 "none": "estimated"}[args.measure]
     batch = (f"micro-batch {args.micro_batch} x {args.seq} tokens" if model.shape() is not None
              else "the factory's inputs")
-    title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
+    title = (f"{model.title()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
              f"{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
                                            "at the peak"])
@@ -183,7 +183,7 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     """The largest micro-batch for `model`, and the largest of its family at --micro-batch, per (N, stage)."""
     members = family(model)
     psi = model.num_params()
-    title = (f"Within {size(args.fit)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
+    title = (f"Within {size(args.fit)} per rank: {model.title()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
     caption = ("estimated, not measured: formula + reduce buckets + activation estimate; family: width and depth "
                "of the model scaled together (heads keep their size).")
