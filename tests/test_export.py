@@ -113,7 +113,7 @@ def test_hf_folder_is_written_in_save_pretrained_shards_and_loads_to_the_same_lo
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     wrapped = {f"model.{k}": v for k, v in model.state_dict().items()}  # zerodp's HFCausalLM's names
-    hf_folder.write_folder(tmp_path / "ours", wrapped, hf_folder.describe(model, None), max_shard_size=40_000)
+    hf_folder.write_folder(tmp_path / "ours", wrapped, hf_folder.description(model, None), max_shard_size=40_000)
     model.save_pretrained(tmp_path / "hf", max_shard_size=40_000)
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert len([n for n in names if n.endswith(".safetensors")]) > 3
@@ -130,7 +130,7 @@ def test_hf_folder_names_a_missing_or_mis_shaped_tensor_before_writing(hf_folder
     from zerodp.models.build import build_model
 
     model, _ = build_model(str(hf_folders["llama"]), 300, None)
-    state, description = model.state_dict(), hf_folder.describe(model.model, None)
+    state, description = model.state_dict(), hf_folder.description(model.model, None)
     with pytest.raises(ValueError, match=r"miss 1 tensor\(s\).*model.norm.weight"):
         hf_folder.write_folder(tmp_path / "a", {k: v for k, v in state.items() if k != "model.model.norm.weight"},
                                description)

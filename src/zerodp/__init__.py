@@ -63,6 +63,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
+    import zerodp.checkpoint as checkpoint_io
     from zerodp.config import load_config
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
@@ -75,4 +76,4 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler)
+    return Engine(model, optimizer, cfg, comm, lr_scheduler, checkpoint_io=checkpoint_io)

@@ -39,7 +39,7 @@ def save_weights(engine: Engine, path: str | os.PathLike, dtype: torch.dtype | N
 
 def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str]:
     """`out/final.pt` (fp32, keyed like module.state_dict()) and, when `hf` describes a Hugging Face
-    model (hf_folder.describe), the folder `out/hf` that from_pretrained loads; returns the HF
+    model (hf_folder.description), the folder `out/hf` that from_pretrained loads; returns the HF
     writer's notes (rank 0)."""
     weights = engine_weights(engine)
     writer = engine.comm.rank == 0

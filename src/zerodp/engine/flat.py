@@ -107,8 +107,8 @@ class FlatGroup:
                 s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
 
 
-def plan(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
-         unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
+def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
+            unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
     """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets.
 
     unit_of (stage 3): id(param) -> the module that owns it; a bucket then holds exactly one

@@ -52,7 +52,7 @@ def engine_weights(engine: Engine) -> Weights:
     floating buffers and frozen parameters in fp32, the rest as they are. Iterating the stream is a
     collective (stages 1-3 gather each bucket from its owners): every rank must iterate it to the end."""
     engine.wait_for_parameters()
-    slots = {id(s.param): s for b in engine.partitioned.buckets for s in b.slots}
+    slots = {id(s.param): s for b in engine.partitioned_optimizer.buckets for s in b.slots}
     shapes, ties, first = {}, {}, {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in slots:
@@ -67,7 +67,7 @@ def engine_weights(engine: Engine) -> Weights:
 
 
 def _stream(engine: Engine, first: dict[int, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    partitioned = engine.partitioned
+    partitioned = engine.partitioned_optimizer
     trained = set()
     for b, m in zip(partitioned.buckets, partitioned.masters):
         full = partitioned.full_master(b, m)  # one bucket, fp32, on every rank

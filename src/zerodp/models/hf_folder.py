@@ -9,7 +9,7 @@ generation_config.json, and asks HF which weights it would store under which key
 The weights themselves are written tensor by tensor as they arrive (models.weight_files), so neither
 the writer nor a rank sending them ever holds the whole model; the tokenizer is copied through
 `AutoTokenizer`. What a checkpoint records to make this
-possible later (`zerodp consolidate --hf`) is `describe(model, tokenizer_from)`.
+possible later (`zerodp consolidate --hf`) is `description(model, tokenizer_from)`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def tokenize(text: str, tokenizer) -> np.ndarray:
     return np.fromiter((t for line in ids for t in line), dtype=dtype)
 
 
-def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
+def description(model, tokenizer_from: str | None) -> dict[str, Any]:
     """What a checkpoint records of an HF model to write its folder later: config, generation
     config and where its tokenizer is (JSON)."""
     generation = getattr(model, "generation_config", None)
@@ -101,7 +101,7 @@ def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
 
 
 def read_description(path: str) -> dict[str, Any]:
-    """describe()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
+    """description()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     file = os.path.join(path, CONFIG) if os.path.isdir(path) else path
     try:
@@ -187,7 +187,7 @@ def _write_files(folder: Path, files: dict[str, dict], routes: dict[str, list[tu
 
 
 def meta_model(description: dict[str, Any]):
-    """The model of a recorded config (describe()'s), on meta, in fp32 (what is stored: the fp32
+    """The model of a recorded config (description()'s), on meta, in fp32 (what is stored: the fp32
     master weights)."""
     import torch
     import transformers

@@ -69,11 +69,11 @@ class StepMonitor:
 
     def instrument_gathers(self, partitioned, gatherer) -> None:
         """Time parameter all-gathers as the 'gather' phase (only with wall_clock_breakdown)."""
-        for obj, methods in ((partitioned, ("all_gather", "wait_for_parameters")),
-                             (gatherer, ("gather", "refresh_persistent"))):
+        if not self.timers.enabled:
+            return
+        for obj in (partitioned, gatherer):
             if obj is not None:
-                for m in methods:
-                    self.timers.wrap(obj, m, "gather")
+                obj.time_gathers(lambda: self.timers.span("gather"))
 
     def saw_inputs(self, args: tuple) -> None:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)

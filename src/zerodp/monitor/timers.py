@@ -54,24 +54,23 @@ class PhaseTimers:
         event.record()
         return event
 
-    def wrap(self, obj, method: str, name: str) -> None:
-        """Time every call of obj.method (an instance attribute shadows the class's method)."""
-        if not self.enabled:
-            return
-        inner = getattr(obj, method)
-
-        @functools.wraps(inner)
-        def timed(*args, **kwargs):
-            with self._span(name):
-                return inner(*args, **kwargs)
-        setattr(obj, method, timed)
-
     def close_step(self) -> list[list]:
         """This step's spans (to `resolve` once complete); the next step starts empty. A span still
         open (a step() inside a forward is not a thing, but be safe) stays with the next step."""
         done, self.spans = self.spans, []
         self.stack = []
         return done
+
+
+def gather_phase(method):
+    """The method runs inside its object's `gather_span()`: wall_clock_breakdown times it as the
+    'gather' phase. The object starts with `gather_span = nullcontext` (free) and offers
+    `time_gathers(span)`, which the step monitor calls with its timer's span when timing is on."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.gather_span():
+            return method(self, *args, **kwargs)
+    return run
 
 
 def resolve(spans: list[list]) -> dict[str, float]:

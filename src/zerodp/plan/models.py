@@ -160,7 +160,7 @@ class PlanModel:
                 f[key] = max(1, round(f[key] * factor))
         return dataclasses.replace(self, fields=f, ref=f"{self.ref} x{factor:.2f}")
 
-    def describe(self) -> str:
+    def title(self) -> str:
         s = self.shape()
         return self.ref if s is None else f"{self.ref} ({s.n_layer} layers x {s.n_embd} wide)"
 

@@ -84,7 +84,7 @@ def _memory_table(args: argparse.Namespace, model: PlanModel, console) -> tuple[
                 "none": "estimated"}[args.measure]
     batch = (f"micro-batch {args.micro_batch} x {args.seq} tokens" if model.shape() is not None
              else "the factory's inputs")
-    title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
+    title = (f"{model.title()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
              f"{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
                                            "at the peak"])
@@ -119,7 +119,7 @@ def setup_table(args: argparse.Namespace, model: PlanModel, step_peaks: dict[tup
     set-up, which a plan must fit."""
     psi = model.num_params()
     cells = [(w, s) for w in args.world for s in args.stage]
-    title = (f"Set-up peak per rank (build, load, zerodp.initialize) beside the step's: {model.describe()}, "
+    title = (f"Set-up peak per rank (build, load, zerodp.initialize) beside the step's: {model.title()}, "
              f"{args.dtype}")
     how = {True: "measured on fake tensors", False: "formula"}
     caption = ("meta: built on meta, each rank materialising its part bucket by bucket; whole: every rank "
@@ -235,7 +235,7 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     """The largest micro-batch for `model`, and the largest of its family at --micro-batch, per (N, stage)."""
     members = family(model)
     psi = model.num_params()
-    title = (f"Within {size(args.fit)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
+    title = (f"Within {size(args.fit)} per rank: {model.title()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
     caption = ("estimated, not measured: formula + reduce buckets + activation estimate, or the set-up peak of "
                f"the {args.setup} path (--setup) where it is larger; family: width and depth of the model scaled "
