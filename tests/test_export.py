@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from spawn import run_ranks
 from torch import nn
 

@@ -10,7 +10,7 @@ models.weight_files): the whole model is never in memory (a DeepSpeed checkpoint
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -21,7 +21,6 @@ from zerodp.checkpoint.read import iter_tensors, read_metadata, resolve
 from zerodp.engine.weights import Weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
-
 
 # Elements read from the checkpoint at once while exporting (zero_optimization.reduce_bucket_size's
 # default): the exporter holds one such chunk and the tensor being assembled, never the whole model.

@@ -10,8 +10,9 @@ parameters, which every rank holds whole. `Engine.full_state_dict` is the same v
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 

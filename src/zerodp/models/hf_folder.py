@@ -19,8 +19,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -263,8 +264,8 @@ def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:
     if source and has_tokenizer(source):
         transformers.AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     elif source:
-        return [f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER of the model it "
-                "came from)"]
+        return [(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER of the model it "
+                 "came from)")]
     return []
 
 

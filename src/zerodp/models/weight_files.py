@@ -21,7 +21,7 @@ import os
 import struct
 import zipfile
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -56,7 +56,7 @@ class SafetensorsFile:
         text += b" " * (-len(text) % 8)
         self.entries, self.start, self.pending = entries, 8 + len(text), set(entries)
         self.path = path
-        self.file = open(path, "wb")
+        self.file = open(path, "wb")  # noqa: SIM115 - open from here to close(), across the puts
         self.file.write(struct.pack("<Q", len(text)) + text)
         self.file.truncate(self.start + offset)
 
@@ -99,7 +99,7 @@ class TorchSaveFile:
         self.records = _records(path, [torch.Size(shapes[n][0]).numel() * shapes[n][1].itemsize for n in plain])
         self.names = dict(zip(plain, range(len(plain))))
         self.shapes, self.path, self.pending = shapes, path, set(plain)
-        self.file = open(path, "r+b")
+        self.file = open(path, "r+b")  # noqa: SIM115 - open from here to close(), across the puts
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         shape, dtype = self.shapes[name]
