@@ -19,6 +19,7 @@ from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
 from zerodp.checkpoint.pieces import owned_pieces, saved_pieces, signature, untrained
 from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
+from zerodp.distributed.device import seed_everything, set_rng_state
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
@@ -203,18 +204,11 @@ def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
     host = meta.get("rng", {}).get(str(rank))
     if host is None or "torch" not in rng:
         # More ranks than were saved: a deterministic, distinct stream per rank.
-        seed = (meta["config"].get("seed") or 0) + rank
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-            np.random.seed(seed)
-        except ImportError:
-            pass
+        seed_everything((meta["config"].get("seed") or 0) + rank)
         return
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], engine.device)
+    if engine.device.type in rng:
+        set_rng_state(rng[engine.device.type], engine.device)
     version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in host:

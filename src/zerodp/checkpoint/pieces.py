@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodp.distributed.device import is_accelerator, rng_state
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -105,8 +107,8 @@ def local_state(engine) -> dict[str, torch.Tensor]:
         for name, t in untrained(engine).items():
             out[f"model/{name}"] = _cpu(t.detach())
     out[f"rng/{comm.rank}/torch"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        out[f"rng/{comm.rank}/cuda"] = torch.cuda.get_rng_state(engine.device)
+    if is_accelerator(engine.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
+        out[f"rng/{comm.rank}/{engine.device.type}"] = rng_state(engine.device)
     return out
 
 

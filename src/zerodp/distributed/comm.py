@@ -25,6 +25,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerodp.distributed.device import backend as device_backend
+from zerodp.distributed.device import set_device
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -43,10 +46,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         return
     timeout = timedelta(seconds=timeout_s)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = device_backend()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend != "gloo" and backend == device_backend():  # the accelerator's own: one device per rank
+            set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.

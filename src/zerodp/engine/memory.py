@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
+
 GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
@@ -72,10 +74,10 @@ def memory_report(engine) -> dict[str, int]:
     checkpointer = attached(engine.module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
-    if engine.device.type == "cuda":
-        report["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
-        report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
-        report["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+    if is_accelerator(engine.device):  # the keys keep their first accelerator's name on every one
+        report["cuda_allocated"] = memory_allocated(engine.device)
+        report["cuda_peak_allocated"] = max_memory_allocated(engine.device)
+        report["cuda_peak_reserved"] = max_memory_reserved(engine.device)
     return report
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zerodp.distributed.device import local, reset_peak_memory_stats
 from zerodp.engine.memory import memory_report
 
 DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default (estimate reads it torch-free)
@@ -53,7 +54,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
 
     world, stage = spec["world"], spec["stage"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local(0)
     torch.manual_seed(0)
     source = PlanModel(**spec["source"]) if "source" in spec else PlanModel("gpt", "spec", spec["model"])
     with torch.device(device):
@@ -74,8 +75,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     engine = zerodp.initialize(model, None, config)
     if spec.get("checkpointing"):
         checkpoint_blocks(engine.module, (Block,), engine.config.activation_checkpointing)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory_stats(device)
     seq = spec["seq"]
     for _ in range(engine.gas):
         out = engine(*inputs(spec["micro_batch"], seq, device))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.distributed.device import accelerator_type, current
 from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description
 from zerodp.train.build import build_corpus
@@ -45,7 +46,7 @@ def run_rank(opts: argparse.Namespace) -> int:
     """One rank of the job: threads, process group, then train. Returns the exit code: 0, or
     128 + the signal number when a SIGTERM/SIGINT stopped it."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():  # ranks sharing a CPU must not oversubscribe its cores
+    if accelerator_type() is None:  # ranks sharing a CPU must not oversubscribe its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     zerodp.init_distributed(timeout_s=opts.timeout)
     try:
@@ -115,7 +116,7 @@ def train(opts: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(opts.out)
     ckpt_dir = out / "checkpoints"
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = current()
 
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
