@@ -39,8 +39,8 @@ class StepMonitor:
     def __init__(self, config, comm, device: torch.device):
         self.every = config.steps_per_print
         self.rank, self.world = comm.rank, comm.world_size
-        self.device = device
-        self.defer = is_accelerator(device)  # read a step's values one step later (see the module docstring)
+        self.device, self.on_accelerator = device, is_accelerator(device)
+        self.defer = self.on_accelerator  # read a step's values one step later (see the module docstring)
         if self.defer:
             atexit.register(self.flush)  # the last step's line and events, at the end of the script
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
@@ -100,7 +100,7 @@ class StepMonitor:
             values = torch.stack([window_loss.detach().float().reshape(()) / max(1, micro),
                                   (grad_norm if grad_norm is not None else torch.tensor(float("nan")))
                                   .detach().float().reshape(()).to(window_loss.device)])
-            if self.defer:  # to pinned host memory, not waited for: read after the next step's sync
+            if self.on_accelerator:  # to pinned host memory, not waited for: read after the next step's sync
                 host = torch.empty(2, pin_memory=True)
                 host.copy_(values, non_blocking=True)
                 values = host
