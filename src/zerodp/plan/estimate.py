@@ -24,7 +24,7 @@ import sys
 
 from zerodp.plan.units import parse_bytes
 
-DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default, read torch-free (a test checks)
+DEFAULT_BUCKET = 50_000_000  # config.REDUCE_BUCKET_SIZE, here torch-free for --help (a test holds them equal)
 WIDTH = 100  # columns of every table (a terminal, a README)
 DTYPES = ("bf16", "fp16", "fp32")
 

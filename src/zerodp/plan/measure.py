@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
+from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.device import local, reset_peak_memory_stats
 from zerodp.engine.memory import memory_report
-
-DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default (estimate reads it torch-free)
 
 
 def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -65,7 +64,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
-                                    "reduce_bucket_size": spec.get("reduce_bucket_size") or DEFAULT_BUCKET,
+                                    "reduce_bucket_size": spec.get("reduce_bucket_size") or REDUCE_BUCKET_SIZE,
                                     "mics_shard_size": spec.get("mics_shard_size", -1),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
