@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description
@@ -142,7 +143,7 @@ def train(opts: argparse.Namespace) -> int:
         log.write(kind="resume", step=engine.global_steps)
     if rank == 0:
         where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
-        if not resumed and (ckpt_dir / "latest").exists():
+        if not resumed and (ckpt_dir / LATEST).exists():
             where += f" (its checkpoints in {ckpt_dir} will be replaced; --resume continues them)"
         print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
               f"{opts.stage}, {world} rank(s), {opts.dtype}, global batch "
