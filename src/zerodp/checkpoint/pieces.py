@@ -32,11 +32,8 @@ def owned_pieces(engine) -> list[Piece]:
     part, pieces = engine.partitioned, []
     for i, b in enumerate(part.buckets):
         lo_r = part.rank * b.shard_numel
-        hi_r = lo_r + b.shard_numel
-        for s in b.slots:
-            lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, hi_r)
-            if lo < hi:
-                pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
+        for _, s, lo, hi in b.owned_slots(part.rank):
+            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
     return pieces
 
 

@@ -175,9 +175,8 @@ class PartitionedOptimizer:
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
-            for s in b.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if (params is not None and id(s.param) not in params) or start >= end:
+            for _, s, start, end in b.owned_slots(self.rank):
+                if params is not None and id(s.param) not in params:
                     continue
                 value = b.data[start:end]
                 if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart
