@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerodp.bench.rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
-from zerodp.distributed.comm import init_distributed
+from zerodp.distributed.comm import init_distributed, init_fake
 from zerodp.distributed.device import (
     device_name,
     is_accelerator,
@@ -36,8 +36,7 @@ GIB = 2 ** 30
 
 def _init_process_group(fake_world: int) -> tuple[int, int]:
     if fake_world:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+        init_fake(fake_world)
     else:
         init_distributed()
     return dist.get_rank(), dist.get_world_size()

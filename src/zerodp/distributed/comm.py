@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
@@ -54,6 +55,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_fake(world_size: int) -> None:
+    """Initialise torch.distributed as rank 0 of `world_size` ranks whose collectives do nothing
+    (torch's "fake" backend): one process plans or measures one rank's share of a larger job."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 class PeerFailure(RuntimeError):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zerodp.config import REDUCE_BUCKET_SIZE
+from zerodp.distributed.comm import init_fake
 from zerodp.distributed.device import local, reset_peak_memory_stats
 from zerodp.engine.memory import memory_report
 
@@ -44,7 +45,6 @@ def run_child(module_argv: list[str], what: str, timeout: float | None) -> Any:
 
 def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zerodp
     from zerodp.activations import checkpoint_blocks
@@ -52,7 +52,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     from zerodp.plan.models import PlanModel
 
     world, stage = spec["world"], spec["stage"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    init_fake(world)
     device = local(0)
     torch.manual_seed(0)
     source = PlanModel(**spec["source"]) if "source" in spec else PlanModel("gpt", "spec", spec["model"])
