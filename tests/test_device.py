@@ -117,3 +117,27 @@ def test_accelerator_side_stream_copy_and_timing_events():
     assert device.max_memory_allocated(here) >= y.numel() * 4
     assert device.max_memory_reserved(here) >= device.memory_allocated(here) > 0
     assert device.device_of_backend(device.backend()) == here
+
+
+def test_an_accelerator_is_driven_through_its_device_module(monkeypatch):
+    """Without one here: a stand-in device module records what the accelerator path asks of it."""
+    calls = []
+
+    class Module:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append((name, a, k)) or 7
+
+    stand_in = Module()
+    monkeypatch.setattr(device, "_module", lambda d: stand_in)
+    for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.accelerator, name, getattr(stand_in, name), raising=False)
+    gpu = torch.device("cuda", 1)
+    assert device.memory_allocated(gpu) == device.max_memory_allocated(gpu) == device.max_memory_reserved(gpu) == 7
+    device.reset_peak_memory_stats(gpu)
+    device.rng_state(gpu), device.set_rng_state("state", gpu)
+    device.new_stream(gpu), device.current_stream(gpu), device.event(gpu, timing=True)
+    assert calls == [("memory_allocated", (gpu,), {}), ("max_memory_allocated", (gpu,), {}),
+                     ("max_memory_reserved", (gpu,), {}), ("reset_peak_memory_stats", (gpu,), {}),
+                     ("get_rng_state", (gpu,), {}), ("set_rng_state", ("state", gpu), {}),
+                     ("Stream", (), {"device": gpu}), ("current_stream", (gpu,), {}),
+                     ("Event", (), {"enable_timing": True})]

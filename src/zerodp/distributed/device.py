@@ -153,23 +153,33 @@ def can_pin() -> bool:
 # ---- memory statistics (bytes of the device's caching allocator) --------------------------------
 def memory_allocated(device: torch.device) -> int:
     """Bytes of tensors on `device` now (0 on the CPU)."""
-    return int(_module(device).memory_allocated(device)) if is_accelerator(device) else 0
+    return _memory("memory_allocated", device)
 
 
 def max_memory_allocated(device: torch.device) -> int:
     """Peak bytes of tensors on `device` since the last reset_peak_memory_stats (0 on the CPU)."""
-    return int(_module(device).max_memory_allocated(device)) if is_accelerator(device) else 0
+    return _memory("max_memory_allocated", device)
 
 
 def max_memory_reserved(device: torch.device) -> int:
     """Peak bytes the allocator held from the device, cache included (0 on the CPU)."""
-    return int(_module(device).max_memory_reserved(device)) if is_accelerator(device) else 0
+    return _memory("max_memory_reserved", device)
 
 
 def reset_peak_memory_stats(device: torch.device) -> None:
     """Start the peak statistics of `device` afresh (nothing on the CPU)."""
     if is_accelerator(device):
-        _module(device).reset_peak_memory_stats(device)
+        _memory_api("reset_peak_memory_stats", device)(device)
+
+
+def _memory(name: str, device: torch.device) -> int:
+    return int(_memory_api(name, device)(device)) if is_accelerator(device) else 0
+
+
+def _memory_api(name: str, device: torch.device) -> Any:
+    # torch.accelerator's memory statistics (torch >= 2.9) serve every accelerator; before them,
+    # the device module's of the same name.
+    return getattr(torch.accelerator, name, None) or getattr(_module(device), name)
 
 
 # ---- random state -------------------------------------------------------------------------------
