@@ -22,6 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin, synchronize_stream
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import gather_phase
@@ -47,7 +48,7 @@ class PartitionedOptimizer:
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
-        pin = offload and pin_memory and torch.cuda.is_available()
+        pin = offload and pin_memory and can_pin()
         if offload:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
             self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
@@ -102,8 +103,8 @@ class PartitionedOptimizer:
         if self.offload:
             for m, h, g in zip(self.masters, self.host_grads, grads):
                 m.grad = h.copy_(g, non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the host step needs the gradients
+            if grads:
+                synchronize_stream(grads[0].device)  # the host step needs the gradients
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
@@ -184,9 +185,8 @@ class PartitionedOptimizer:
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
-            for s in b.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if (params is not None and id(s.param) not in params) or start >= end:
+            for _, s, start, end in b.owned_slots(self.rank):
+                if params is not None and id(s.param) not in params:
                     continue
                 value = b.data[start:end]
                 if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.checkpoint.files import LATEST
+from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
 from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description
@@ -48,7 +50,7 @@ def run_rank(opts: argparse.Namespace) -> int:
     """One rank of the job: threads, process group, then train. Returns the exit code: 0, or
     128 + the signal number when a SIGTERM/SIGINT stopped it."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():  # ranks sharing a CPU must not oversubscribe its cores
+    if accelerator_type() is None:  # ranks sharing a CPU must not oversubscribe its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     zerodp.init_distributed(timeout_s=opts.timeout)
     try:
@@ -181,7 +183,7 @@ def train(opts: argparse.Namespace) -> int:
 def set_up(opts: argparse.Namespace) -> Job:
     """The corpus, the model on this rank's device, the engine, the data order; a resume restores them."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = current()
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
@@ -213,7 +215,7 @@ def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -
     """Rank 0's first lines: the model, the run, the recipe, the data and where it all goes."""
     opts, engine = job.opts, job.engine
     where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
-    if not resumed and (job.ckpt_dir / "latest").exists():
+    if not resumed and (job.ckpt_dir / LATEST).exists():
         where += f" (its checkpoints in {job.ckpt_dir} will be replaced; --resume continues them)"
     print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
           f"{opts.stage}, {job.world} rank(s), {opts.dtype}, global batch "
