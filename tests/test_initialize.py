@@ -97,6 +97,20 @@ def test_loss_backward_outside_engine_is_an_error():
         engine(torch.randn(2, 13), torch.randn(2, 5)).backward()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_users_own_optimizer_step_is_an_error_naming_engine_step(stage):
+    model = Toy()
+    opt = one_group(model)
+    engine = zerodp.initialize(model, opt, {**CFG, "zero_optimization": {"stage": stage}})
+    engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\)"):
+        opt.step()  # the usual port of a PyTorch loop: it would step nothing
+    before = engine.full_state_dict()
+    engine.step()  # the engine's own step still runs the same optimizer
+    assert engine.global_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+
+
 def test_step_between_accumulation_boundaries_does_nothing():
     model = Toy()
     engine = zerodp.initialize(model, one_group(model), {**CFG, "gradient_accumulation_steps": 2,

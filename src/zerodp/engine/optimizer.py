@@ -63,6 +63,18 @@ class PartitionedOptimizer:
             if not isinstance(self.optimizer, Optimizer):
                 raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
                                 "expected a torch.optim.Optimizer")
+        # The user's optimizer object now steps on master shards whose gradients only the engine sets:
+        # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
+        # torch's step pre-hook lets it say so instead.
+        self._stepping = False
+        self.optimizer.register_step_pre_hook(self._only_from_engine)
+
+    def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._stepping:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() was called directly, on an optimizer that "
+                               "zerodp.initialize rewired to the engine's parameter shards, where it would "
+                               "change nothing: call engine.step() instead (it reduces the gradients, clips, "
+                               "steps this optimizer and gathers the new weights)")
 
     def grad_norm_squared(self, grads: list[torch.Tensor], flags: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,6 +117,17 @@ class PartitionedOptimizer:
         fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         if fold:
             self.optimizer.grad_scale = coef.reciprocal()
+        self._stepping = True
+        try:
+            self._step_sub_groups(grads, coef, fold)
+        finally:
+            self._stepping = False
+        if fold:
+            del self.optimizer.grad_scale
+        self.all_gather(defer=defer_gather)
+
+    def _step_sub_groups(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
+        """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
             masters = [self.masters[k] for k in part]
             if not self.offload:
@@ -119,9 +142,6 @@ class PartitionedOptimizer:
                     self.optimizer.step()
             for m in masters:
                 m.grad = None
-        if fold:
-            del self.optimizer.grad_scale
-        self.all_gather(defer=defer_gather)
 
     def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken
