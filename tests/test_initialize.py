@@ -134,3 +134,43 @@ def test_bf16_engine_casts_inputs_and_keeps_fp32_masters():
     engine.step()
     assert all(m.dtype == torch.float32 for m in engine.partitioned.masters)
     assert all(v.dtype == torch.float32 for v in engine.full_state_dict().values())
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _same_rng_states(a: tuple, b: tuple) -> bool:
+    import numpy as np
+    (ta, pa, na), (tb, pb, nb) = a, b
+    return (torch.equal(ta, tb) and pa == pb and na[0] == nb[0] and np.array_equal(na[1], nb[1])
+            and na[2:] == nb[2:])
+
+
+def _set_up_leaves_rng(rank: int, world: int) -> dict[str, bool]:
+    """Every RNG as initialize() found it, for each working precision, and the bf16 probe itself."""
+    from zerodp.engine.cpu_bf16 import bf16_slowdown
+    out = {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        torch.manual_seed(1234)
+        model = Toy()
+        before = _rng_states()
+        cfg = {**CFG, "zero_optimization": {"stage": 3 if dtype == "fp16" else 2}}
+        if dtype != "fp32":
+            cfg[dtype] = {"enabled": True}
+        zerodp.initialize(model, one_group(model), cfg)
+        out[dtype] = _same_rng_states(before, _rng_states())
+    before = _rng_states()
+    bf16_slowdown()  # the probe rank 0 runs once per process: whether it ran above depends on the order
+    out["probe"] = _same_rng_states(before, _rng_states())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_set_up_leaves_every_random_generator_as_it_found_it_on_every_rank(world):
+    from spawn import run_ranks
+    for rank, result in enumerate(run_ranks(_set_up_leaves_rng, world)):
+        assert all(result.values()), f"rank {rank}: generators changed by set-up: {result}"
