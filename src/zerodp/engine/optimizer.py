@@ -80,14 +80,16 @@ class PartitionedOptimizer:
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum of squares of the full gradient, on every rank (inf/nan if any rank overflowed), and
         `flags` (non_finite.step_flags) summed over ranks in the same one all-reduce. Stage 0's
-        gradients are already identical on every rank, so it reduces nothing: its flags are known
-        only in a world of one (None otherwise)."""
+        gradients are already identical on every rank, so its norm needs no reduction; its flags
+        (a loss may be non-finite on one rank with every gradient finite) get a small one of their own."""
         local = self._local_norm_squared(grads)
         if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
             local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
-            return local, flags if self.comm.world_size == 1 else None
+            if self.comm.world_size > 1 and flags.numel():
+                self.comm.all_reduce(flags)
+            return local, flags
         both = torch.cat([local.reshape(1), flags])
         self.comm.all_reduce(both)
         return both[0], both[1:]
