@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import tempfile
 
@@ -224,3 +225,60 @@ def test_training_arguments_that_would_bypass_the_engine_are_refused():
         with pytest.raises(ValueError, match="TrainingArguments.auto_find_batch_size is not supported by "
                                              "ZeroTrainer: the engine is built once per run"):
             ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
+@contextlib.contextmanager
+def zerodp_log():
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda r: lines.append((r.levelname, r.getMessage()))
+    log = logging.getLogger("zerodp")
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+
+
+@pytest.mark.parametrize("zero_config", [None, {"zero_optimization": {"stage": 2}}], ids=["none", "stage2"])
+def test_zero_trainer_says_which_stage_runs_and_warns_when_none_was_chosen(zero_config):
+    from zerodp.integrations.hf import ZeroTrainer
+    with world_of_one(), tempfile.TemporaryDirectory() as out, zerodp_log() as lines:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
+                                              use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no")
+        ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8), zero_config=zero_config).train()
+    infos = [m for level, m in lines if level == "INFO" and m.startswith("zerodp: ZeRO stage")]
+    warnings_ = [m for level, m in lines if level == "WARNING"]
+    stage = 0 if zero_config is None else 2
+    assert len(infos) == 1 and f"ZeRO stage {stage} (" in infos[0] and "offload: none; dtype fp32" in infos[0]
+    if zero_config is None:
+        assert len(warnings_) == 1 and "no ZeRO stage" in warnings_[0] and "plain data parallelism" in warnings_[0]
+    else:
+        assert warnings_ == []
+
+
+def _trainer_without_launcher(rank: int, world: int) -> tuple[str, str]:
+    """Two gloo ranks that accelerate does not know of (no torchrun environment): it sees one process."""
+    from zerodp.integrations.hf import ZeroTrainer
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
+                                              use_cpu=True, report_to=[], disable_tqdm=True)
+        trainer = ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8))
+        try:
+            trainer.train()
+        except Exception as e:  # noqa: BLE001 - which error comes first is the point
+            return type(e).__name__, str(e)
+    return "trained", ""
+
+
+def test_a_world_the_trainer_does_not_see_is_named_before_the_batch_arithmetic():
+    from accelerate.state import AcceleratorState
+
+    from zerodp.integrations.hf import ZeroTrainer  # noqa: F401 - imported once here, not in each forked rank
+    AcceleratorState._reset_state(True)
+    for kind, message in run_ranks(_trainer_without_launcher, 2, timeout_s=60,
+                                   start_method="fork" if not dist.is_initialized() else "spawn"):
+        assert kind == "ValueError" and "process group has 2 ranks but the Trainer (accelerate) sees 1" in message

@@ -174,3 +174,18 @@ def test_set_up_leaves_every_random_generator_as_it_found_it_on_every_rank(world
     from spawn import run_ranks
     for rank, result in enumerate(run_ranks(_set_up_leaves_rng, world)):
         assert all(result.values()), f"rank {rank}: generators changed by set-up: {result}"
+
+
+@pytest.mark.parametrize("api", ["zerodp", "zerodp.deepspeed"])
+def test_set_up_says_stage_offload_and_dtype_at_info(api, caplog):
+    import zerodp.deepspeed
+    model = Toy()
+    cfg = {**CFG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    with caplog.at_level("INFO", logger="zerodp"):
+        if api == "zerodp":
+            zerodp.initialize(model, one_group(model), cfg)
+        else:
+            zerodp.deepspeed.initialize(model=model, optimizer=one_group(model), config=cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "zerodp" and r.levelname == "INFO"]
+    assert lines == ["zerodp: ZeRO stage 2 (optimizer state and gradients sharded over 1 of 1 ranks); offload: "
+                     "optimizer to cpu; dtype bf16; batch 2 per rank x 1 accumulation x 1 ranks = 2"]
