@@ -720,3 +720,24 @@ def test_newest_intact_skips_a_corrupt_latest(tmp_path):
     assert path == os.path.join(d, "global_step1") and meta["counters"]["global_steps"] == 1
     open(os.path.join(d, "latest"), "w").write("??")
     assert ck.newest_intact(d)[0] == path
+
+
+def test_resume_falls_back_past_a_latest_whose_file_fails_its_checksum(tmp_path, capsys):
+    import argparse
+
+    from zerodp.train.resume import plan_resume
+    d = tmp_path / "run" / "checkpoints"
+    with world_of_one():
+        engine = make_engine(1, 2)
+        for step in range(2):
+            train(engine, 0, 1, range(step, step + 1))
+            engine.save_checkpoint(str(d))
+    _flip(str(d / "global_step2"))  # same size: only the checksum tells
+    with pytest.raises(ck.CheckpointError, match="global_step2.*does not match its checksum"):
+        ck.resolve(str(d), checksums=True)
+    assert ck.newest_intact(str(d))[0] == str(d / "global_step1")
+    opts = argparse.Namespace(resume=True, resume_from=None, out=str(tmp_path / "run"), grad_accum=1,
+                              micro_batch=2, explicit=set())
+    plan_resume(opts, 1)
+    assert opts.resume_path == str(d / "global_step1")
+    assert "does not match its checksum; resuming from the newest intact checkpoint" in capsys.readouterr().err

@@ -33,8 +33,10 @@ from zerodp.checkpoint.meta import validate
 LOAD_CHUNK_NUMEL = 1 << 28
 
 
-def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-    """(path of the tag directory, its zerodp.json), checked; `load_dir` may be the tag dir itself."""
+def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> tuple[str, dict]:
+    """(path of the tag directory, its zerodp.json), checked; `load_dir` may be the tag dir itself.
+    Every file's size is checked; with `checksums` its crc32 too (a read of every byte, in chunks:
+    what an unattended resume does once, so that a flipped bit sends it to an older checkpoint)."""
     load_dir = os.fspath(load_dir)
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"no checkpoint at '{load_dir}': the directory does not exist")
@@ -79,13 +81,15 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         if size != rec["size"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} has {size} bytes, "
                                   f"{rec['size']} were written (truncated?)")
+    if checksums:
+        _verify_files(path, meta, set(meta["files"]))
     return path, meta
 
 
 def newest_intact(save_dir: str) -> tuple[str, dict]:
     """(path, zerodp.json) of the newest checkpoint in save_dir (by global step, then time) that
-    `resolve` accepts: what a resume falls back on when `latest` is corrupt or names a broken one.
-    Its crc32s are checked when it is read."""
+    `resolve` accepts with every checksum: what a resume falls back on when `latest` is corrupt or
+    names a broken one. Checkpoints are checked newest first, and the first intact one is taken."""
     save_dir = os.fspath(save_dir)
     found, broken = [], []
     for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
@@ -97,11 +101,14 @@ def newest_intact(save_dir: str) -> tuple[str, dict]:
             broken.append(str(e))
             continue
         found.append((meta["counters"]["global_steps"], os.path.getmtime(os.path.join(path, META)), path, meta))
-    if not found:
-        why = f": {'; '.join(broken)}" if broken else ""
-        raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
-    _, _, path, meta = max(found, key=lambda f: f[:2])
-    return path, meta
+    for _, _, path, meta in sorted(found, key=lambda f: f[:2], reverse=True):
+        try:  # the checksums, newest first: reading every byte of the older ones is not needed
+            _verify_files(path, meta, set(meta["files"]))
+            return path, meta
+        except CheckpointError as e:
+            broken.append(str(e))
+    why = f": {'; '.join(broken)}" if broken else ""
+    raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
 
 
 def _inside(path: str, name: str, named_in: str) -> None:
