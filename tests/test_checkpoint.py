@@ -574,10 +574,21 @@ def _evil_metadata(p):
     json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
 
 
+def _pickle_distcp(p):
+    """A pickle where the tensor file should be, with a matching size and checksum."""
+    import pickle
+    f = os.path.join(p, "__0_0.distcp")
+    open(f, "wb").write(pickle.dumps({"weights": [1.0, 2.0, 3.0]}))
+    meta = json.load(open(os.path.join(p, "zerodp.json")))
+    meta["files"]["__0_0.distcp"] = ck_files.record(f)
+    json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
+
+
 @pytest.mark.parametrize("edit,expected", [
     (_truncate, "__0_0.distcp has"), (_flip, "__0_0.distcp does not match its checksum"),
     (_garbage_json, "zerodp.json cannot be read"), (_evil_metadata, "refusing to load posix.system"),
-], ids=["truncated", "flipped_byte", "bad_json", "malicious_metadata"])
+    (_pickle_distcp, "__0_0.distcp cannot be read"),
+], ids=["truncated", "flipped_byte", "bad_json", "malicious_metadata", "pickle_as_distcp"])
 def test_error_corrupt_checkpoint_names_the_file(tmp_path, edit, expected):
     msg = load_error(corrupted_copy(tmp_path, edit))
     assert "is corrupt" in msg and expected in msg, msg

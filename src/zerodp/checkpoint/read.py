@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from zerodp.checkpoint import files
 from zerodp.checkpoint.deepspeed import describe
-from zerodp.checkpoint.errors import CheckpointError
+from zerodp.checkpoint.errors import CheckpointError, failure_text
 from zerodp.checkpoint.files import LATEST, META, TAG
 from zerodp.checkpoint.meta import validate
 
@@ -188,12 +188,37 @@ def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Call
         chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
         size += chunk[key].numel()
         if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
-            try:
-                with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
-            except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
-                raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
-                                      f"({type(e).__name__}: {e})") from None
+            error = _load(path, chunk)
+            if error is not None:
+                file = _failing_file(path, metadata, chunk)
+                where = f"file {os.path.join(path, file)} cannot be read" if file else "reading its tensors failed"
+                raise CheckpointError(f"checkpoint '{path}' is corrupt: {where} ({error})")
             consume(chunk)
             chunk, size = {}, 0
+
+
+def _load(path: str, chunk: dict[str, torch.Tensor]) -> str | None:
+    """dcp.load of `chunk` from checkpoint `path`, in this process alone; what failed, or None."""
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps file errors in its own types
+        # One process reads here: "on rank 0" (DCP's wrapping) would name no real rank.
+        return failure_text(e).replace(" on rank 0:", ":").rstrip(": ")
+    return None
+
+
+def _failing_file(path: str, metadata, chunk: dict[str, torch.Tensor]) -> str | None:
+    """The one file whose tensors of `chunk` fail to load on their own (the error path only: each
+    file's tensors are read again, one file at a time); None when no single file is to blame."""
+    by_file: dict[str, set[str]] = {}
+    for idx, info in metadata.storage_data.items():
+        if idx.fqn in chunk:
+            by_file.setdefault(os.fspath(info.relative_path), set()).add(idx.fqn)
+    for file, fqns in sorted(by_file.items()):
+        alone = [k for k in fqns if all(os.fspath(i.relative_path) == file for x, i in metadata.storage_data.items()
+                                        if x.fqn == k)]
+        if alone and _load(path, {k: torch.empty_like(chunk[k]) for k in alone}) is not None:
+            return file
+    return None
