@@ -39,8 +39,14 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
     keep_last=N then removes all but the N newest checkpoints of save_dir (by global step; never
-    the new one); None keeps them all. Returns the tag.
+    the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
+    raises PeerFailure naming the save, as one in a step names the step.
     """
+    with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
+        return _save(engine, save_dir, tag, client_state, keep_last)
+
+
+def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:
     comm = engine.comm
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)

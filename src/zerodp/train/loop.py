@@ -180,11 +180,13 @@ def train(opts: argparse.Namespace) -> int:
         log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0], tokens_per_s=tokens_per_step / dt,
                   grad_norm=engine.grad_norm, loss_scale=engine.loss_scale)
         if step % opts.eval_every == 0 or step == opts.steps:
+            crash_point(opts, step, rank, "eval")
             val_loss = evaluate()
             memory = gather_memory(engine, shape, opts)
             log.write(kind="memory", step=step, ranks=memory)
         if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
                 or (stopping and opts.save_on_signal)):
+            crash_point(opts, step, rank, "save")
             engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts),
                                                                   "hf": hf},
                                    keep_last=opts.keep_last)
@@ -202,8 +204,7 @@ def train(opts: argparse.Namespace) -> int:
                 print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
                       "--resume continues", flush=True)
             return 128 + stopping
-        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, rank):
-            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+        crash_point(opts, step, rank, "step")
     if bar is not None:
         bar.close()
     if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
@@ -224,6 +225,13 @@ def train(opts: argparse.Namespace) -> int:
     return 0
 
 
+def crash_point(opts: argparse.Namespace, step: int, rank: int, where: str) -> None:
+    """The fault tests' --crash-after / --crash-rank / --crash-signal / --crash-where: a signal to this
+    rank's own process at the point named."""
+    if opts.crash_after == step and opts.crash_rank in (None, rank) and opts.crash_where == where:
+        os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+
+
 @torch.no_grad()
 def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device) -> float:
     """Mean loss over the fixed validation batches of every rank."""
@@ -234,5 +242,6 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
             x, y = x.to(device), y.to(device)
         total += engine(x, y).float()
     engine.train()
-    dist.all_reduce(total)
+    with engine.comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
+        dist.all_reduce(total)
     return total.item() / (len(val) * dist.get_world_size())
