@@ -228,11 +228,12 @@ def test_training_arguments_that_would_bypass_the_engine_are_refused():
 
 
 @contextlib.contextmanager
-def zerodp_log():
+def trainer_log():
+    """(level, message) of what the Trainer's own logger emits in the block."""
     lines = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda r: lines.append((r.levelname, r.getMessage()))
-    log = logging.getLogger("zerodp")
+    log = logging.getLogger("transformers.trainer")
     old = log.level
     log.setLevel(logging.DEBUG)
     log.addHandler(handler)
@@ -246,18 +247,21 @@ def zerodp_log():
 @pytest.mark.parametrize("zero_config", [None, {"zero_optimization": {"stage": 2}}], ids=["none", "stage2"])
 def test_zero_trainer_says_which_stage_runs_and_warns_when_none_was_chosen(zero_config):
     from zerodp.integrations.hf import ZeroTrainer
-    with world_of_one(), tempfile.TemporaryDirectory() as out, zerodp_log() as lines:
+    with world_of_one(), tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
                                               use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no")
-        ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8), zero_config=zero_config).train()
-    infos = [m for level, m in lines if level == "INFO" and m.startswith("zerodp: ZeRO stage")]
-    warnings_ = [m for level, m in lines if level == "WARNING"]
-    stage = 0 if zero_config is None else 2
-    assert len(infos) == 1 and f"ZeRO stage {stage} (" in infos[0] and "offload: none; dtype fp32" in infos[0]
+        trainer = ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8), zero_config=zero_config)
+        with trainer_log() as lines:
+            trainer.train()
+    ours = [(level, m) for level, m in lines if "ZeRO stage" in m]
+    assert len(ours) == 1, lines
+    level, line = ours[0]
     if zero_config is None:
-        assert len(warnings_) == 1 and "no ZeRO stage" in warnings_[0] and "plain data parallelism" in warnings_[0]
+        assert level == "WARNING" and "no ZeRO stage" in line and "zerodp: ZeRO stage 0 (nothing sharded: plain " \
+            "data parallelism, 1 rank(s)); offload: none; dtype fp32" in line
     else:
-        assert warnings_ == []
+        assert level == "INFO" and line.startswith("zerodp: ZeRO stage 2 (optimizer state and gradients sharded "
+                                                   "over 1 of 1 ranks); offload: none; dtype fp32")
 
 
 def _trainer_without_launcher(rank: int, world: int) -> tuple[str, str]:

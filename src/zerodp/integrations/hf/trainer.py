@@ -31,8 +31,12 @@ from transformers.trainer_utils import has_length
 from zerodp import initialize
 from zerodp.config import ConfigError
 from zerodp.engine.engine import Engine
-from zerodp.engine.summary import logger, no_stage_chosen, set_up_line
+from zerodp.engine.summary import no_stage_chosen, set_up_line
 from zerodp.integrations.hf.auto import fill_from_training_args
+
+# The Trainer's own logger: ZeroTrainer's set-up line shows wherever the Trainer's own set-up lines do
+# (Hugging Face's example scripts set it to INFO on the main process).
+_trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
 
 # TrainingArguments that would take the data-parallel part away from zerodp, or act on a model the
 # engine owns behind the Trainer's back.
@@ -98,11 +102,8 @@ class ZeroTrainer(Trainer):
         scheduler = self._scheduler_for(config, max_steps)
         self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler)
         _check_same_world(self.engine.comm.world_size, self.args.world_size)
-        if self.engine.comm.rank == 0 and no_stage_chosen(self.engine.config):
-            logger.warning("ZeroTrainer was given no ZeRO stage (no zero_config, or one without "
-                           "zero_optimization.stage), so it trains plain data parallelism: %s. Pass e.g. "
-                           "zero_config={\"zero_optimization\": {\"stage\": 2}} to shard the model states",
-                           set_up_line(self.engine.config, self.engine.comm.world_size, self.engine.shard_size))
+        if self.engine.comm.rank == 0:
+            self._say_set_up()
         self.optimizer = EngineOptimizer(self.engine)
         self.lr_scheduler = EngineScheduler(self.optimizer)
         self.model_wrapped = EngineModule(self.engine)
@@ -112,6 +113,18 @@ class ZeroTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model_wrapped, train_dataloader
+
+    def _say_set_up(self) -> None:
+        """One line on rank 0: the stage, offload and dtype that run, among the Trainer's own set-up lines
+        (its logger, at INFO), or as a warning when no stage was chosen (plain data parallelism)."""
+        line = set_up_line(self.engine.config, self.engine.comm.world_size, self.engine.shard_size)
+        if no_stage_chosen(self.engine.config):
+            _trainer_log.warning("ZeroTrainer was given no ZeRO stage (no zero_config, or one without "
+                                 "zero_optimization.stage), so it trains plain data parallelism: %s. Pass e.g. "
+                                 "zero_config={\"zero_optimization\": {\"stage\": 2}} to shard the model states",
+                                 line)
+        else:
+            _trainer_log.info("%s", line)
 
     def _optimizer_for(self, config: dict[str, Any]) -> torch.optim.Optimizer | None:
         """The config's optimizer section (built by the engine), or the Trainer's own."""
