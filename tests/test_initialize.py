@@ -169,10 +169,9 @@ def _set_up_leaves_rng(rank: int, world: int) -> dict[str, bool]:
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_set_up_leaves_every_random_generator_as_it_found_it_on_every_rank(world):
+def test_set_up_leaves_every_random_generator_as_it_found_it_on_every_rank():
     from spawn import run_ranks
-    for rank, result in enumerate(run_ranks(_set_up_leaves_rng, world)):
+    for rank, result in enumerate(run_ranks(_set_up_leaves_rng, 2)):  # rank 0 alone ran the bf16 probe
         assert all(result.values()), f"rank {rank}: generators changed by set-up: {result}"
 
 
