@@ -577,11 +577,12 @@ def _evil_metadata(p):
 def _pickle_distcp(p):
     """A pickle where the tensor file should be, with a matching size and checksum."""
     import pickle
-    f = os.path.join(p, "__0_0.distcp")
-    open(f, "wb").write(pickle.dumps({"weights": [1.0, 2.0, 3.0]}))
-    meta = json.load(open(os.path.join(p, "zerodp.json")))
-    meta["files"]["__0_0.distcp"] = ck_files.record(f)
-    json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
+    from pathlib import Path
+    f, meta_file = Path(p) / "__0_0.distcp", Path(p) / "zerodp.json"
+    f.write_bytes(pickle.dumps({"weights": [1.0, 2.0, 3.0]}))
+    meta = json.loads(meta_file.read_text())
+    meta["files"]["__0_0.distcp"] = ck_files.record(str(f))
+    meta_file.write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("edit,expected", [

@@ -344,11 +344,12 @@ def _corrupt_record(file: str, record: str) -> None:
     with zipfile.ZipFile(file) as z:
         name = next(n for n in z.namelist() if n.endswith(record))
         payload = z.read(name)
-    raw = bytearray(open(file, "rb").read())
+    from pathlib import Path
+    raw = bytearray(Path(file).read_bytes())
     at = raw.find(payload)
     assert at > 0 and len(payload) >= 64
     raw[at + len(payload) // 2:at + len(payload) // 2 + 32] = b"\x67" * 32
-    open(file, "wb").write(bytes(raw))
+    Path(file).write_bytes(bytes(raw))
 
 
 def test_error_deepspeed_checkpoint_with_a_corrupted_tensor_record_names_the_file(tmp_path):

@@ -186,5 +186,5 @@ def test_set_up_says_stage_offload_and_dtype_at_info(api, caplog):
         else:
             zerodp.deepspeed.initialize(model=model, optimizer=one_group(model), config=cfg)
     lines = [r.getMessage() for r in caplog.records if r.name == "zerodp" and r.levelname == "INFO"]
-    assert lines == ["zerodp: ZeRO stage 2 (optimizer state and gradients sharded over 1 of 1 ranks); offload: "
-                     "optimizer to cpu; dtype bf16; batch 2 per rank x 1 accumulation x 1 ranks = 2"]
+    assert lines == [("zerodp: ZeRO stage 2 (optimizer state and gradients sharded over 1 of 1 ranks); offload: "
+                      "optimizer to cpu; dtype bf16; batch 2 per rank x 1 accumulation x 1 ranks = 2")]

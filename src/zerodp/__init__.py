@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
-    from zerodp.engine.summary import log_set_up
     from zerodp.engine.optimizer import OptimizerLike
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
