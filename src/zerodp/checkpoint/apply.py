@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.checkpoint.pieces import untrained
+from zerodp.distributed.device import seed_everything, set_rng_state
 
 
 @dataclass(frozen=True)
@@ -85,18 +86,11 @@ def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
     host = meta.get("rng", {}).get(str(rank))
     if host is None or "torch" not in rng:
         # More ranks than were saved: a deterministic, distinct stream per rank.
-        seed = (meta["config"].get("seed") or 0) + rank
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-            np.random.seed(seed)
-        except ImportError:
-            pass
+        seed_everything((meta["config"].get("seed") or 0) + rank)
         return
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], engine.device)
+    if engine.device.type in rng:
+        set_rng_state(rng[engine.device.type], engine.device)
     version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in host:

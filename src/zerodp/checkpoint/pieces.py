@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodp.distributed.device import is_accelerator, rng_state
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -30,11 +32,8 @@ def owned_pieces(engine) -> list[Piece]:
     part, pieces = engine.partitioned_optimizer, []
     for i, b in enumerate(part.buckets):
         lo_r = part.rank * b.shard_numel
-        hi_r = lo_r + b.shard_numel
-        for s in b.slots:
-            lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, hi_r)
-            if lo < hi:
-                pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
+        for _, s, lo, hi in b.owned_slots(part.rank):
+            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
     return pieces
 
 
@@ -107,8 +106,8 @@ def local_state(engine) -> dict[str, torch.Tensor]:
         for name, t in untrained(engine).items():
             out[f"model/{name}"] = _cpu(t.detach())
     out[f"rng/{comm.rank}/torch"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        out[f"rng/{comm.rank}/cuda"] = torch.cuda.get_rng_state(engine.device)
+    if is_accelerator(engine.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
+        out[f"rng/{comm.rank}/{engine.device.type}"] = rng_state(engine.device)
     return out
 
 

@@ -24,6 +24,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from zerodp.distributed.device import backend as device_backend
+from zerodp.distributed.device import set_device
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,14 +47,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         return
     timeout = timedelta(seconds=timeout_s)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = device_backend()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend != "gloo" and backend == device_backend():  # the accelerator's own: one device per rank
+            set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_fake(world_size: int) -> None:
+    """Initialise torch.distributed as rank 0 of `world_size` ranks whose collectives do nothing
+    (torch's "fake" backend): one process plans or measures one rank's share of a larger job."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 class PeerFailure(RuntimeError):
@@ -225,6 +235,7 @@ class Comm:
             results = [(report, payload)]
         else:
             results = [None] * self.world_size
+            self.last_op = "all_gather_object"  # what a PeerFailure names if a peer never joins it
             dist.all_gather_object(results, (report, payload), group=self.group)
         failures = [Failure(r, *rep) for r, (rep, _) in enumerate(results) if rep is not None]
         if failures:

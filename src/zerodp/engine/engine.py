@@ -15,12 +15,13 @@ from torch.optim import Optimizer
 
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin, device_of_backend, seed_everything
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.memory import memory_report
-from zerodp.engine.non_finite import NonFinitePolicy, norm_is_finite, step_flags
+from zerodp.engine.non_finite import NonFinitePolicy, step_flags, step_is_finite
 from zerodp.engine.optimizer import (
     OptimizerLike,
     PartitionedOptimizer,
@@ -95,7 +96,7 @@ class Engine:
         warn_if_slow_bf16(self.device, self.dtype, self.comm.rank)
         self.comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
         if self.config.seed is not None:
-            _seed_everything(self.config.seed + self.comm.rank)
+            seed_everything(self.config.seed + self.comm.rank)
         return optimizer, groups
 
     def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
@@ -114,7 +115,7 @@ class Engine:
             for full in fulls:
                 comm.broadcast(full)  # every rank starts from rank 0's weights
             g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
-                          pin=zero.offload_param.pin_memory and torch.cuda.is_available())
+                          pin=zero.offload_param.pin_memory and can_pin())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
             # Stage 3 must not hold every full bucket at once: keep only the shard of each.
             fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
@@ -234,9 +235,9 @@ class Engine:
         else:  # the used bits ride in the same all-reduce
             norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
-        # The one host sync of the step, in every precision, on a value every rank agrees on: a
-        # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
-        skip = not norm_is_finite(norm_sq)
+        # The one host sync of the step, in every precision, on values every rank agrees on: a
+        # non-finite norm (fp16 overflow, a nan/inf gradient) or loss anywhere skips the step.
+        skip = not step_is_finite(norm_sq, flags)
         if skip:
             self.skipped_steps += 1
         else:
@@ -458,23 +459,14 @@ def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
                          "the parameters to train before zerodp.initialize")
 
 
-def _seed_everything(seed: int) -> None:
-    """The config's `seed`: torch (every device), Python's and numpy's generators."""
-    import random
-
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                          "zerodp needs the whole model on one device per rank")
-    if comm.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    on_backend = device_of_backend(comm.backend)  # an accelerator's backend: its current device
+    if on_backend is not None:
+        return on_backend
     return devices.pop() if devices else torch.device("cpu")
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from zerodp.activations import attached
+from zerodp.config import REDUCE_BUCKET_SIZE
+from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
 from zerodp.engine.reducer import POOL_BUFFERS
 
 GiB = 1024 ** 3
@@ -73,10 +75,10 @@ def memory_report(engine) -> dict[str, int]:
     checkpointer = attached(engine.module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
-    if engine.device.type == "cuda":
-        report["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
-        report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
-        report["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+    if is_accelerator(engine.device):  # the keys keep their first accelerator's name on every one
+        report["cuda_allocated"] = memory_allocated(engine.device)
+        report["cuda_peak_allocated"] = max_memory_allocated(engine.device)
+        report["cuda_peak_reserved"] = max_memory_reserved(engine.device)
     return report
 
 
@@ -134,7 +136,7 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
 
 
 def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16",
-                    reduce_bucket_size: int = 50_000_000, largest_module: int | None = None) -> int:
+                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE, largest_module: int | None = None) -> int:
     """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
     in the working dtype, never more than the whole model. A stage 2 bucket holds up to
     reduce_bucket_size elements; a stage 3 bucket is one module's own parameters (largest_module

@@ -22,6 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin, synchronize_stream
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import gather_phase
@@ -47,7 +48,7 @@ class PartitionedOptimizer:
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
-        pin = offload and pin_memory and torch.cuda.is_available()
+        pin = offload and pin_memory and can_pin()
         if offload:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
             self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
@@ -68,19 +69,33 @@ class PartitionedOptimizer:
             if not isinstance(self.optimizer, Optimizer):
                 raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
                                 "expected a torch.optim.Optimizer")
+        # The user's optimizer object now steps on master shards whose gradients only the engine sets:
+        # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
+        # torch's step pre-hook lets it say so instead.
+        self._stepping = False
+        self.optimizer.register_step_pre_hook(self._only_from_engine)
+
+    def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._stepping:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() was called directly, on an optimizer that "
+                               "zerodp.initialize rewired to the engine's parameter shards, where it would "
+                               "change nothing: call engine.step() instead (it reduces the gradients, clips, "
+                               "steps this optimizer and gathers the new weights)")
 
     def grad_norm_squared(self, grads: list[torch.Tensor], flags: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum of squares of the full gradient, on every rank (inf/nan if any rank overflowed), and
         `flags` (non_finite.step_flags) summed over ranks in the same one all-reduce. Stage 0's
-        gradients are already identical on every rank, so it reduces nothing: its flags are known
-        only in a world of one (None otherwise)."""
+        gradients are already identical on every rank, so its norm needs no reduction; its flags
+        (a loss may be non-finite on one rank with every gradient finite) get a small one of their own."""
         local = self._local_norm_squared(grads)
         if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
             local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
-            return local, flags if self.comm.world_size == 1 else None
+            if self.comm.world_size > 1 and flags.numel():
+                self.comm.all_reduce(flags)
+            return local, flags
         both = torch.cat([local.reshape(1), flags])
         self.comm.all_reduce(both)
         return both[0], both[1:]
@@ -102,14 +117,25 @@ class PartitionedOptimizer:
         if self.offload:
             for m, h, g in zip(self.masters, self.host_grads, grads):
                 m.grad = h.copy_(g, non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the host step needs the gradients
+            if grads:
+                synchronize_stream(grads[0].device)  # the host step needs the gradients
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
         fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         if fold:
             self.optimizer.grad_scale = coef.reciprocal()
+        self._stepping = True
+        try:
+            self._step_sub_groups(grads, coef, fold)
+        finally:
+            self._stepping = False
+        if fold:
+            del self.optimizer.grad_scale
+        self.all_gather(defer=defer_gather)
+
+    def _step_sub_groups(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
+        """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
             masters = [self.masters[k] for k in part]
             if not self.offload:
@@ -124,9 +150,6 @@ class PartitionedOptimizer:
                     self.optimizer.step()
             for m in masters:
                 m.grad = None
-        if fold:
-            del self.optimizer.grad_scale
-        self.all_gather(defer=defer_gather)
 
     def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken
@@ -184,9 +207,8 @@ class PartitionedOptimizer:
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
-            for s in b.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if (params is not None and id(s.param) not in params) or start >= end:
+            for _, s, start, end in b.owned_slots(self.rank):
+                if params is not None and id(s.param) not in params:
                     continue
                 value = b.data[start:end]
                 if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart

@@ -38,6 +38,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Prefixes a trained state dict may carry before HF's own names: zerodp's HFCausalLM (`model.`),
 # a DDP/DeepSpeed-style wrapper (`module.`).
 _PREFIXES = ("", "model.", "module.", "module.model.")
+# The names families give a model's width in config.json; a config object answers to `hidden_size`
+# under any of them (transformers' attribute_map), a config.json dict does not.
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def hidden_size(config: Any) -> int | None:
+    """A model's width by transformers' own rule for DeepSpeed's "auto" bucket sizes: its hidden
+    size, else the largest of `hidden_sizes` (multi-stage vision models), else the same read from
+    `text_config` (multimodal models). `config`: a transformers config or a config.json dict."""
+    def field(c: Any, key: str) -> Any:
+        return c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+
+    for c in (config, field(config, "text_config") if config is not None else None):
+        if c is None:
+            continue
+        width = next((field(c, k) for k in WIDTH_KEYS if field(c, k) is not None), None)
+        if width is not None:
+            return int(width)
+        if field(c, "hidden_sizes"):
+            return int(max(field(c, "hidden_sizes")))
+    return None
 
 
 def is_model_folder(path: str) -> bool:

@@ -345,11 +345,11 @@ def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
 def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from zerodp.distributed.comm import init_fake
     from zerodp.models.gpt import GPT, GPTConfig
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world"])
+    init_fake(spec["world"])
     device = torch.device("cpu")
     mesh = None
     if spec["mode"] == "fsdp2":  # outside the fake mode: the mesh reads its rank table with .tolist()

@@ -22,16 +22,19 @@ from zerodp.plan.setup import largest_bucket
 from zerodp.plan.setup import measure as setup_measure
 from zerodp.plan.setup import measure_specs as setup_measure_specs
 from zerodp.plan.setup import results as setup_results
+from zerodp.plan.units import human
 
 _SHORT = {"activations": "act", "optimizer": "optim", "step_temps": "step tmp", "gathered": "gathered"}
 
 
 def size(n: float) -> str:
     """Bytes to 3 significant digits in binary units: '442 KiB', '1.84 MiB', '29.7 GiB'."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} B"
+    return human(n, ".3g")
+
+
+def _compact(n: float) -> str:
+    """size() for a crowded cell: '29.7G'."""
+    return human(n, ".3g", compact=True)
 
 
 def _table(title: str, caption: str, columns: list[str]) -> Table:
@@ -60,13 +63,6 @@ def _parts(at_peak: dict[str, int], n: int = 2) -> str:
     """The n largest categories, compactly: 'act 797M, params 237M'."""
     top = sorted(((v, k) for k, v in at_peak.items() if v), reverse=True)[:n]
     return ", ".join(f"{_SHORT.get(k, k)} {_compact(v)}" for v, k in top)
-
-
-def _compact(n: float) -> str:
-    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{int(n)}B"
 
 
 # ---- memory per rank ----------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.checkpoint.export_engine import save_final
+from zerodp.checkpoint.files import LATEST
+from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
 from zerodp.models.build import build_model, hf_description
 from zerodp.models.gpt import GPTConfig
@@ -48,7 +50,7 @@ def run_rank(opts: argparse.Namespace) -> int:
     """One rank of the job: threads, process group, then train. Returns the exit code: 0, or
     128 + the signal number when a SIGTERM/SIGINT stopped it."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():  # ranks sharing a CPU must not oversubscribe its cores
+    if accelerator_type() is None:  # ranks sharing a CPU must not oversubscribe its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     zerodp.init_distributed(timeout_s=opts.timeout)
     try:
@@ -155,10 +157,12 @@ def train(opts: argparse.Namespace) -> int:
                       tokens_per_s=job.tokens_per_step / dt, grad_norm=engine.grad_norm,
                       loss_scale=engine.loss_scale)
         if step % opts.eval_every == 0 or step == opts.steps:
+            crash_point(opts, step, job.rank, "eval")
             val_loss = evaluate(job)
             memory = log_memory(job)
         if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
                 or (stopping and opts.save_on_signal)):
+            crash_point(opts, step, job.rank, "save")
             save(job)
         if bar is not None:
             bar.update(1)
@@ -168,8 +172,7 @@ def train(opts: argparse.Namespace) -> int:
                                 f"mem/rank {memory_text(memory)}")
         if stopping:
             return stopped(job, bar, stopping)
-        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, job.rank):
-            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+        crash_point(opts, step, job.rank, "step")
     if bar is not None:
         bar.close()
     if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
@@ -181,7 +184,7 @@ def train(opts: argparse.Namespace) -> int:
 def set_up(opts: argparse.Namespace) -> Job:
     """The corpus, the model on this rank's device, the engine, the data order; a resume restores them."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = current()
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
@@ -213,7 +216,7 @@ def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -
     """Rank 0's first lines: the model, the run, the recipe, the data and where it all goes."""
     opts, engine = job.opts, job.engine
     where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
-    if not resumed and (job.ckpt_dir / "latest").exists():
+    if not resumed and (job.ckpt_dir / LATEST).exists():
         where += f" (its checkpoints in {job.ckpt_dir} will be replaced; --resume continues them)"
     print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
           f"{opts.stage}, {job.world} rank(s), {opts.dtype}, global batch "
@@ -294,6 +297,13 @@ def finish(job: Job, val_loss: float) -> None:
           f"{written}", flush=True)
 
 
+def crash_point(opts: argparse.Namespace, step: int, rank: int, where: str) -> None:
+    """The fault tests' --crash-after / --crash-rank / --crash-signal / --crash-where: a signal to this
+    rank's own process at the point named."""
+    if opts.crash_after == step and opts.crash_rank in (None, rank) and opts.crash_where == where:
+        os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+
+
 @torch.no_grad()
 def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device) -> float:
     """Mean loss over the fixed validation batches of every rank."""
@@ -304,5 +314,6 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
             x, y = x.to(device), y.to(device)
         total += engine(x, y).float()
     engine.train()
-    dist.all_reduce(total)
+    with engine.comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
+        dist.all_reduce(total)
     return total.item() / (len(val) * dist.get_world_size())
