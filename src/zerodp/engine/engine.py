@@ -27,7 +27,9 @@ from zerodp.engine.optimizer import (
 )
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
-from zerodp.engine.stage3 import Gatherer, owning_modules
+from zerodp.engine.stage3 import Gatherer
+from zerodp.engine.units import UnitRule, find_units, unit_rule
+from zerodp.engine.units import layout as stage3_layout
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
 from zerodp.monitor.writers import check_available
@@ -49,8 +51,9 @@ class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None):
+                 comm: Comm, lr_scheduler: Callable | None = None, stage3_unit: UnitRule | None = None):
         self.config, self.comm, self.module = config, comm, module
+        self._stage3_unit = stage3_unit
         zero = config.zero_optimization
         error = None
         try:
@@ -69,11 +72,11 @@ class Engine:
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
-        units = owning_modules(module) if self.stage == 3 else None
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        layout = (plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
+                  else stage3_layout(groups, self.units, comm.shard_size, zero))
         rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
         for g in layout:
@@ -100,8 +103,8 @@ class Engine:
         self.forward_order = (ForwardOrder(module, self.partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
-        self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
-                                 zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
+        self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
+                                 self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
@@ -346,6 +349,7 @@ class Engine:
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
+        self.units = find_units(module, unit_rule(zero, self._stage3_unit)) if self.stage == 3 else None
         self.device = _device_of(module, self.comm)
         check_available(config)  # an enabled monitor's package is missing: every rank hears of it
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
