@@ -37,6 +37,18 @@ from zerodp.engine.units import Units
 _set_data = torch.Tensor.data.__set__  # p.data = v, callable from map() without a Python frame
 
 
+def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
+    """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
+    that is not persistent once in the forward, and once more in the backward unless the model's own
+    unit or the last unit (`last_unit`), which stay gathered into the backward, reads it."""
+    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
+    kept = {bucket_of[id(p)].index for u in (units.outer, last_unit) if u is not None
+            for p in units.uses[u] if id(p) in bucket_of}
+    moving = [b for b in buckets if not b.persistent]
+    again = [b for b in moving if b.index not in kept]
+    return len(moving) + len(again), sum(b.numel for b in moving + again)
+
+
 class Gatherer:
     def __init__(self, units: Units, buckets: list[Bucket], comm: Comm, prefetch_numel: int,
                  host_shards: bool = False):

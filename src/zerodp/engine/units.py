@@ -14,7 +14,7 @@ each with a launch, a wait and hook work. A transformer block of ten small modul
 that ten times; as one unit, once (FSDP2's wrapping: fully_shard per block, then the root).
 
 The buckets (flat.plan) never split a unit; consecutive units share a bucket up to
-`stage3_prefetch_bucket_size` elements, and units under `stage3_param_persistence_threshold`
+`stage3_prefetch_bucket_size` elements (and `reduce_bucket_size`), and units under `stage3_param_persistence_threshold`
 elements stay gathered (they share buckets only with each other). A unit's forward gathers the
 buckets of every parameter its modules register, a tied parameter another unit owns included; a
 parameter that code outside its unit reads before that unit runs is not gathered (as in FSDP).
@@ -74,10 +74,12 @@ def unit_rule(zero: ZeroConfig, given: UnitRule | None) -> UnitRule:
 
 
 def layout(groups: list[list[nn.Parameter]], units: Units, partitions: int, zero: ZeroConfig) -> list[FlatGroup]:
-    """Stage 3's buckets: units never split, coalesced up to the prefetch size, persistent apart."""
+    """Stage 3's buckets: units never split, persistent ones apart, small ones coalesced up to the
+    prefetch size (and the reduce bucket size, which bounds the reduce buffers as in stage 2)."""
     sizes = units.numel([p for g in groups for p in g])
     persistent = {u for u, n in sizes.items() if n < zero.stage3_param_persistence_threshold}
-    return plan(groups, partitions, zero.stage3_prefetch_bucket_size, units.of_param, persistent)
+    coalesce = min(zero.stage3_prefetch_bucket_size, zero.reduce_bucket_size)
+    return plan(groups, partitions, coalesce, units.of_param, persistent)
 
 
 def _roots(model: nn.Module, rule: UnitRule) -> list[nn.Module]:
