@@ -106,7 +106,7 @@ class Engine:
         self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
                                  self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
-        done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
+        done = None if self.gatherer is None else self.gatherer.gradients_done
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                                comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
                                predivide=config.gradient_predivide_factor)

@@ -10,7 +10,7 @@ would crash the process):
   forward pre-hook   gather the unit's buckets (and start prefetching the next ones);
   forward post-hook  release each bucket once every unit sharing it has run, and arrange for a
                      gather when backward reaches the unit (prefetching the ones before it);
-  gradient hook      (reducer) once all of a bucket's gradients are reduced, release it;
+  gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
   end of backward    release whatever is still gathered.
 The model's own unit and the last unit of the forward stay gathered into the backward, which needs
 them first (FSDP2's reshard_after_forward=False for the root and the last block). Buckets of units
@@ -75,6 +75,7 @@ class Gatherer:
             for b in bs:
                 self.users[b.index] = self.users.get(b.index, frozenset()) | {u}
         self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
+        self.reduced: set[int] = set()              # buckets whose gradients this backward are all in
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
         self.unit_order: dict[int, None] = {}  # units in the order of their first forward
         self.last_unit: int | None = None   # the forward's last unit, once a whole backward has run
@@ -182,7 +183,7 @@ class Gatherer:
         last_end, covered = self.back_window  # as in _prefetch_after, only the part not yet looked at
         stop = end if end > last_end else min(end, covered)
         for b in reversed(self.order[begin:stop]):
-            if b.index not in self.gathered:
+            if b.index not in self.gathered and b.index not in self.reduced:
                 self._start(b)
         self.back_window = (end, min(begin, stop))
 
@@ -192,8 +193,14 @@ class Gatherer:
                 self._wait(b)
                 self._free(b)
 
+    def gradients_done(self, b: Bucket) -> None:
+        """(reducer) All of b's gradients of this backward are in: release it, and prefetch it no more."""
+        self.reduced.add(b.index)
+        self.release([b])
+
     def release_all(self) -> None:
         """At the end of a backward (and before a step): nothing stays gathered but persistent buckets."""
+        self.reduced.clear()
         self.release([self.buckets[i] for i in list(self.gathered)])
         if self.unit_order and self.last_unit is None:  # the first forward is over: its order is known
             self.last_unit = next(reversed(self.unit_order))
