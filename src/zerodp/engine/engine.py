@@ -99,7 +99,7 @@ class Engine:
         self.unused = (None if zero.step_unused_parameters else
                        UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
         self.partitioned.used_only = self.unused
-        # Stage 0 gathers nothing and stage 3 gathers per module already.
+        # Stage 0 gathers nothing and stage 3 gathers per unit already.
         self.forward_order = (ForwardOrder(module, self.partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         buckets = [b for g in layout for b in g.buckets]
