@@ -100,6 +100,10 @@ def build(mode: str, layers: int):
 def _deepspeed3(model: nn.Module, micro: int):
     """DeepSpeed's ZeRO-3 engine on the current group, with its defaults for stage 3's buckets."""
     import deepspeed
+    # DeepSpeed reads its launcher's variables even on a group that exists already (spawned ranks here).
+    for key, value in (("LOCAL_RANK", dist.get_rank()), ("RANK", dist.get_rank()),
+                       ("WORLD_SIZE", dist.get_world_size())):
+        os.environ.setdefault(key, str(value))
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3}}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),

@@ -81,7 +81,7 @@ class Gatherer:
         self.last_unit: int | None = None   # the forward's last unit, once a whole backward has run
         self._handles = []
         for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
-            if bs:
+            if any(b.index not in self.persistent for b in bs):  # a unit always gathered needs no hooks
                 self._handles.append(root.register_forward_pre_hook(self._pre_hook(u, bs)))
                 self._handles.append(root.register_forward_hook(self._post_hook(u, bs)))
         for b in buckets:
@@ -141,7 +141,9 @@ class Gatherer:
             self._wait(b)
 
     def _start(self, b: Bucket) -> None:
-        b.data.untyped_storage().resize_(b.numel * b.data.element_size())
+        storage, nbytes = b.data.untyped_storage(), b.numel * b.data.element_size()
+        if storage.nbytes() != nbytes:  # (a resize reallocates and copies, even to the same size)
+            storage.resize_(nbytes)
         deque(map(_set_data, self.params[b.index], self.views[b.index]), maxlen=0)
         self.gathered.add(b.index)
         self.unfinished[b.index] = set(self.users.get(b.index, ()))
