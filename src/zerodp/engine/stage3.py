@@ -12,8 +12,10 @@ would crash the process):
                      gather when backward reaches the unit (prefetching the ones before it);
   gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
   end of backward    release whatever is still gathered.
-The model's own unit and the last unit of the forward stay gathered into the backward, which needs
-them first (FSDP2's reshard_after_forward=False for the root and the last block). Buckets of units
+The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
+does the last unit of the forward when it fits in the prefetch budget (FSDP2's
+reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
+peak at the start of the backward. Buckets of units
 under `stage3_param_persistence_threshold` elements stay gathered: the collectives for them would
 cost more than their memory. The hot path does no Python work per parameter: the views are made once
 and swapped in and out by C-level maps.
@@ -37,10 +39,17 @@ from zerodp.engine.units import Units
 _set_data = torch.Tensor.data.__set__  # p.data = v, callable from map() without a Python frame
 
 
+def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
+    """The forward's last unit stays gathered into the backward when its gathered elements fit in the
+    prefetch budget (keeping it is prefetching it for the backward): `last`, else None."""
+    moving = sum(b.numel for b in last_buckets if not b.persistent)
+    return last if last is not None and moving <= prefetch_numel else None
+
+
 def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
     """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
     that is not persistent once in the forward, and once more in the backward unless the model's own
-    unit or the last unit (`last_unit`), which stay gathered into the backward, reads it."""
+    unit or the last unit kept gathered (`last_unit`, see kept_last) reads it."""
     bucket_of = {id(s.param): b for b in buckets for s in b.slots}
     kept = {bucket_of[id(p)].index for u in (units.outer, last_unit) if u is not None
             for p in units.uses[u] if id(p) in bucket_of}
@@ -78,7 +87,8 @@ class Gatherer:
         self.reduced: set[int] = set()              # buckets whose gradients this backward are all in
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
         self.unit_order: dict[int, None] = {}  # units in the order of their first forward
-        self.last_unit: int | None = None   # the forward's last unit, once a whole backward has run
+        self.traced = False                 # a whole forward and backward have run: the order is known
+        self.last_unit: int | None = None   # then: the forward's last unit, if kept gathered (kept_last)
         self._handles = []
         for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
             if any(b.index not in self.persistent for b in bs):  # a unit always gathered needs no hooks
@@ -96,7 +106,7 @@ class Gatherer:
     def _pre_hook(self, unit: int, units: list[Bucket]):
         @torch.compiler.disable
         def hook(module, args):
-            if self.last_unit is None:
+            if not self.traced:
                 self.unit_order.setdefault(unit)
             self.gather(units)
             self._prefetch_after(units[-1])
@@ -109,7 +119,8 @@ class Gatherer:
             # The backward starts with the model's own unit and the last unit: keep them gathered. So
             # does a unit recomputed inside the backward (activation checkpointing), which runs its
             # backward next; the reducer releases its buckets once their gradients are in.
-            keep = tensors and (unit in (self.outer, self.last_unit) or torch._C._current_graph_task_id() != -1)
+            keep = tensors and (unit == self.outer or (unit == self.last_unit and unit is not None)
+                                or torch._C._current_graph_task_id() != -1)
             self._finished(unit, units, keep)
             if tensors:  # backward through this unit needs its parameters again
                 register_multi_grad_hook(tensors, lambda grads: self._backward_gather(units), mode="any")
@@ -204,8 +215,10 @@ class Gatherer:
         """At the end of a backward (and before a step): nothing stays gathered but persistent buckets."""
         self.reduced.clear()
         self.release([self.buckets[i] for i in list(self.gathered)])
-        if self.unit_order and self.last_unit is None:  # the first forward is over: its order is known
-            self.last_unit = next(reversed(self.unit_order))
+        if self.unit_order and not self.traced:  # the first forward is over: its order is known
+            self.traced = True
+            last = next(reversed(self.unit_order))
+            self.last_unit = kept_last(last, self.unit_buckets[last], self.prefetch_numel)
 
     def _free(self, b: Bucket) -> None:
         b.data.untyped_storage().resize_(0)
