@@ -109,7 +109,7 @@ class Engine:
         done = None if self.gatherer is None else self.gatherer.gradients_done
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                                comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                               predivide=config.gradient_predivide_factor)
+                               predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
         self.scaler = LossScaler.from_config(config)
         if lr_scheduler is None and config.scheduler is not None:
             lr_scheduler = config.scheduler.build
