@@ -22,14 +22,14 @@ from zerodp.models.gpt import GPT, Block, GPTConfig, gpt_config
 # zero_optimization keys of each way of choosing units ("blocks", the default, runs in test_engine.py).
 MODES = {
     "module,no_coalescing": {"stage3_unit": "module", "stage3_prefetch_bucket_size": 0},  # one bucket per module
-    "module": {"stage3_unit": "module", "stage3_prefetch_bucket_size": 3000},  # small ones coalesced, prefetched
-    "linears": {"stage3_unit": ["Linear"], "stage3_prefetch_bucket_size": 1500},  # nested in the model's unit
+    # nested in the model's unit; small units coalesced, and prefetched
+    "linears": {"stage3_unit": ["Linear"], "stage3_prefetch_bucket_size": 1500},
 }
 # A parameter read by code outside its unit before the unit runs is not gathered (stage3.py): with the
 # Toy's own units (blocks: the whole Toy is the model's unit) it is; with these it is not.
 CASES = [c for c in oracle.CASES if c != "used_by_parent"]
 WORLDS = [1, 2, 4]
-MODE_WORLDS = {"module,no_coalescing": WORLDS, "module": [2, 4], "linears": [2, 4]}  # one rank: nothing to coalesce
+MODE_WORLDS = {"module,no_coalescing": WORLDS, "linears": [2, 4]}
 JOBS = [(case, mode, world) for case in CASES for mode in MODES for world in MODE_WORLDS[mode]]
 
 
@@ -92,7 +92,6 @@ def _gpt(rank: int, world: int, name: str, checkpointing: bool = False) -> dict:
 def _gpt_jobs(rank: int, world: int) -> dict:
     out = {name: _gpt(rank, world, name) for name in GPT_RUNS}
     out["blocks,checkpointed"] = _gpt(rank, world, "blocks", checkpointing=True)
-    out["stage2,checkpointed"] = _gpt(rank, world, "stage2", checkpointing=True)
     try:
         lin = nn.Linear(4, 4)
         zerodp.initialize(lin, torch.optim.SGD(lin.parameters(), lr=0.1),
@@ -112,7 +111,7 @@ def gpt_runs() -> list[dict]:
 @pytest.mark.parametrize("name", [n for n in GPT_RUNS if n != "stage2"] + ["blocks,checkpointed"])
 def test_stage3_blocks_train_a_gpt_as_stage2_does_fp32_world2(name):
     run = gpt_runs()[0]
-    ref = run["stage2,checkpointed" if "checkpointed" in name else "stage2"]
+    ref = run["stage2"]  # (recomputing a block's forward repeats the same arithmetic)
     assert run[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     for k, v in ref["state"].items():
         torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")

@@ -15,10 +15,11 @@ would crash the process):
 The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
 does the last unit of the forward when it fits in the prefetch budget (FSDP2's
 reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
-peak at the start of the backward. Buckets of units
-under `stage3_param_persistence_threshold` elements stay gathered: the collectives for them would
-cost more than their memory. The hot path does no Python work per parameter: the views are made once
-and swapped in and out by C-level maps.
+peak at the start of the backward. A bucket shared with a unit that does not run stays gathered
+until the end of the backward. Buckets of units under `stage3_param_persistence_threshold` elements
+stay gathered, with no hooks: the collectives for them would cost more than their memory. The hot
+path does no Python work per parameter: the views are made once and swapped in and out by C-level
+maps.
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int)
     return last if last is not None and moving <= prefetch_numel else None
 
 
+def unit_buckets(units: Units, buckets: list[Bucket]) -> list[list[Bucket]]:
+    """Each unit's buckets: those of every parameter its modules register, in index order."""
+    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
+    return [sorted({id(b): b for p in used if (b := bucket_of.get(id(p))) is not None}.values(),
+                   key=lambda b: b.index) for used in units.uses]
+
+
 def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
     """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
     that is not persistent once in the forward, and once more in the backward unless the model's own
     unit or the last unit kept gathered (`last_unit`, see kept_last) reads it."""
-    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
-    kept = {bucket_of[id(p)].index for u in (units.outer, last_unit) if u is not None
-            for p in units.uses[u] if id(p) in bucket_of}
+    of_unit = unit_buckets(units, buckets)
+    kept = {b.index for u in (units.outer, last_unit) if u is not None for b in of_unit[u]}
     moving = [b for b in buckets if not b.persistent]
     again = [b for b in moving if b.index not in kept]
     return len(moving) + len(again), sum(b.numel for b in moving + again)
@@ -64,7 +71,6 @@ class Gatherer:
         self.comm = comm
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
-        bucket_of = {id(s.param): b for b in buckets for s in b.slots}
         self.persistent = {b.index for b in buckets if b.persistent}
         self.gathered: set[int] = set()
         self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
@@ -77,12 +83,11 @@ class Gatherer:
         self.params = {b.index: [s.param for s in b.slots] for b in buckets}
         self.views = {b.index: [s.param.data for s in b.slots] for b in buckets}
         self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
-        self.unit_buckets = [sorted({bucket_of[id(p)].index: bucket_of[id(p)] for p in used if id(p) in bucket_of
-                                     }.values(), key=lambda b: b.index) for used in units.uses]
-        self.users: dict[int, frozenset[int]] = {}  # bucket index -> the units whose forward reads it
+        self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
+        self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
         for u, bs in enumerate(self.unit_buckets):
             for b in bs:
-                self.users[b.index] = self.users.get(b.index, frozenset()) | {u}
+                self.users.setdefault(b.index, set()).add(u)
         self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
         self.reduced: set[int] = set()              # buckets whose gradients this backward are all in
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
@@ -119,8 +124,7 @@ class Gatherer:
             # The backward starts with the model's own unit and the last unit: keep them gathered. So
             # does a unit recomputed inside the backward (activation checkpointing), which runs its
             # backward next; the reducer releases its buckets once their gradients are in.
-            keep = tensors and (unit == self.outer or (unit == self.last_unit and unit is not None)
-                                or torch._C._current_graph_task_id() != -1)
+            keep = tensors and (unit in (self.outer, self.last_unit) or torch._C._current_graph_task_id() != -1)
             self._finished(unit, units, keep)
             if tensors:  # backward through this unit needs its parameters again
                 register_multi_grad_hook(tensors, lambda grads: self._backward_gather(units), mode="any")

@@ -198,7 +198,7 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
         return Job(psi, world, stage, shard or world, element_size, max(1, math.ceil(psi / bucket_numel)), gas,
                    per_node, params=params)
     from zerodp.config import ZeroConfig  # late: `zerodp estimate --help` stays torch-free
-    from zerodp.engine.stage3 import kept_last, planned_gathers
+    from zerodp.engine.stage3 import kept_last, planned_gathers, unit_buckets
     from zerodp.engine.units import find_units, layout
 
     zero = ZeroConfig(stage=3, stage3_param_persistence_threshold=persistence)
@@ -206,9 +206,7 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
     buckets = [b for g in layout([[p for p in model.parameters() if p.requires_grad]], units, shard or world, zero)
                for b in g.buckets]
     last = max((u for u, used in enumerate(units.uses) if used and u != units.outer), default=None)
-    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
-    last_buckets = [] if last is None else list({id(b): b for p in units.uses[last] if (b := bucket_of.get(id(p)))}.values())
-    kept = kept_last(last, last_buckets, zero.stage3_prefetch_bucket_size)
+    kept = kept_last(last, [] if last is None else unit_buckets(units, buckets)[last], zero.stage3_prefetch_bucket_size)
     return Job(sum(b.numel for b in buckets), world, stage, shard or world, element_size, len(buckets), gas, per_node,
                planned_gathers(units, buckets, kept), params=params)
 
