@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 
+import oracle
 import pytest
 import torch
+from spawn import run_ranks
 from torch import nn
 
-import oracle
 import zerodp
-from spawn import run_ranks
+from zerodp.activations import checkpoint_blocks
 from zerodp.config import ConfigError
 from zerodp.engine.stage3 import planned_gathers
 from zerodp.engine.units import find_units
-from zerodp.activations import checkpoint_blocks
 from zerodp.models.gpt import GPT, Block, GPTConfig, gpt_config
 
 # zero_optimization keys of each way of choosing units ("blocks", the default, runs in test_engine.py).
@@ -47,12 +47,12 @@ def oracle_runs(world: int) -> dict:
 def test_stage3_units_match_single_process_fp32(case, mode, world):
     ours, ref = oracle_runs(world)[(case, mode)], oracle.train_reference(case, world)
     for k in ref["state"]:
-        torch.testing.assert_close(ours["state"][k], ref["state"][k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(ours["state"][k], ref["state"][k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     assert ours["norms"] == pytest.approx(ref["norms"], rel=1e-5)
 
 
 # ---- a GPT: blocks against stage 2, and the collectives of a step ----------------------------------
-GPT_MODEL = dict(n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=32)
+GPT_MODEL = {"n_layer": 4, "n_head": 2, "n_embd": 64, "vocab_size": 256, "block_size": 32}
 STEPS, MICRO, SEQ = 3, 2, 16
 GPT_RUNS = {"stage2": (2, {}),
             "blocks": (3, {"stage3_prefetch_bucket_size": 0}),  # a bucket per unit, nothing prefetched
@@ -114,7 +114,7 @@ def test_stage3_blocks_train_a_gpt_as_stage2_does_fp32_world2(name):
     ref = run["stage2"]  # (recomputing a block's forward repeats the same arithmetic)
     assert run[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     for k, v in ref["state"].items():
-        torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("name", [n for n in GPT_RUNS if n != "stage2"])
@@ -150,7 +150,7 @@ class Layer(nn.Module):
 
 class Named(nn.Module):
     """Blocks a Hugging Face model lists in _no_split_modules, outside any ModuleList."""
-    _no_split_modules = ["Layer"]
+    _no_split_modules = ("Layer",)
 
     def __init__(self):
         super().__init__()

@@ -29,7 +29,6 @@ from collections import deque
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 

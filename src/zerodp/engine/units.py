@@ -22,15 +22,15 @@ parameter that code outside its unit reads before that unit runs is not gathered
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
 
 from torch import nn
 
 from zerodp.config import ConfigError, ZeroConfig
 from zerodp.engine.flat import FlatGroup, plan
 
-UnitRule = Union[str, Sequence[Union[type, str]], Callable[[nn.Module], bool]]
+UnitRule = str | Sequence[type | str] | Callable[[nn.Module], bool]
 
 
 @dataclass

@@ -197,7 +197,9 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
     if stage != 3:
         return Job(psi, world, stage, shard or world, element_size, max(1, math.ceil(psi / bucket_numel)), gas,
                    per_node, params=params)
-    from zerodp.config import ZeroConfig  # late: `zerodp estimate --help` stays torch-free
+    from zerodp.config import (
+        ZeroConfig,  # late: `zerodp estimate --help` stays torch-free
+    )
     from zerodp.engine.stage3 import kept_last, planned_gathers, unit_buckets
     from zerodp.engine.units import find_units, layout
 
