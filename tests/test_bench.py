@@ -109,7 +109,8 @@ def test_overhead_benchmark_runs_every_mode_and_profiles_zerodp():
     from zerodp.bench import overhead
     out = overhead.main(["--layers", "2", "3", "--worlds", "1", "--steps", "1", "--warmup", "0",
                          "--profile-stage", "3", "--profile-steps", "1", "--top", "3", "--quiet"])
-    assert [(r["layers"], r["mode"]) for r in out["rows"]] == [(n, m) for n in (2, 3) for m in overhead.MODES]
+    runs = [m for m in overhead.MODES if overhead.skip_reason(m) is None]  # deepspeed3 where it imports
+    assert [(r["layers"], r["mode"]) for r in out["rows"]] == [(n, m) for n in (2, 3) for m in runs]
     assert all(r["cpu_ms"] > 0 for r in out["rows"])
     assert "| 1 | 3 (12) | zerodp3 |" in out["table"] and "x for 1.5x params" in out["table"]
     assert "zerodp stage 3, world 1, 3 layers" in out["profile"] and "zerodp/engine/reducer.py" in out["profile"]

@@ -20,6 +20,7 @@ import zerodp
 from spawn import run_ranks
 from zerodp.plan import communication as comm_plan
 from zerodp.engine.flat import ALIGN
+from zerodp.engine.stage3 import planned_gathers
 from zerodp.models.gpt import GPT, gpt_config
 
 STEPS, MICRO, SEQ = 3, 2, 16
@@ -47,19 +48,19 @@ def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str, shard: 
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     assert engine.comm.traffic.total() == 0, "initialize() must reset the tally after its broadcasts"
     g = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
+    for step in range(STEPS + 1):
+        if step == 1:  # stage 3 learns the forward's last unit in the first step; count the steps after it
+            engine.comm.traffic.reset()
         tokens = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         engine.step()
     traffic = engine.comm.traffic
-    # Stage 3 gathers per micro-step: in the forward every bucket of a parameter each module registers
-    # (the tied embedding for both its modules), in the backward every bucket once.
-    bucket_of = {id(s.param): b for fg in engine.flat_groups for b in fg.buckets for s in b.slots}
-    uses = [b for m in model.modules()
-            for b in {id(bucket_of[id(p)]): bucket_of[id(p)] for p in m.parameters(recurse=False)
-                      if id(p) in bucket_of}.values()] + list({id(b): b for b in bucket_of.values()}.values())
+    # Stage 3 gathers per micro-step: every bucket in the forward, and in the backward those that the
+    # model's own unit and the last unit (kept gathered from the forward) do not read.
+    gathered = None if engine.gatherer is None else planned_gathers(
+        engine.units, engine.partitioned_optimizer.buckets, engine.gatherer.last_unit)
     return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi, "by_group": dict(traffic.by_group),
-            "gathered": (len(uses), sum(b.numel for b in uses)),
+            "gathered": gathered,
             "bucket_numels": [b.numel for fg in engine.flat_groups for b in fg.buckets],
             "slots": sum(len(b.slots) for fg in engine.flat_groups for b in fg.buckets), "world": world,
             "element_size": torch.empty((), dtype=DTYPES[dtype]).element_size()}

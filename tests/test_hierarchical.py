@@ -27,7 +27,7 @@ from zerodp.checkpoint.pieces import local_state, owned_pieces
 from zerodp.config import ConfigError, ZeroConfig
 
 STAGES = [1, 2, 3]
-STAGE3_UNSUPPORTED = {"used_by_parent"}  # as in test_engine.py
+STAGE3_UNSUPPORTED = {"used_by_parent"}  # stage 3 runs it flat (test_engine.py)
 # Every oracle case at S = 2 in fp32; in bf16 the cases that reach the replica paths differently
 # (padding-only shards, unused parameters, accumulation windows, ties, groups).
 BF16_CASES = ["plain", "unused", "tied", "tiny_group", "accumulation", "param_groups"]

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from zerodp.lazy import lazy_names
 
@@ -46,7 +46,8 @@ def __dir__() -> list[str]:
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                config: Config | dict | str | None = None,
                process_group: dist.ProcessGroup | None = None,
-               lr_scheduler: Callable | None = None, device_mesh=None) -> Engine:
+               lr_scheduler: Callable | None = None, device_mesh=None,
+               stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -59,6 +60,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     device_mesh: a 2-D torch DeviceMesh (replicate, shard) over the data-parallel ranks: model states
       are sharded along its second dimension and replicated along its first (as the config key
       zero_optimization.mics_shard_size does with groups zerodp builds).
+    stage3_unit: what stage 3 gathers and reduces as one unit, as zero_optimization.stage3_unit
+      (which it replaces; give one of the two): "blocks", "module", a list of module classes, class
+      names or module names, or a function module -> bool choosing the units' root modules.
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -77,6 +81,6 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, checkpoint_io=checkpoint_io)
+    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io)
     log_set_up(cfg, comm.world_size, engine.shard_size, comm.rank)
     return engine

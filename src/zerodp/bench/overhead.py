@@ -2,6 +2,7 @@
 
     python -m zerodp.bench.overhead                       # 50 and 200 layers, worlds 1 and 2, profile
     python -m zerodp.bench.overhead --layers 200 --worlds 2 --profile-stage 3
+    python -m zerodp.bench.overhead --layers 200 --gpt --modes ddp fsdp2 zerodp2 zerodp3 deepspeed3
 
 The model is `--layers` x (Linear(64, 64) + LayerNorm(64)): four parameters of 4,096 / 64 / 64 / 64
 elements per layer, so the step's arithmetic is small and what a step costs is mostly per-parameter
@@ -10,7 +11,10 @@ mode in the same processes (spawned gloo ranks, one thread each) one after anoth
 (fused AdamW; world 1 only), DDP, FSDP2 (fully_shard per layer and the root) and zerodp stages 1-3,
 each the median over --steps after --warmup of the step's wall time and of rank 0's process CPU
 time (the robust one on a shared machine). Ratios are to DDP of the same world. Running two sizes
-shows how each mode's per-step time grows with the number of parameters.
+shows how each mode's per-step time grows with the number of parameters. --gpt adds a row per mode
+for the `small` GPT (6 blocks of attention, MLP and norms; micro-batch 2 x 32 tokens), where FSDP2
+shards each block; `deepspeed3` is DeepSpeed's ZeRO-3 on the same group where `import deepspeed`
+works (a mode that cannot run here is left out with its reason printed).
 
 With --profile-stage S (default 2), zerodp stage S at world 1 and the largest size then runs under
 cProfile, and the functions with the most own time are printed, grouped by zerodp file: what a fast
@@ -34,27 +38,45 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-MODES = ("plain", "ddp", "fsdp2", "zerodp1", "zerodp2", "zerodp3")
+MODES = ("plain", "ddp", "fsdp2", "zerodp1", "zerodp2", "zerodp3", "deepspeed3")
 WIDTH, BATCH = 64, 8
+GPT_BATCH, GPT_SEQ = 2, 32
+GPT = 0  # `layers` of the GPT rows
 
 
-def make_model(layers: int) -> nn.Sequential:
+def make_model(layers: int) -> tuple[nn.Module, list[nn.Module], tuple]:
+    """The model, the blocks FSDP2 shards one by one, and this rank's inputs (`layers` GPT: the GPT)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(layers)])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    if layers == GPT:
+        from zerodp.models.gpt import GPT as Model
+        from zerodp.models.gpt import gpt_config
+        model = Model(gpt_config("small"))
+        tokens = torch.randint(0, 256, (GPT_BATCH, GPT_SEQ + 1), generator=g)
+        return model, list(model.blocks), (tokens[:, :-1], tokens[:, 1:])
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(layers)])
+    return model, list(model), (torch.randn(BATCH, WIDTH, generator=g),)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out if out.dim() == 0 else out.square().mean()  # the GPT returns its loss
 
 
 def build(mode: str, layers: int):
     """(forward-backward-step function) for one mode on the current process group."""
-    model = make_model(layers)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
-    if mode.startswith("zerodp"):
-        import zerodp
-        engine = zerodp.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True), {
-            "train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": int(mode[-1])}})
+    model, blocks, x = make_model(layers)
+    micro = GPT_BATCH if layers == GPT else BATCH
+    if mode.startswith("zerodp") or mode == "deepspeed3":
+        if mode == "deepspeed3":
+            engine = _deepspeed3(model, micro)
+        else:
+            import zerodp
+            engine = zerodp.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True), {
+                "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": int(mode[-1])}})
 
         def zstep():
-            engine.backward(engine(x).square().mean())
+            engine.backward(_loss(engine(*x)))
             engine.step()
         return zstep
     if mode == "ddp":
@@ -62,17 +84,41 @@ def build(mode: str, layers: int):
         model = DistributedDataParallel(model)
     elif mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-        for layer in model:
-            fully_shard(layer)
+        for block in blocks:
+            fully_shard(block)
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=mode != "fsdp2")  # fused takes no DTensor
 
     def tstep():
-        model(x).square().mean().backward()
+        _loss(model(*x)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return tstep
+
+
+def _deepspeed3(model: nn.Module, micro: int):
+    """DeepSpeed's ZeRO-3 engine on the current group, with its defaults for stage 3's buckets."""
+    import deepspeed
+    # DeepSpeed reads its launcher's variables even on a group that exists already (spawned ranks here).
+    for key, value in (("LOCAL_RANK", dist.get_rank()), ("RANK", dist.get_rank()),
+                       ("WORLD_SIZE", dist.get_world_size())):
+        os.environ.setdefault(key, str(value))
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                           config=config)
+    return engine
+
+
+def skip_reason(mode: str) -> str | None:
+    """Why a mode cannot run here (None: it can)."""
+    if mode == "deepspeed3":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any failure to import is the reason
+            return f"import deepspeed fails: {type(e).__name__}: {e}"
+    return None
 
 
 def measure(step, steps: int, warmup: int) -> tuple[float, float]:
@@ -104,15 +150,19 @@ def _rank(rank: int, world: int, store: str, out: str, args) -> None:
 
 def run_modes(world: int, args) -> list[dict]:
     rows = []
-    for layers in args.layers:
+    for layers in args.layers + ([GPT] if args.gpt else []):
         for mode in args.modes:
-            if mode == "plain" and world > 1:
+            if mode == "plain" and world > 1 or skip_reason(mode):
                 continue
             wall, cpu = measure(build(mode, layers), args.steps, args.warmup)
             rows.append(dict(world=world, layers=layers, params=4 * layers, mode=mode, wall_ms=wall, cpu_ms=cpu))
             if dist.get_rank() == 0 and not args.quiet:  # progress: a full run takes minutes on a CPU
-                print(f"  world {world} {layers} layers {mode}: {wall:.1f} ms wall, {cpu:.1f} ms CPU", flush=True)
+                print(f"  world {world} {_size(layers)} {mode}: {wall:.1f} ms wall, {cpu:.1f} ms CPU", flush=True)
     return rows
+
+
+def _size(layers: int) -> str:
+    return "GPT small" if layers == GPT else f"{layers} layers"
 
 
 def run_world(world: int, args) -> list[dict]:
@@ -132,14 +182,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| world | layers (params) | mode | wall ms/step | CPU ms/step | CPU vs DDP | CPU growth |",
              "|---|---|---|---|---|---|---|"]
     ddp = {(r["world"], r["layers"]): r["cpu_ms"] for r in rows if r["mode"] == "ddp"}
-    smallest = min(r["layers"] for r in rows)
+    smallest = min((r["layers"] for r in rows if r["layers"] != GPT), default=GPT)
     first = {(r["world"], r["mode"]): r["cpu_ms"] for r in rows if r["layers"] == smallest}
     for r in rows:
         base = ddp.get((r["world"], r["layers"]))
         ratio = f"{r['cpu_ms'] / base:.2f}x" if base else "n/a"
         growth = (f"{r['cpu_ms'] / first[(r['world'], r['mode'])]:.2f}x for {r['layers'] / smallest:g}x params"
-                  if r["layers"] != smallest else "")
-        lines.append(f"| {r['world']} | {r['layers']} ({r['params']}) | {r['mode']} | {r['wall_ms']:.1f} | "
+                  if r["layers"] not in (smallest, GPT) else "")
+        size = "GPT small" if r["layers"] == GPT else f"{r['layers']} ({r['params']})"
+        lines.append(f"| {r['world']} | {size} | {r['mode']} | {r['wall_ms']:.1f} | "
                      f"{r['cpu_ms']:.1f} | {ratio} | {growth} |")
     return "\n".join(lines)
 
@@ -188,7 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the table and profile")
+    p.add_argument("--gpt", action="store_true", help="add rows for the `small` GPT (blocks of attention + MLP)")
     args = p.parse_args(argv)
+    for mode in args.modes:
+        if skip_reason(mode):
+            print(f"{mode} left out: {skip_reason(mode)}", flush=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank: one core per rank
     try:

@@ -43,13 +43,13 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.parameter_alignment": "every parameter is always aligned to 64 elements in its bucket",
     "zero_optimization.memory_efficient_linear": "a DeepSpeed stage-3 replacement of nn.Linear's autograd; "
                                                  "zerodp leaves the model's modules unchanged",
-    "zero_optimization.stage3_max_live_parameters": "stage 3 frees each module's gathered parameters after "
+    "zero_optimization.stage3_max_live_parameters": "stage 3 frees each unit's gathered parameters after "
                                                     "its backward; what is live is bounded by "
                                                     "stage3_prefetch_bucket_size, not by this count",
-    "zero_optimization.stage3_max_reuse_distance": "stage 3 frees each module's gathered parameters after its "
+    "zero_optimization.stage3_max_reuse_distance": "stage 3 frees each unit's gathered parameters after its "
                                                    "backward; there is no reuse-distance cache",
-    "zero_optimization.stage3_module_granularity_threshold": "stage 3 gathers per module that registers "
-                                                             "parameters, always",
+    "zero_optimization.stage3_module_granularity_threshold": "stage 3 gathers per unit, which stage3_unit "
+                                                             "chooses (blocks by default), not by this ratio",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "parameters are fetched with all-gather; "
                                                                 "DeepSpeed's all-reduce gives the same values",
     "zero_optimization.stage3_allgather_sequential": "a DeepSpeed stage-3 launch-order detail",
@@ -116,8 +116,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "zero_optimization.pipeline_loading_checkpoint": (False, "pipeline parallelism does not exist in zerodp"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "the Muon optimizer is refused (see "
                                                                      "optimizer.type)"),
-    "zero_optimization.leaf_module": (None, "stage 3 gathers per module that registers parameters; "
-                                            "there are no leaf modules to declare"),
+    "zero_optimization.leaf_module": (None, "stage 3 gathers per unit; name the units' classes or modules "
+                                            "in zero_optimization.stage3_unit instead"),
     "zero_optimization.zenflow": (None, "DeepSpeed's ZenFlow (asynchronous offloaded updates) is not "
                                         "implemented; use offload_optimizer"),
     "zero_optimization.offload_optimizer.nvme_path": (None, "NVMe offload is not supported by zerodp; use "

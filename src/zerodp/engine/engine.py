@@ -29,7 +29,9 @@ from zerodp.engine.optimizer import (
 )
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
-from zerodp.engine.stage3 import Gatherer, owning_modules
+from zerodp.engine.stage3 import Gatherer
+from zerodp.engine.units import UnitRule, find_units, unit_rule
+from zerodp.engine.units import layout as stage3_layout
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
 from zerodp.monitor.writers import check_available
@@ -62,8 +64,10 @@ class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None, *, checkpoint_io: CheckpointIO | None = None):
+                 comm: Comm, lr_scheduler: Callable | None = None, stage3_unit: UnitRule | None = None, *,
+                 checkpoint_io: CheckpointIO | None = None):
         self.config, self.comm, self.module = config, comm, module
+        self._stage3_unit = stage3_unit
         self.checkpoint_io = checkpoint_io
         optimizer, groups = self._agreed_set_up(optimizer)
         self._cast_and_sync_untrained(groups)
@@ -103,11 +107,11 @@ class Engine:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        units = owning_modules(self.module) if self.stage == 3 else None
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
+                  else stage3_layout(groups, self.units, comm.shard_size, zero))
         rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []
         for g in layout:
@@ -138,16 +142,16 @@ class Engine:
                                            self.used_only)
         self.partitioned_optimizer = partitioned
         self.optimizer: Optimizer = partitioned.optimizer
-        # Stage 0 gathers nothing and stage 3 gathers per module already.
+        # Stage 0 gathers nothing and stage 3 gathers per unit already.
         self.forward_order = (ForwardOrder(self.module, partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
-        self.gatherer = Gatherer(self.module, buckets, comm, zero.stage3_param_persistence_threshold,
-                                 zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
+        self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
+                                 self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
-        done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
+        done = None if self.gatherer is None else self.gatherer.gradients_done
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                                comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                               predivide=config.gradient_predivide_factor)
+                               predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
 
     def _start_counters(self) -> None:
         """Steps, the accumulation window and no_sync's state, all at zero; the byte tally too."""
@@ -406,6 +410,7 @@ class Engine:
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
+        self.units = find_units(module, unit_rule(zero, self._stage3_unit)) if self.stage == 3 else None
         self.device = _device_of(module, self.comm)
         check_available(config)  # an enabled monitor's package is missing: every rank hears of it
         if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):

@@ -47,6 +47,7 @@ class Bucket:
     numel: int                 # padded to a multiple of partitions * ALIGN
     partitions: int
     slots: list[Slot] = field(default_factory=list)
+    persistent: bool = False           # stage 3: stays gathered (its units are under the persistence threshold)
     data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
     owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
 
@@ -119,34 +120,52 @@ class FlatGroup:
 
 
 def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
-            unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
+            unit_of: dict[int, int] | None = None,
+            persistent: set[int] | frozenset = frozenset()) -> list[FlatGroup]:
     """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets.
 
-    unit_of (stage 3): id(param) -> the module that owns it; a bucket then holds exactly one
-    module's parameters (of one group), so a module's forward gathers whole buckets.
+    unit_of (stage 3): id(param) -> its unit (units.py). A unit's parameters of one group are never
+    split between buckets; consecutive units share a bucket up to `bucket_numel` elements (0: a
+    bucket per unit), and the units in `persistent` share one only with each other.
     """
     groups, index = [], 0
     for g, params in enumerate(param_groups):
         buckets, start = [], 0
         current: Bucket | None = None
-        unit = None
-        for p in reversed(params):
-            n = p.numel()
-            new_unit = unit_of is not None and unit_of[id(p)] != unit
-            unit = unit_of[id(p)] if unit_of is not None else None
-            if current is None or new_unit or (unit_of is None and current.slots
-                                                and _fill(current) + n > bucket_numel):
+        for run in _runs(list(reversed(params)), unit_of):
+            keep = unit_of is not None and unit_of[id(run[0])] in persistent
+            if current is None or (current.slots and (keep != current.persistent
+                                                      or _fill(current) + _run_numel(run) > bucket_numel)):
                 if current is not None:
                     start = _close(current, start)
                     buckets.append(current)
-                current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions)
+                current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions, persistent=keep)
                 index += 1
-            current.slots.append(Slot(p, _fill(current), n, p.shape))
+            for p in run:
+                current.slots.append(Slot(p, _fill(current), p.numel(), p.shape))
         if current is not None:
             start = _close(current, start)
             buckets.append(current)
         groups.append(FlatGroup(index=g, buckets=buckets, numel=start))
     return groups
+
+
+def _runs(params: list[nn.Parameter], unit_of: dict[int, int] | None) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one unit (each parameter alone without units)."""
+    if unit_of is None:
+        return [[p] for p in params]
+    runs: list[list[nn.Parameter]] = []
+    for p in params:
+        if runs and unit_of[id(p)] == unit_of[id(runs[-1][0])]:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _run_numel(run: list[nn.Parameter]) -> int:
+    """Elements a run adds to a bucket: every parameter but the last aligned."""
+    return sum(_round_up(p.numel(), ALIGN) for p in run[:-1]) + run[-1].numel()
 
 
 def _fill(b: Bucket) -> int:

@@ -139,13 +139,14 @@ def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16"
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE, largest_module: int | None = None) -> int:
     """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
     in the working dtype, never more than the whole model. A stage 2 bucket holds up to
-    reduce_bucket_size elements; a stage 3 bucket is one module's own parameters (largest_module
-    elements when known, else the reduce_bucket_size bound). Stages 0-1 (and one rank) reduce in
-    place in the gradient buffer: no pool."""
+    reduce_bucket_size elements; a stage 3 bucket is whole units, small ones coalesced up to that size,
+    and the pool holds POOL_BUFFERS x reduce_bucket_size elements, or one bucket when a unit is larger
+    (largest_module, when known). Stages 0-1 (and one rank) reduce in place in the gradient buffer:
+    no pool."""
     if stage < 2 or world == 1:
         return 0
-    bucket = largest_module if stage == 3 and largest_module else reduce_bucket_size
-    return min(POOL_BUFFERS * bucket, num_params) * WORKING_BYTES[dtype]
+    pool = max(POOL_BUFFERS * reduce_bucket_size, largest_module or 0 if stage == 3 else 0)
+    return min(pool, num_params) * WORKING_BYTES[dtype]
 
 
 def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: str = "adam",

@@ -29,7 +29,9 @@ from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, FlatGroup
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
-# one filling, one reducing, one spare keeps the copy stream from stalling behind comm.
+# one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
+# `bucket_numel` they also hold at most POOL_BUFFERS x bucket_numel elements together, unless one
+# bucket alone is larger (a stage-3 unit: a transformer block), when only that one exists.
 POOL_BUFFERS = 3
 
 
@@ -37,7 +39,7 @@ class Reducer:
     def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False,
-                 predivide: float | None = None):
+                 predivide: float | None = None, bucket_numel: int | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.on_bucket_done = on_bucket_done
         # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
@@ -69,6 +71,7 @@ class Reducer:
         self.pool: list[torch.Tensor] = []
         self.live: list[int] = []  # sizes of the pool buffers that exist now (free or in use)
         self.pool_peak = 0         # most elements the pool has held at once
+        self.pool_numel = None if bucket_numel is None else POOL_BUFFERS * bucket_numel
         self.inflight: deque = deque()
         # `fresh`: the accumulation window has just begun: a first arrival is copied, not added.
         self.fresh = True
@@ -241,7 +244,9 @@ class Reducer:
             fits = [i for i, b in enumerate(self.pool) if b.numel() >= numel]
             if fits:
                 return self.pool.pop(min(fits, key=lambda i: self.pool[i].numel())).zero_()
-            if self.inflight and len(self.live) >= POOL_BUFFERS:
+            full = len(self.live) >= POOL_BUFFERS or (
+                self.pool_numel is not None and sum(self.live) + numel > self.pool_numel)
+            if self.inflight and full:
                 self._retire_oldest()
                 continue
             buf = torch.zeros(numel, dtype=self.dtype, device=self.buckets[0].data.device)

@@ -1,71 +1,106 @@
-"""Stage 3: parameters partitioned; each module's parameters gathered just before it runs.
+"""Stage 3: parameters partitioned; each unit's parameters gathered just before it runs.
 
-Every bucket holds one module's parameters (see flat.lay_out's `unit_of`). Its gathered buffer keeps
-its tensor object but its storage is resized to zero between uses, so any autograd graph that
-saved views of it stays valid and sees the data again once it is gathered back. While released,
-the parameters themselves point at an empty tensor, so stray reads fail loudly instead of reading
-freed memory:
-  forward pre-hook   gather the module's buckets (and start prefetching the next ones);
-  forward post-hook  release them, and arrange for a gather when backward reaches the module;
-  gradient hook      (reducer) once all of a bucket's gradients are reduced, release it;
+A unit is a block of modules (units.py): by default each repeated child of the model (a transformer
+block) and the model itself for the rest. Its buckets (flat.lay_out) hold whole units, several small
+ones coalesced up to `stage3_prefetch_bucket_size`. A gathered buffer keeps its tensor object but
+its storage is resized to zero between uses, so any autograd graph that saved views of it stays
+valid and sees the data again once it is gathered back. While released, the parameters point at an
+empty tensor, so stray reads fail loudly instead of reading freed memory (a view of freed storage
+would crash the process):
+  forward pre-hook   gather the unit's buckets (and start prefetching the next ones);
+  forward post-hook  release each bucket once every unit sharing it has run, and arrange for a
+                     gather when backward reaches the unit (prefetching the ones before it);
+  gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
   end of backward    release whatever is still gathered.
-A parameter is gathered when a module that registers it runs (as in FSDP): code outside those
-modules that reads it first (a parent's forward calling F.linear on a child's weight) sees the empty
-tensor and fails; such a parameter can be registered on, or made persistent with, the module using it.
-Buckets smaller than `stage3_param_persistence_threshold` stay gathered: the collectives for them
-would cost more than their memory.
+The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
+does the last unit of the forward when it fits in the prefetch budget (FSDP2's
+reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
+peak at the start of the backward. A bucket shared with a unit that does not run stays gathered
+until the end of the backward. Buckets of units under `stage3_param_persistence_threshold` elements
+stay gathered, with no hooks: the collectives for them would cost more than their memory. The hot
+path does no Python work per parameter: the views are made once and swapped in and out by C-level
+maps.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Callable
 
 import torch
-from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket
+from zerodp.engine.units import Units
 from zerodp.monitor.timers import gather_phase
 
+_set_data = torch.Tensor.data.__set__  # p.data = v, callable from map() without a Python frame
 
-def owning_modules(module: nn.Module) -> dict[int, int]:
-    """id(param) -> id of the first module that registers it (a tied weight has one owner)."""
-    owner: dict[int, int] = {}
-    for m in module.modules():
-        for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), id(m))
-    return owner
+
+def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
+    """The forward's last unit stays gathered into the backward when its gathered elements fit in the
+    prefetch budget (keeping it is prefetching it for the backward): `last`, else None."""
+    moving = sum(b.numel for b in last_buckets if not b.persistent)
+    return last if last is not None and moving <= prefetch_numel else None
+
+
+def unit_buckets(units: Units, buckets: list[Bucket]) -> list[list[Bucket]]:
+    """Each unit's buckets: those of every parameter its modules register, in index order."""
+    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
+    return [sorted({id(b): b for p in used if (b := bucket_of.get(id(p))) is not None}.values(),
+                   key=lambda b: b.index) for used in units.uses]
+
+
+def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
+    """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
+    that is not persistent once in the forward, and once more in the backward unless the model's own
+    unit or the last unit kept gathered (`last_unit`, see kept_last) reads it."""
+    of_unit = unit_buckets(units, buckets)
+    kept = {b.index for u in (units.outer, last_unit) if u is not None for b in of_unit[u]}
+    moving = [b for b in buckets if not b.persistent]
+    again = [b for b in moving if b.index not in kept]
+    return len(moving) + len(again), sum(b.numel for b in moving + again)
 
 
 class Gatherer:
-    def __init__(self, module: nn.Module, buckets: list[Bucket], comm: Comm, persistence_threshold: int,
-                 prefetch_numel: int, host_shards: bool = False):
+    def __init__(self, units: Units, buckets: list[Bucket], comm: Comm, prefetch_numel: int,
+                 host_shards: bool = False):
         self.comm = comm
         self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
-        bucket_of = {id(s.param): b for b in buckets for s in b.slots}
-        self.persistent = {b.index for b in buckets if b.numel < persistence_threshold}
+        self.persistent = {b.index for b in buckets if b.persistent}
         self.gathered: set[int] = set()
         self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
         self.order: list[Bucket] = []       # first-forward gather order, for prefetch
         self.position: dict[int, int] = {}  # bucket index -> place in self.order
         self.prefix = [0]                   # prefix[i]: elements of order[:i], for the prefetch window
         self.window = (-1, 0)               # (place of the last prefetch, end of the window it covered)
+        self.back_window = (len(buckets) + 1, len(buckets) + 1)  # the same, walking back in the backward
         self.buckets = buckets
-        self.views = {b.index: [(s.param, s.param.data) for s in b.slots] for b in buckets}
-        self._empty = {b.index: b.data.new_empty(0) for b in buckets}
+        self.params = {b.index: [s.param for s in b.slots] for b in buckets}
+        self.views = {b.index: [s.param.data for s in b.slots] for b in buckets}
+        self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
+        self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
+        self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
+        for u, bs in enumerate(self.unit_buckets):
+            for b in bs:
+                self.users.setdefault(b.index, set()).add(u)
+        self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
+        self.reduced: set[int] = set()              # buckets whose gradients this backward are all in
+        self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
+        self.unit_order: dict[int, None] = {}  # units in the order of their first forward
+        self.traced = False                 # a whole forward and backward have run: the order is known
+        self.last_unit: int | None = None   # then: the forward's last unit, if kept gathered (kept_last)
         self._handles = []
-        for m in module.modules():
-            units = list({id(b): b for p in m.parameters(recurse=False)
-                          if (b := bucket_of.get(id(p))) is not None}.values())
-            if units:
-                self._handles.append(m.register_forward_pre_hook(self._pre_hook(units)))
-                self._handles.append(m.register_forward_hook(self._post_hook(units)))
+        for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
+            if any(b.index not in self.persistent for b in bs):  # a unit always gathered needs no hooks
+                self._handles.append(root.register_forward_pre_hook(self._pre_hook(u, bs)))
+                self._handles.append(root.register_forward_hook(self._post_hook(u, bs)))
         for b in buckets:
             self._free(b)
         self.refresh_persistent()
@@ -74,22 +109,41 @@ class Gatherer:
     # torch.compile must not trace these hooks: a storage resize, a `p.data` swap and an async
     # collective are not graph ops, and a gather traced into a module's graph rewrites the bucket that
     # graph saved for backward ("modified by an inplace operation"). Disabled, each hook runs eagerly
-    # between the compiled pieces of the forward (one graph break per module).
-    def _pre_hook(self, units: list[Bucket]):
+    # between the compiled pieces of the forward (one graph break per unit).
+    def _pre_hook(self, unit: int, units: list[Bucket]):
         @torch.compiler.disable
         def hook(module, args):
+            if not self.traced:
+                self.unit_order.setdefault(unit)
             self.gather(units)
             self._prefetch_after(units[-1])
         return hook
 
-    def _post_hook(self, units: list[Bucket]):
+    def _post_hook(self, unit: int, units: list[Bucket]):
         @torch.compiler.disable
         def hook(module, args, output):
-            self.release(units)
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:  # backward through this module needs its parameters again
-                register_multi_grad_hook(tensors, lambda grads: self.gather(units), mode="any")
+            # The backward starts with the model's own unit and the last unit: keep them gathered. So
+            # does a unit recomputed inside the backward (activation checkpointing), which runs its
+            # backward next; the reducer releases its buckets once their gradients are in.
+            keep = tensors and (unit in (self.outer, self.last_unit) or torch._C._current_graph_task_id() != -1)
+            self._finished(unit, units, keep)
+            if tensors:  # backward through this unit needs its parameters again
+                register_multi_grad_hook(tensors, lambda grads: self._backward_gather(units), mode="any")
         return hook
+
+    def _finished(self, unit: int, units: list[Bucket], keep: bool) -> None:
+        """A unit's forward ended: release each of its buckets that no other unit still needs."""
+        for b in units:
+            left = self.unfinished.get(b.index)
+            if left is not None:
+                left.discard(unit)
+                if not left and not keep:
+                    self.release([b])
+
+    def _backward_gather(self, units: list[Bucket]) -> None:
+        self.gather(units)
+        self._prefetch_before(units[0])
 
     # ---- gather / release -----------------------------------------------------------------------
     def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
@@ -109,10 +163,12 @@ class Gatherer:
             self._wait(b)
 
     def _start(self, b: Bucket) -> None:
-        b.data.untyped_storage().resize_(b.numel * b.data.element_size())
-        for p, view in self.views[b.index]:
-            p.data = view
+        storage, nbytes = b.data.untyped_storage(), b.numel * b.data.element_size()
+        if storage.nbytes() != nbytes:  # (a resize reallocates and copies, even to the same size)
+            storage.resize_(nbytes)
+        deque(map(_set_data, self.params[b.index], self.views[b.index]), maxlen=0)
         self.gathered.add(b.index)
+        self.unfinished[b.index] = set(self.users.get(b.index, ()))
         source = b.owned
         if self.host_shards:  # the host shard goes to its own place in the device bucket, gathered in place
             source = b.shard(b.data, self.comm.shard_rank)
@@ -141,20 +197,45 @@ class Gatherer:
                 self._start(b)
         self.window = (start, max(end, first))
 
+    def _prefetch_before(self, first: Bucket) -> None:
+        """In the backward: start gathering the buckets that came just before in the forward, which the
+        backward reaches next, up to the prefetch size."""
+        end = self.position.get(first.index)
+        if self.prefetch_numel <= 0 or end is None:
+            return
+        begin = bisect.bisect_left(self.prefix, self.prefix[end] - self.prefetch_numel)
+        last_end, covered = self.back_window  # as in _prefetch_after, only the part not yet looked at
+        stop = end if end > last_end else min(end, covered)
+        for b in reversed(self.order[begin:stop]):
+            if b.index not in self.gathered and b.index not in self.reduced:
+                self._start(b)
+        self.back_window = (end, min(begin, stop))
+
     def release(self, units: list[Bucket]) -> None:
         for b in units:
             if b.index in self.gathered and b.index not in self.persistent:
                 self._wait(b)
                 self._free(b)
 
+    def gradients_done(self, b: Bucket) -> None:
+        """(reducer) All of b's gradients of this backward are in: release it, and prefetch it no more."""
+        self.reduced.add(b.index)
+        self.release([b])
+
     def release_all(self) -> None:
+        """At the end of a backward (and before a step): nothing stays gathered but persistent buckets."""
+        self.reduced.clear()
         self.release([self.buckets[i] for i in list(self.gathered)])
+        if self.unit_order and not self.traced:  # the first forward is over: its order is known
+            self.traced = True
+            last = next(reversed(self.unit_order))
+            self.last_unit = kept_last(last, self.unit_buckets[last], self.prefetch_numel)
 
     def _free(self, b: Bucket) -> None:
         b.data.untyped_storage().resize_(0)
-        for p, _ in self.views[b.index]:
-            p.data = self._empty[b.index]
+        deque(map(_set_data, self.params[b.index], self._empty[b.index]), maxlen=0)
         self.gathered.discard(b.index)
+        self.unfinished.pop(b.index, None)
 
     @contextmanager
     def gathered_parameters(self, buckets: list[Bucket] | None = None):

@@ -9,8 +9,9 @@ all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hi
               hierarchical sharding (S < N) all_reduce of its 1/S shard across the replica group
               (N/S ranks); once per step in stage 1, every micro-step in stages 2-3;
   stages 1-2  all_gather of the updated parameters inside the shard group, once per step;
-  stage 3     all_gather of each module's parameters before its forward (a tied weight for each module
-              using it) and of each bucket once in the backward, every micro-step (modules under
+  stage 3     all_gather of each bucket of units (blocks by default, engine/units.py) before its
+              forward and once in the backward, every micro-step, except the buckets of the model's
+              own unit and of the last one, which stay gathered into the backward (units under
               stage3_param_persistence_threshold stay gathered);
   stages 1-3  one all_reduce of the squared gradient norm and two flags (24 bytes) over the world, with
               one fp64 "used" bit per trainable parameter tensor (8 bytes each, unused.py); stage 0
@@ -59,11 +60,9 @@ class Links:
 @dataclass(frozen=True)
 class Job:
     """What the plan needs of a training job. `numel`: elements of all buckets (padded, as the engine
-    lays them out, or Ψ); `buckets`: reduce buckets (stage 3: one per module that holds parameters);
-    `gathered`: stage 3's gathers per micro-step and their elements (None: every bucket twice): in the
-    forward, each module gathers the bucket of every parameter it registers (a tied weight once per
-    module using it); in the backward each bucket is gathered once and held until its gradients are all
-    in. Buckets under the persistence threshold stay gathered."""
+    lays them out, or Ψ); `buckets`: reduce buckets (stage 3: whole units, small ones coalesced);
+    `gathered`: stage 3's gathers per micro-step and their elements (None: every bucket twice), as
+    stage3.planned_gathers counts them."""
 
     numel: int
     world: int
@@ -193,25 +192,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size: int, bucket_numel: int,
              gas: int, per_node: int, persistence: int = 100_000) -> Job:
-    """The plan's Job for a model (on any device, meta included) laid out as the engine would (unpadded).
-    Stage 3: a bucket per module that owns parameters, gathered as Job.gathered says."""
+    """The plan's Job for a model (on any device, meta included) laid out as the engine would.
+    Stage 3: the engine's default units and buckets (engine/units.py), the last unit taken to be the
+    last one registered (a transformer's last block)."""
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = sum(1 for p in model.parameters() if p.requires_grad)  # tied weights once, as parameters() gives
     if stage != 3:
         return Job(psi, world, stage, shard or world, element_size, max(1, math.ceil(psi / bucket_numel)), gas,
                    per_node, params=params)
-    owner: dict[int, int] = {}
-    size: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if p.requires_grad and id(p) not in owner:
-                owner[id(p)] = id(m)
-                size[id(m)] = size.get(id(m), 0) + p.numel()
-    uses = [size[o] for m in model.modules()
-            for o in {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}]
-    big = [u for u in uses + list(size.values()) if u >= persistence]  # forward uses, then backward
-    return Job(psi, world, stage, shard or world, element_size, len(size), gas, per_node, (len(big), sum(big)),
-               params=params)
+    from zerodp.config import (
+        ZeroConfig,  # late: `zerodp estimate --help` stays torch-free
+    )
+    from zerodp.engine.stage3 import kept_last, planned_gathers, unit_buckets
+    from zerodp.engine.units import find_units, layout
+
+    zero = ZeroConfig(stage=3, stage3_param_persistence_threshold=persistence)
+    units = find_units(model, zero.stage3_unit)
+    buckets = [b for g in layout([[p for p in model.parameters() if p.requires_grad]], units, shard or world, zero)
+               for b in g.buckets]
+    last = max((u for u, used in enumerate(units.uses) if used and u != units.outer), default=None)
+    kept = kept_last(last, [] if last is None else unit_buckets(units, buckets)[last], zero.stage3_prefetch_bucket_size)
+    return Job(sum(b.numel for b in buckets), world, stage, shard or world, element_size, len(buckets), gas, per_node,
+               planned_gathers(units, buckets, kept), params=params)
 
 
 def render(args: argparse.Namespace, plan_model, console) -> None:

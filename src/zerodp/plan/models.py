@@ -99,16 +99,15 @@ class PlanModel:
         return one + (self.fields[depth] - 1) * (two - one)
 
     def largest_module(self) -> int:
-        """Elements of the largest module's own parameters: a stage 3 bucket (tied weights once)."""
+        """Elements of the largest stage-3 unit (engine/units.py's default: a block, or the model's own
+        parameters), which a stage-3 bucket never splits (tied weights once)."""
         import torch
+
+        from zerodp.engine.units import find_units
         with torch.device("meta"):
             model, _ = self.build()
-        seen, largest = set(), 0
-        for m in model.modules():
-            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for p in own)
-            largest = max(largest, sum(p.numel() for p in own))
-        return largest
+        units = find_units(model, "blocks")
+        return max(units.numel(list(model.parameters())).values(), default=0)
 
     def _count(self) -> int:
         key = (self.kind, self.ref if self.kind == "factory" else "", json.dumps(self.fields, sort_keys=True))

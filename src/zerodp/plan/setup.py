@@ -2,7 +2,7 @@
 the step's peak: a rank can run out of memory before its first step.
 
 Two paths (Ψ parameters, N ranks, w bytes per working parameter, B the largest bucket in elements:
-stage 3's largest module, else min(reduce_bucket_size, Ψ)):
+stage 3's largest unit or coalesced bucket, else min(reduce_bucket_size, Ψ)):
   meta   the model built on `meta` (or its weights read from files) and each rank materialising only
          what its stage keeps, one bucket at a time: the stage's parameters (stage 3: wΨ/N; else wΨ),
          the fp32 master shard when it is a copy (mixed precision: 4Ψ/N; stage 0: 4Ψ), and the bucket
@@ -11,8 +11,8 @@ stage 3's largest module, else min(reduce_bucket_size, Ψ)):
   whole  every rank builds the whole model in fp32 (4Ψ), then the engine flattens every bucket of it
          in fp32 at once (4Ψ) and allocates its flat working buffer while both are alive:
          stages 0-2  4Ψ + 4Ψ + wΨ
-         stage 3     max(4Ψ + 4Ψ + wΨ/N, 4Ψ + wΨ + (4 + w)Ψ/N): the shard buffer first, then each
-                     bucket's gathered buffer while the user's tensors are freed bucket by bucket.
+         stage 3     max(4Ψ + 4Ψ + wΨ/N, 4Ψ + wΨ + (4 + w)Ψ/N + wB): the shard buffer first, then each
+                     bucket's gathered buffer, filled before the user's tensors it replaces are freed.
 `formula` gives these; `measure` runs the whole path itself on fake tensors (rank 0 of N, peak.py):
 the model built and `zerodp.initialize` called under PyTorch's MemTracker. The meta path is measured
 the same way once `zerodp.initialize` accepts a model on meta; until then it is the formula, and the
@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 
+from zerodp.config import ZeroConfig
 from zerodp.engine.memory import WORKING_BYTES
 from zerodp.plan.models import PlanModel
 
@@ -37,7 +38,8 @@ def formula(path: str, psi: int, world: int, stage: int, dtype: str, bucket: int
     master_copy = w != 4  # in fp32 the master is the working shard itself
     if path == "whole":
         if stage == 3:
-            return max(8 * psi + w * psi // world, 4 * psi + w * psi + (4 + w) * psi // world)
+            # + one bucket's gathered buffer, filled before the parameters it replaces are freed
+            return max(8 * psi + w * psi // world, 4 * psi + w * psi + (4 + w) * psi // world + w * bucket)
         return (8 + w) * psi
     shards = world if stage > 0 else 1
     params = w * psi // world if stage == 3 else w * psi
@@ -47,15 +49,19 @@ def formula(path: str, psi: int, world: int, stage: int, dtype: str, bucket: int
 
 _LARGEST: dict[str, int] = {}  # --fit asks for each family member many times; a meta build takes ~0.1 s
 
+_PREFETCH_DEFAULT = ZeroConfig.model_fields["stage3_prefetch_bucket_size"].default
+
 
 def largest_bucket(model: PlanModel, psi: int, stage: int, reduce_bucket_size: int) -> int:
-    """Elements of the largest bucket: stage 3's largest module, else a reduce bucket (at most Ψ)."""
+    """Elements of the largest bucket (at most Ψ): a reduce bucket, or at stage 3 the larger of its
+    largest unit and the size small units are coalesced up to (engine/units.layout: the smaller of
+    the prefetch and reduce bucket sizes; estimate plans with the prefetch size's default)."""
     if stage != 3:
         return min(reduce_bucket_size, psi)
     key = json.dumps(dataclasses.asdict(model), sort_keys=True, default=str)
     if key not in _LARGEST:
         _LARGEST[key] = model.largest_module()
-    return _LARGEST[key]
+    return min(psi, max(_LARGEST[key], min(reduce_bucket_size, _PREFETCH_DEFAULT)))
 
 
 def measure_specs(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, int]]) -> list[dict]:
