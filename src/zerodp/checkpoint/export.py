@@ -61,6 +61,7 @@ def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
         # safetensors stores no shared tensors: a tied name gets an equal copy, the tie goes in metadata.
         plain = {k: (v.clone() if k in ties else v).contiguous() for k, v in state.items()}
         save_file(plain, out, metadata={"format": "pt", "zerodp_tied": json.dumps(ties)})
+        hf_folder.usual_mode(out)
     elif out.endswith(".pt"):
         torch.save(state, out)  # tied names share one tensor, as in the module
     else:

@@ -139,6 +139,7 @@ def write_folder(out: str | os.PathLike, state: dict, description: dict[str, Any
         elif source:
             notes.append(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER "
                          "of the model it came from)")
+        usual_mode(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -177,3 +178,13 @@ def _prefix(state: dict, expected: set[str]) -> str:
                      f"{', '.join((unknown or sorted(state))[:3])} are not among its "
                      f"{len(expected)} (e.g. {', '.join(sorted(expected)[:2])}): is the config the one "
                      "this model was trained with?")
+
+
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give an exported file, or a folder and its files, the modes the umask gives new ones: mkdtemp
+    makes folders 0700 and safetensors writes files 0600, which other users could not read."""
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    path = Path(path)
+    for p in [path, *(path.iterdir() if path.is_dir() else [])]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)

@@ -149,6 +149,8 @@ def train(opts: argparse.Namespace) -> int:
               f"{where}\n  {recipe}\n  data: {corpus.source}\n  out: {out}", flush=True)
 
     def evaluate() -> float:
+        if not opts.eval_every:  # --eval-every 0: no validation at all
+            return math.nan
         loss = validation_loss(engine, val, device)
         log.write(kind="eval", step=engine.global_steps, val_loss=loss)
         return loss
@@ -179,7 +181,7 @@ def train(opts: argparse.Namespace) -> int:
         step, dt = engine.global_steps, time.perf_counter() - t0
         log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0], tokens_per_s=tokens_per_step / dt,
                   grad_norm=engine.grad_norm, loss_scale=engine.loss_scale)
-        if step % opts.eval_every == 0 or step == opts.steps:
+        if (opts.eval_every and step % opts.eval_every == 0) or step == opts.steps:
             val_loss = evaluate()
             memory = gather_memory(engine, shape, opts)
             log.write(kind="memory", step=step, ranks=memory)
@@ -218,7 +220,8 @@ def train(opts: argparse.Namespace) -> int:
             for note in hf_folder.write_folder(out / "hf", final, hf):
                 print(f"zerodp train: {note}", file=sys.stderr, flush=True)
             written += f"\n  HF folder {out / 'hf'}"
-        print(f"zerodp train: final validation loss {val_loss:.4f} after {engine.global_steps} steps\n"
+        ending = f"final validation loss {val_loss:.4f}" if opts.eval_every else "no validation (--eval-every 0)"
+        print(f"zerodp train: {ending} after {engine.global_steps} steps\n"
               f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {ckpt_dir}\n"
               f"{written}", flush=True)
     return 0
