@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -235,3 +236,22 @@ def test_exported_folders_and_files_get_the_usual_modes_not_0700_0600(hf_folders
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir(),
                                                                tmp_path / "w.safetensors"]}
     assert modes == {name: (0o777 if name == "hf" else 0o666) & ~mask for name in modes}
+
+
+@pytest.mark.parametrize("nproc, after_s", [(1, 1.5), (2, 4.0)])
+def test_sigterm_during_set_up_ends_the_job_with_its_one_line(tmp_path, nproc, after_s):
+    """Whether the launcher, a starting rank or a rank building its engine gets it: one line, exit 143."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.train", "--model", "tiny", "--steps", "100000",
+                             "--nproc", str(nproc), "--out", str(tmp_path / "run")],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=90)
+    lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGTERM" in line]
+    assert proc.returncode == 143, stderr[-3000:]
+    assert len(lines) == 1, stdout + stderr[-3000:]
+    assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-3000:]
