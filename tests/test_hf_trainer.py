@@ -258,3 +258,19 @@ def test_hf_example_script_with_one_import_line_added_trains_with_zero_trainer_f
     assert trainer.engine.global_steps == 2 and trainer.engine.device.type == "cpu"
     assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
     assert (out / "model.safetensors").exists()
+
+
+def test_quick_start_of_the_docs_runs_on_a_cpu_as_written(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "HF_TRAINER.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    with world_of_one():
+        exec(compile(blocks[0], "docs/HF_TRAINER.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.engine.stage == 3 and trainer.engine.global_steps == 4
+    assert (tmp_path / "out" / "checkpoint-2" / "latest").read_text() == "global_step2"
