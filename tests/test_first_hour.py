@@ -255,3 +255,14 @@ def test_sigterm_during_set_up_ends_the_job_with_its_one_line(tmp_path, nproc, a
     assert proc.returncode == 143, stderr[-3000:]
     assert len(lines) == 1, stdout + stderr[-3000:]
     assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-3000:]
+
+
+def test_hf_folder_of_a_byte_level_family_says_it_has_no_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from zerodp.models import hf_folder
+    from zerodp.models.build import build_model, hf_description
+
+    model, _ = build_model("hf-gpt2:tiny", 256, None)
+    notes = hf_folder.write_folder(tmp_path / "hf", model.state_dict(), hf_description(model, "hf-gpt2:tiny"))
+    assert not hf_folder.has_tokenizer(str(tmp_path / "hf"))
+    assert len(notes) == 1 and "has no tokenizer: none is known for this model (the hf-gpt2" in notes[0]

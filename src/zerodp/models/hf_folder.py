@@ -139,6 +139,10 @@ def write_folder(out: str | os.PathLike, state: dict, description: dict[str, Any
         elif source:
             notes.append(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER "
                          "of the model it came from)")
+        else:  # a model built from a family (hf-gpt2, hf-llama) or a folder without a tokenizer
+            notes.append(f"{out} has no tokenizer: none is known for this model (the hf-gpt2 / hf-llama "
+                         "families train on bytes, token id = byte value, and a job that fine-tunes this folder "
+                         "reads --data as bytes too)")
         usual_mode(tmp)
         if out.exists():
             shutil.rmtree(out)
