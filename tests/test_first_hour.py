@@ -250,7 +250,9 @@ def test_sigterm_during_set_up_ends_the_job_with_its_one_line(tmp_path, nproc, a
                             text=True)
     time.sleep(after_s)
     proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
     stdout, stderr = proc.communicate(timeout=90)
+    print(f"SIGTERM {after_s} s into a {nproc}-rank job's set-up: it exited {time.monotonic() - t0:.1f} s later")
     lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGTERM" in line]
     assert proc.returncode == 143, stderr[-3000:]
     assert len(lines) == 1, stdout + stderr[-3000:]

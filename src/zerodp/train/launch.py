@@ -173,7 +173,12 @@ def _launched_rank(opts: argparse.Namespace) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # as on an error: an interpreter teardown here can stall for seconds
-    # Trained: the loop's StopSignal would only set a flag, and torch's launcher, stopping on a signal
-    # that came after the last step, would wait its whole shutdown_timeout for this process to end.
+    # Trained. A signal that came after the last step (torch's launcher stopping the job while rank 0
+    # wrote the final weights) only set the loop's StopSignal flag; returning now would leave the
+    # launcher waiting its whole shutdown_timeout for this process. So end it, and on a later signal too.
+    stopped = getattr(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), "signum", 0)
+    if stopped:
+        sys.stdout.flush()
+        os._exit(128 + stopped)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
