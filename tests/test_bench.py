@@ -68,8 +68,10 @@ def test_json_records_how_it_was_made(world1):
 def test_on_cpu_modes_run_on_the_train_jobs_2_ranks_and_the_table_says_cpu_ratios_are_not_gpu_ratios(world1):
     import torch
 
-    args = bench.parser().parse_args([])
-    bench.fill_device_defaults(args)
+    from zerodp.bench import driver
+
+    args = driver.parser().parse_args([])
+    driver.fill_device_defaults(args)
     if torch.cuda.is_available():
         pytest.skip("the CPU defaults are checked on a machine without CUDA")
     assert args.world == 2
