@@ -14,7 +14,7 @@ import pytest
 from zerodp import bench
 
 TINY = ["--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
-        "--dtype", "fp32", "--threads", "1"]
+        "--dtype", "fp32", "--threads", "1", "--world", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,19 @@ def test_json_records_how_it_was_made(world1):
     assert world1["device"].startswith("CPU")
     assert world1["args"]["steps"] == 2 and world1["args"]["warmup"] == 1
     assert all("checkpoint" in r["note"] for r in world1["results"] if r["status"] == "ok")
+
+
+def test_on_cpu_modes_run_on_the_train_jobs_2_ranks_and_the_table_says_cpu_ratios_are_not_gpu_ratios(world1):
+    import torch
+
+    from zerodp.bench import driver
+
+    args = driver.parser().parse_args([])
+    driver.fill_device_defaults(args)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU defaults are checked on a machine without CUDA")
+    assert args.world == 2
+    assert "these ratios are not GPU ratios" in world1["device_note"]
 
 
 def test_plain_is_always_run_first_as_the_baseline():

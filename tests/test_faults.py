@@ -251,5 +251,6 @@ def test_ctrl_c_to_the_whole_job_checkpoints_and_exits_130_in_one_line(tmp_path)
     lines = [line for line in stdout.splitlines() if "stopped by" in line]
     assert len(lines) == 1 and "stopped by SIGINT after step" in lines[0], stdout
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "leaked semaphore" not in stderr, stderr[-3000:]  # tqdm's lock in a rank that ends with os._exit
     step = int(re.search(r"after step (\d+)", lines[0]).group(1))
     assert (out / "checkpoints" / "latest").read_text() == f"global_step{step}"

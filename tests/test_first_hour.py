@@ -3,6 +3,9 @@ line, a warning for slow bf16 on the CPU, and a library that needs none of the j
 
 from __future__ import annotations
 
+import os
+import signal
+import stat
 import subprocess
 import sys
 import warnings
@@ -118,3 +121,91 @@ def test_bf16_slowdown_is_measured_on_this_cpu():
     ratio = cpu_bf16.bf16_slowdown()
     print(f"bf16 / fp32 matmul time on this CPU: {ratio:.1f}x")
     assert ratio > 0
+
+
+# ---- the commands' edges a newcomer meets ---------------------------------------------------------
+def test_a_mistyped_command_is_an_unknown_command_with_exit_code_2(capsys):
+    from zerodp import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["trian"])
+    assert e.value.code == 2
+    assert "zerodp: unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
+
+
+def test_fit_budget_without_a_unit_is_an_error_naming_the_units():
+    import argparse
+
+    from zerodp.plan import estimate
+
+    with pytest.raises(argparse.ArgumentTypeError, match="'80' has no unit; write e.g. 80GiB or 80GB"):
+        estimate.parse_bytes("80")
+    assert estimate.parse_bytes("80GiB") == 80 * 2**30 and estimate.parse_bytes("8e10") == 8 * 10**10
+
+
+@pytest.mark.parametrize("where", ["missing", "not_a_checkpoint"])
+def test_resume_from_a_wrong_path_is_one_line_before_any_rank_starts(tmp_path, where):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import plan_resume
+
+    path = tmp_path / "nothing-here"
+    if where == "not_a_checkpoint":
+        path.mkdir()
+        (path / "notes.txt").write_text("hi")
+    opts = parse_options(["--model", "tiny", "--nproc", "1", "--out", str(tmp_path / "run"), "--resume-from", str(path)])
+    with pytest.raises(SystemExit) as e:
+        plan_resume(opts, 1)
+    message = str(e.value.code)
+    assert message.startswith(f"zerodp train: --resume-from: no checkpoint {'at' if where == 'missing' else 'in'} "
+                              f"'{path}'") and "\n" not in message
+
+
+def test_exported_folders_and_files_get_the_usual_modes_not_0700_0600(hf_folders, tmp_path):
+    from zerodp.checkpoint import write_consolidated
+    from zerodp.models import hf_folder
+    from zerodp.models.build import build_model, hf_description
+
+    folder = str(hf_folders["gpt2"])
+    model, _ = build_model(folder, 300, None)
+    hf_folder.write_folder(tmp_path / "hf", model.state_dict(), hf_description(model, folder))
+    small = torch.nn.Linear(3, 2)
+    engine = zerodp.initialize(small, torch.optim.SGD(small.parameters(), lr=0.1), {"train_micro_batch_size_per_gpu": 1})
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    write_consolidated(str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"))
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "hf", *(tmp_path / "hf").iterdir(),
+                                                               tmp_path / "w.safetensors"]}
+    assert modes == {name: (0o777 if name == "hf" else 0o666) & ~mask for name in modes}
+
+
+@pytest.mark.parametrize("nproc, after_s", [(1, 1.5), (2, 4.0)])
+def test_sigterm_during_set_up_ends_the_job_with_its_one_line(tmp_path, nproc, after_s):
+    """Whether the launcher, a starting rank or a rank building its engine gets it: one line, exit 143."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.train", "--model", "tiny", "--steps", "100000",
+                             "--nproc", str(nproc), "--out", str(tmp_path / "run")],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=90)
+    print(f"SIGTERM {after_s} s into a {nproc}-rank job's set-up: it exited {time.monotonic() - t0:.1f} s later")
+    lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGTERM" in line]
+    assert proc.returncode == 143, stderr[-3000:]
+    assert len(lines) == 1, stdout + stderr[-3000:]
+    assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr[-3000:]
+
+
+def test_hf_folder_of_a_byte_level_family_says_it_has_no_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    from zerodp.models import hf_folder
+    from zerodp.models.build import build_model, hf_description
+
+    model, _ = build_model("hf-gpt2:tiny", 256, None)
+    notes = hf_folder.write_folder(tmp_path / "hf", model.state_dict(), hf_description(model, "hf-gpt2:tiny"))
+    assert not hf_folder.has_tokenizer(str(tmp_path / "hf"))
+    assert len(notes) == 1 and "has no tokenizer: none is known for this model (the hf-gpt2" in notes[0]

@@ -286,3 +286,53 @@ def test_a_world_the_trainer_does_not_see_is_named_before_the_batch_arithmetic()
     for kind, message in run_ranks(_trainer_without_launcher, 2, timeout_s=60,
                                    start_method="fork" if not dist.is_initialized() else "spawn"):
         assert kind == "ValueError" and "process group has 2 ranks but the Trainer (accelerate) sees 1" in message
+
+
+HF_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "hf_run_clm.py")
+PORT_LINE = "from zerodp.integrations.hf import ZeroTrainer as Trainer"
+
+
+def test_hf_example_script_with_one_import_line_added_trains_with_zero_trainer_from_zerodp_config(
+        hf_folders, tmp_path, monkeypatch):
+    """run_clm.py's way: `--deepspeed ds_config.json` becomes ZERODP_CONFIG=ds_config.json, `--use_cpu` on a CPU."""
+    import importlib.util
+    import json
+
+    with open(HF_SCRIPT, encoding="utf-8") as f:
+        source = f.read()
+    anchor = "    default_data_collator,\n)\n"
+    ported = tmp_path / "run_clm.py"
+    ported.write_text(source.replace(anchor, anchor + PORT_LINE + "\n", 1))
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
+    monkeypatch.setenv("ZERODP_CONFIG", str(config))
+    spec = importlib.util.spec_from_file_location("run_clm", ported)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "out"
+    with world_of_one():
+        trainer = script.main(["--model_name_or_path", str(hf_folders["gpt2"]), "--output_dir", str(out),
+                               "--max_steps", "2", "--per_device_train_batch_size", "2", "--use_cpu",
+                               "--report_to", "none", "--save_steps", "2", "--logging_steps", "1",
+                               "--disable_tqdm", "true"])
+    assert type(trainer).__name__ == "ZeroTrainer" and trainer.engine.stage == 2
+    assert trainer.engine.global_steps == 2 and trainer.engine.device.type == "cpu"
+    assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
+    assert (out / "model.safetensors").exists()
+
+
+def test_quick_start_of_the_docs_runs_on_a_cpu_as_written(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "HF_TRAINER.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    with world_of_one():
+        exec(compile(blocks[0], "docs/HF_TRAINER.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.engine.stage == 3 and trainer.engine.global_steps == 4
+    assert (tmp_path / "out" / "checkpoint-2" / "latest").read_text() == "global_step2"

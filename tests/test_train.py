@@ -78,11 +78,15 @@ def test_hugging_face_gpt2_trains_through_the_engine_unchanged(tmp_path):
     assert any(name.startswith("model.") for name in final)  # the HF model, held unchanged
 
 
+# --eval-every 0: no validation (these runs compare weights, and test_eval_every_0_means_no_validation
+# checks it on the reference run).
+_COMMON = ["--steps", "8", "--save-every", "3", "--eval-every", "0", "--nproc", "2", "--dtype", "fp32", "--warmup", "2"]
+
+
 def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
     """8 steps on 2 ranks, checkpoints every 3; with crash_after, SIGKILLed then resumed."""
     out = tmp_path / name
-    common = [*TINY, "--steps", "8", "--save-every", "3", "--eval-every", "100", "--data", data,
-              "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2"]
+    common = [*TINY, *_COMMON, "--data", data, "--out", str(out)]
     if crash_after is None:
         train(*common)
         return out
@@ -117,6 +121,48 @@ def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights
     train_steps = [r["step"] for r in metrics(resumed) if r["kind"] == "train"]
     assert train_steps == list(range(1, 9))  # the crashed run's lost steps are not logged twice
     assert [r["step"] for r in metrics(resumed) if r["kind"] == "resume"] == [3]  # report.png marks it
+
+
+def test_eval_every_0_means_no_validation(reference):
+    lines = metrics(reference[1])
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
+    assert not [r for r in lines if r["kind"] == "eval"]
+
+
+def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import plan_resume
+
+    data, ref = reference
+    opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume"])
+    with pytest.raises(SystemExit) as e:
+        plan_resume(opts, 2)
+    assert e.value.code == 0
+    assert "is at step 8, and --steps is 8: nothing left to train; pass a larger --steps" in capsys.readouterr().err
+
+
+def test_resume_with_more_steps_continues_the_lr_schedule_without_a_jump(reference, capsys):
+    from zerodp.models.build import build_model
+    from zerodp.train.ds_sections import optimizer_and_schedule
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import plan_resume
+
+    data, ref = reference
+    saved = {r["step"]: r["lr"] for r in metrics(ref) if r["kind"] == "train"}
+    opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume", "global_step3",
+                          "--steps", "20"])
+    plan_resume(opts, 2)
+    assert "--steps 8 -> 20: the lr schedule goes on from step 3's lr" in capsys.readouterr().err
+    model, _ = build_model("tiny", 256, None)
+    optimizer, factory, _ = optimizer_and_schedule(model, opts)
+    scheduler = factory(optimizer)
+    lrs = []
+    for _ in range(20):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[:3] == pytest.approx([saved[1], saved[2], saved[3]], rel=1e-9)  # the saved run's, up to its checkpoint
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] == pytest.approx(opts.min_lr)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -17,8 +18,16 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:<12} {help}" for name, (_, help) in COMMANDS.items()]
-        print("usage: zerodp COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines))
-        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        usage = "usage: zerodp COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines)
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            sys.exit(0)
+        print(usage, file=sys.stderr)
+        if argv:  # a mistyped command: say so, and which one was meant
+            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            print(f"zerodp: unknown command '{argv[0]}'{hint}", file=sys.stderr)
+        sys.exit(2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
 

@@ -21,8 +21,13 @@ from dataclasses import asdict
 from zerodp.bench.rows import FAKE_MODES, MODES, Result
 
 # Defaults that depend on the device, (CUDA, CPU): filled in after parsing (main), when torch is loaded.
+# On CPU, every mode but plain runs on the train job's 2 ranks.
 _DEVICE_DEFAULTS = {"model": ("350M", "tiny"), "micro_batch": (8, 2), "seq": (1024, 64), "steps": (20, 5),
-                    "warmup": (5, 2), "dtype": ("bf16", "fp32")}
+                    "warmup": (5, 2), "dtype": ("bf16", "fp32"), "world": (1, 2)}
+# Said under every CPU table: a CPU computes slowly next to its memory copies and gloo's collectives,
+# so the communication and bookkeeping that a GPU's speed exposes weigh differently there.
+CPU_NOTE = ("measured on a CPU: these ratios are not GPU ratios (a CPU's slow compute hides communication "
+            "and memory traffic that a GPU exposes, and gloo is not NCCL); benchmarks/RESULTS.md has GPU rows")
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -140,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="untimed steps first" + _default("warmup"))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                    help=f"any of {', '.join(MODES)} (plain is always run: it is the baseline)")
-    p.add_argument("--world", type=int, default=1, help="ranks for every mode but plain (torchrun)")
+    p.add_argument("--world", type=int, help="ranks for every mode but plain (torchrun)" + _default("world"))
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     p.add_argument("--compile", action="store_true", help="torch.compile every block, in every mode")
     p.add_argument("--dtype", choices=["bf16", "fp32"],
@@ -226,13 +231,16 @@ def main(argv: list[str] | None = None) -> None:
     title = (f"{args.model}, micro-batch {args.micro_batch}, seq {args.seq}, {args.dtype}"
              f"{', checkpointing' if args.checkpointing else ''} — {device}")
     print_table(title, results)
+    note = CPU_NOTE if not torch.cuda.is_available() else None
+    if note:
+        print(f"note: {note}")
     fake = [launch(m, args.fake_world, args, fake_world=args.fake_world) for m in FAKE_MODES] \
         if args.fake_world else []
     if fake:
         print_table(f"memory as rank 0 of {args.fake_world} (fake process group) — {device}", fake)
     if args.json:
         report = {"command": "zerodp bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-                  "device": device, "torch": torch.__version__, "zerodp_commit": source_commit(),
+                  "device": device, "device_note": note, "torch": torch.__version__, "zerodp_commit": source_commit(),
                   "args": vars(args),
                   "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
                   "results": [asdict(r) for r in results], "fake_world": [asdict(r) for r in fake]}

@@ -110,6 +110,7 @@ def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
         file = TorchSaveFile(out, weights.shapes, weights.ties)  # tied names share one tensor, as in the module
         routes = {n: [(file, n)] for n in plain}
     write_all(weights.stream, routes)
+    hf_folder.usual_mode(out)
 
 
 def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: str | None = None) -> list[str]:

@@ -5,7 +5,10 @@
     loss = engine(batch); engine.backward(loss); engine.step()
 
 The one place that knows DeepSpeed's names: initialize's arguments and 4-tuple, the config's
-"auto" values (auto.py), the engine's methods (engine.py), `zero.GatheredParameters` (zero.py).
+"auto" values (auto.py), the engine's methods (engine.py), `zero.GatheredParameters` (zero.py), and
+the modules scripts import beside `deepspeed`: `accelerator.get_accelerator()`, `comm` (get_rank,
+barrier, all_reduce, ...), `utils` (logger, zero_to_fp32); `moe` is refused on import. Replacing
+`deepspeed` by `zerodp.deepspeed` in a script's import lines is the whole port.
 What maps to what, and what is refused, is in docs/DEEPSPEED.md.
 """
 
@@ -22,26 +25,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import zerodp
 from zerodp.config import load_config, read_config_file
 from zerodp.config.auto import resolve_auto
-from zerodp.deepspeed import zero
+from zerodp.deepspeed import accelerator, comm, utils, zero
 from zerodp.deepspeed.engine import DeepSpeedEngine
-from zerodp.distributed.comm import init_distributed as _init_distributed
+from zerodp.deepspeed.launch import init_distributed
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto"]
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int | None = None, verbose: bool = True, timeout: Any = None,
-                     init_method: str | None = None, dist_init_required: bool | None = None,
-                     config: Any = None, rank: int = -1, world_size: int = -1) -> None:
-    """torch.distributed from torchrun's environment (or a world of one), unless already initialised."""
-    if init_method is not None or rank != -1 or world_size != -1:
-        raise ValueError("init_distributed(init_method=/rank=/world_size=) is not supported: zerodp reads "
-                         "torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR); initialise "
-                         "torch.distributed yourself for anything else")
-    if timeout is not None:
-        _init_distributed(dist_backend, timeout_s=timeout.total_seconds())
-    else:
-        _init_distributed(dist_backend)
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto",
+           "accelerator", "comm", "utils"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

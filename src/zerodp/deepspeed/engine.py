@@ -115,15 +115,15 @@ class DeepSpeedEngine:
 
     @property
     def global_rank(self) -> int:
-        return self.engine.comm.rank
+        return self.engine.global_rank
 
     @property
     def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return self.engine.local_rank
 
     @property
     def world_size(self) -> int:
-        return self.engine.comm.world_size
+        return self.engine.world_size
 
     @property
     def dp_world_size(self) -> int:

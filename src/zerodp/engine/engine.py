@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import os
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -296,6 +298,21 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job (torch.distributed's default group)."""
+        return dist.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its machine: torchrun's LOCAL_RANK (0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel ranks the model is trained on (the engine's process group)."""
+        return self.comm.world_size
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

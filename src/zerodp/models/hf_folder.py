@@ -168,6 +168,7 @@ def write_folder(out: str | os.PathLike, weights: Weights | Mapping[str, Any], d
         model.save_pretrained(tmp, state_dict={})  # config.json and generation_config.json, as HF writes them
         _write_files(tmp, files, routes, index, weights)
         notes = _copy_tokenizer(description.get("tokenizer"), tmp)
+        usual_mode(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -287,6 +288,10 @@ def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:
     elif source:
         return [(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER of the model it "
                  "came from)")]
+    else:  # a model built from a family (hf-gpt2, hf-llama) or a folder without a tokenizer
+        return [f"{folder.name} has no tokenizer: none is known for this model (the hf-gpt2 / hf-llama families "
+                "train on bytes, token id = byte value, and a job that fine-tunes this folder reads --data as "
+                "bytes too)"]
     return []
 
 
@@ -299,3 +304,13 @@ def _prefix(state: dict, expected: set[str]) -> str:
                      f"{', '.join((unknown or sorted(state))[:3])} are not among its "
                      f"{len(expected)} (e.g. {', '.join(sorted(expected)[:2])}): is the config the one "
                      "this model was trained with?")
+
+
+def usual_mode(path: str | os.PathLike) -> None:
+    """Give an exported file, or a folder and its files, the modes the umask gives new ones: mkdtemp
+    makes folders 0700 and safetensors writes files 0600, which other users could not read."""
+    mask = os.umask(0)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    path = Path(path)
+    for p in [path, *(path.iterdir() if path.is_dir() else [])]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)

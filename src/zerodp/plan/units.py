@@ -20,10 +20,14 @@ def human(n: float, spec: str = ".2f", compact: bool = False) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """'80GiB', '16GB', '1.5e9' -> bytes."""
+    """'80GiB', '16GB', '1.5e9' -> bytes. A bare number below a million ('80') is refused: it is
+    almost surely a size in GB or GiB whose unit was left out, not 80 bytes."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 16GB or 1.5e9")
+    if m.group(2) is None and float(m.group(1)) < 1e6:
+        raise argparse.ArgumentTypeError(f"{text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
+                                         "(a plain number is bytes)")
     units = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
     return int(float(m.group(1)) * units[m.group(2)])

@@ -47,12 +47,36 @@ def build_optimizer(model: nn.Module, opts: argparse.Namespace) -> torch.optim.A
 def warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """lr multiplier at optimizer step t: linear warmup, then cosine down to min_ratio at `total`.
 
-    A plain function, not an object: LambdaLR then keeps nothing of it in its state dict, so a run
-    resumed with a larger --steps follows the new, longer cosine rather than the saved one.
+    A plain function, not an object: LambdaLR then keeps nothing of it in its state dict; a run
+    resumed with another --steps gets its schedule from job_schedule.
     """
     def multiplier(t: int) -> float:
         if t < warmup:
             return (t + 1) / warmup
         progress = min(1.0, (t - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return multiplier
+
+
+def job_schedule(opts: argparse.Namespace) -> Callable[[int], float]:
+    """The job's warmup-cosine; resumed with another --steps (resume.continue_schedule records each
+    [step, old --steps] in opts.schedule_from), the same schedule up to that step, then a cosine from
+    its lr there down to --min-lr at the new --steps: no jump in lr at the resume."""
+    chain = getattr(opts, "schedule_from", None) or []
+    totals = [total for _, total in chain] + [opts.steps]
+    min_ratio = opts.min_lr / opts.lr
+    schedule = warmup_cosine(opts.warmup, totals[0], min_ratio)
+    for (start, _), total in zip(chain, totals[1:]):
+        schedule = _bend(schedule, start, total, min_ratio)
+    return schedule
+
+
+def _bend(schedule: Callable[[int], float], start: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    at = schedule(start)
+
+    def multiplier(t: int) -> float:
+        if t < start:
+            return schedule(t)
+        progress = min(1.0, (t - start) / max(1, total - start))
+        return min_ratio + (at - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return multiplier

@@ -20,7 +20,7 @@ from torch import nn
 from zerodp.config import load_config, read_config_file
 from zerodp.config.auto import resolve_auto
 from zerodp.models.sizes import SIZES
-from zerodp.train.build import build_optimizer, decay_groups, warmup_cosine
+from zerodp.train.build import build_optimizer, decay_groups, job_schedule
 
 SCHEDULE_FLAGS = ("warmup", "min_lr")  # the built-in schedule's own flags
 
@@ -70,7 +70,7 @@ def optimizer_and_schedule(model: nn.Module, opts: argparse.Namespace
             params["warmup_max_lr"] = opts.lr
         sched = load_config({"scheduler": {**section, "params": params}}).scheduler
         return optimizer, sched.build, f"{what}, scheduler {sched.type} (--ds-config)"
-    schedule = warmup_cosine(opts.warmup, opts.steps, opts.min_lr / opts.lr)
+    schedule = job_schedule(opts)
     note = f"; --{'/--'.join(f.replace('_', '-') for f in SCHEDULE_FLAGS if f in user)} given, so not the " \
            f"--ds-config's {section.get('type')}" if section else ""
     return (optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),

@@ -31,6 +31,7 @@ EXIT_PEER_FAILURE = 4
 
 
 def main(argv: list[str] | None = None) -> None:
+    stop_during_setup()
     opts = parse_options(argv)
     from zerodp.lazy import require
 
@@ -46,6 +47,20 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(code)  # stopped by a signal, checkpoint written: 128 + the signal number
     else:
         launch(opts)
+
+
+_SETUP_STOPPED = "zerodp train: stopped by {} during set-up, before any step of this run; no checkpoint written"
+
+
+def stop_during_setup() -> None:
+    """Until the training loop's StopSignal takes over (or torch's launcher, in a launcher), SIGTERM /
+    SIGINT end set-up at once, with one line from the launcher or rank 0 and the exit code 128 + signal."""
+    def stop(signum: int, frame) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(_SETUP_STOPPED.format(signal.Signals(signum).name), flush=True)
+        os._exit(128 + signum)  # set-up holds nothing worth a teardown, and a peer may wait in a collective
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def launch(opts: argparse.Namespace) -> None:
@@ -70,6 +85,8 @@ def launch(opts: argparse.Namespace) -> None:
         try:
             elastic_launch(config, _launched_rank)(opts)
         except SignalException as e:  # the ranks were told and have stopped; rank 0 said how
+            if not Path(pids, "0").exists():  # unless it was still starting (no handler of its own yet)
+                print(_SETUP_STOPPED.format(signal.Signals(int(e.sigval)).name), flush=True)
             raise SystemExit(128 + int(e.sigval))
         except ChildFailedError as e:
             codes = {f.exitcode for f in e.failures.values()}
@@ -147,6 +164,7 @@ def describe_exit(rank: int, code: int, world: int | None = None) -> str:
 
 def _launched_rank(opts: argparse.Namespace) -> None:
     """A rank that this job started: its error is printed once, plainly, then the rank exits."""
+    stop_during_setup()
     if PID_DIR in os.environ:  # for FirstExit
         Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     import zerodp
@@ -165,3 +183,12 @@ def _launched_rank(opts: argparse.Namespace) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # as on an error: an interpreter teardown here can stall for seconds
+    # Trained. A signal that came after the last step (torch's launcher stopping the job while rank 0
+    # wrote the final weights) only set the loop's StopSignal flag; returning now would leave the
+    # launcher waiting its whole shutdown_timeout for this process. So end it, and on a later signal too.
+    stopped = getattr(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), "signum", 0)
+    if stopped:
+        sys.stdout.flush()
+        os._exit(128 + stopped)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)

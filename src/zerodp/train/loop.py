@@ -156,7 +156,7 @@ def train(opts: argparse.Namespace) -> int:
         job.log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0],
                       tokens_per_s=job.tokens_per_step / dt, grad_norm=engine.grad_norm,
                       loss_scale=engine.loss_scale)
-        if step % opts.eval_every == 0 or step == opts.steps:
+        if (opts.eval_every and step % opts.eval_every == 0) or step == opts.steps:
             crash_point(opts, step, job.rank, "eval")
             val_loss = evaluate(job)
             memory = log_memory(job)
@@ -248,6 +248,8 @@ def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
 
 
 def evaluate(job: Job) -> float:
+    if not job.opts.eval_every:  # --eval-every 0: no validation at all
+        return math.nan
     loss = validation_loss(job.engine, job.val, job.device)
     job.log.write(kind="eval", step=job.engine.global_steps, val_loss=loss)
     return loss
@@ -292,7 +294,8 @@ def finish(job: Job, val_loss: float) -> None:
         for note in notes:
             print(f"zerodp train: {note}", file=sys.stderr, flush=True)
         written += f"\n  HF folder {out / 'hf'}"
-    print(f"zerodp train: final validation loss {val_loss:.4f} after {job.engine.global_steps} steps\n"
+    ending = f"final validation loss {val_loss:.4f}" if job.opts.eval_every else "no validation (--eval-every 0)"
+    print(f"zerodp train: {ending} after {job.engine.global_steps} steps\n"
           f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {job.ckpt_dir}\n"
           f"{written}", flush=True)
 

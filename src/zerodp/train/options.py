@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "zero_optimization.offload_optimizer.device = cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), help="working precision (default bf16 on "
                    "CUDA, fp32 on CPU)")
-    p.add_argument("--eval-every", type=int, help="validation every K steps (default 20)")
+    p.add_argument("--eval-every", type=int, help="validation every K steps, 0 = none (default 20)")
     p.add_argument("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
@@ -182,10 +182,13 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --model {o['model']!r}: expected one of "
                          f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE') "
                          "or a local HF model folder")
-    for key in ("steps", "micro_batch", "grad_accum", "eval_every", "eval_batches", "nproc"):
+    for key in ("steps", "micro_batch", "grad_accum", "eval_batches", "nproc"):
         if type(o[key]) is not int or o[key] < 1:  # a JSON true is not a count
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
                              "positive integer")
+    if type(o["eval_every"]) is not int or o["eval_every"] < 0:
+        raise SystemExit(f"zerodp train: --eval-every {o['eval_every']!r}: expected a positive integer, or 0 "
+                         "for no validation")
     if o["keep_last"] is not None and (type(o["keep_last"]) is not int or o["keep_last"] < 1):
         raise SystemExit(f"zerodp train: --keep-last {o['keep_last']!r}: expected a positive integer")
     if not isinstance(o["resume"], (bool, str)):

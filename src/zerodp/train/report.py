@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ def progress_bar(rank: int, start: int, total: int):
         return None
     from tqdm import tqdm
 
+    # tqdm's default lock holds a multiprocessing semaphore, which a rank that ends with os._exit (a
+    # signal, an error) never releases: "resource_tracker: ... leaked semaphore" after a Ctrl-C. One
+    # process writes this bar, so a thread lock is all it needs.
+    tqdm.set_lock(threading.RLock())
     tty = sys.stderr.isatty()
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True,
                 mininterval=0.5 if tty else 15.0)

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from zerodp.checkpoint import CheckpointError, newest_intact, resolve
+from zerodp.checkpoint import CheckpointError, deepspeed, newest_intact, resolve
 from zerodp.checkpoint.files import LATEST
 
 
@@ -43,6 +43,23 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
         raise SystemExit(f"zerodp train: --resume: {e}")
     opts.resume_path = path
     keep_global_batch(opts, meta, world)
+    continue_schedule(opts, meta, path)
+
+
+def continue_schedule(opts: argparse.Namespace, meta: dict, path: str) -> None:
+    """Stop when the checkpoint has reached --steps already; with another --steps than the saved run's,
+    record where the lr schedule must bend (build.job_schedule) so that it goes on without a jump."""
+    done = meta["counters"]["global_steps"]
+    if done >= opts.steps:
+        note(f"--resume: checkpoint '{path}' is at step {done}, and --steps is {opts.steps}: nothing left to "
+             "train; pass a larger --steps to continue it")
+        raise SystemExit(0)
+    saved = (meta.get("client_state") or {}).get("options") or {}
+    opts.schedule_from = list(saved.get("schedule_from") or [])
+    if "steps" in saved and saved["steps"] != opts.steps and done >= opts.warmup:
+        opts.schedule_from.append([done, saved["steps"]])
+        note(f"--steps {saved['steps']} -> {opts.steps}: the lr schedule goes on from step {done}'s lr down to "
+             f"--min-lr at step {opts.steps}, without a jump")
 
 
 def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
@@ -53,9 +70,12 @@ def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
     opts.resume_path = opts.resume_from
     try:
         _, meta = resolve(opts.resume_from)
-    except CheckpointError:
-        return  # not a zerodp checkpoint: the engine's load says what it is, on every rank
+    except CheckpointError as e:
+        if deepspeed.find(opts.resume_from) is None:  # neither kind: one line, before any rank starts
+            raise SystemExit(f"zerodp train: --resume-from: {e}")
+        return  # a DeepSpeed checkpoint: the engine's load checks it, on every rank
     keep_global_batch(opts, meta, world)
+    continue_schedule(opts, meta, opts.resume_from)
 
 
 def _latest_or_newest_intact(ckpt_dir: Path) -> tuple[str, dict]:

@@ -44,7 +44,8 @@ _trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
 # TrainingArguments that would take the data-parallel part away from zerodp, or act on a model the
 # engine owns behind the Trainer's back.
 _REFUSED = {
-    "deepspeed": "zerodp replaces DeepSpeed here; give its config as zero_config",
+    "deepspeed": "zerodp replaces DeepSpeed here; give its config as zero_config, or in the environment "
+                 "variable ZERODP_CONFIG in place of --deepspeed",
     "fsdp": "zerodp replaces FSDP here; leave fsdp unset",
     "auto_find_batch_size": "the engine is built once per run for one batch size; set "
                             "per_device_train_batch_size",
@@ -54,6 +55,10 @@ _REFUSED = {
                      "passing it to ZeroTrainer",
 }
 
+
+# Where a script that passes no zero_config (a Hugging Face example script, whose only change is to import
+# ZeroTrainer as Trainer) takes its config from: what it would have given as --deepspeed CONFIG.
+CONFIG_ENV = "ZERODP_CONFIG"
 
 # The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
 # train without the engine (present since transformers 5.3; tested with 5.23).
@@ -68,7 +73,8 @@ class ZeroTrainer(Trainer):
                               zero_config={"zero_optimization": {"stage": 2}})
         trainer.train()
 
-    zero_config: a zerodp / DeepSpeed-style config (dict or JSON path). Its "auto" values, and the batch
+    zero_config: a zerodp / DeepSpeed-style config (dict or JSON path); when None, the JSON file the
+    environment variable ZERODP_CONFIG names (where a script would pass --deepspeed CONFIG). Its "auto" values, and the batch
     sizes, gradient_clipping and fp16/bf16 where absent, come from the TrainingArguments as Hugging Face
     does for DeepSpeed (`zerodp.integrations.hf.fill_from_training_args`). Without an `optimizer` or
     `scheduler` section the Trainer's own (from TrainingArguments, or `optimizers=`) are used.
@@ -87,7 +93,7 @@ class ZeroTrainer(Trainer):
                    for k, why in _REFUSED.items() if getattr(self.args, k, None)]
         if refused:
             raise ValueError("\n".join(refused))
-        self.zero_config = zero_config
+        self.zero_config = zero_config if zero_config is not None else os.environ.get(CONFIG_ENV) or None
         self.engine: Engine | None = None
 
     # ---- building the engine ----------------------------------------------------------------------
