@@ -46,7 +46,8 @@ def __dir__() -> list[str]:
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                config: Config | dict | str | None = None,
                process_group: dist.ProcessGroup | None = None,
-               lr_scheduler: Callable | None = None, device_mesh=None) -> Engine:
+               lr_scheduler: Callable | None = None, device_mesh=None,
+               param_init_fn: Callable[[nn.Module], None] | None = None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -59,6 +60,11 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     device_mesh: a 2-D torch DeviceMesh (replicate, shard) over the data-parallel ranks: model states
       are sharded along its second dimension and replicated along its first (as the config key
       zero_optimization.mics_shard_size does with groups zerodp builds).
+    param_init_fn: for a model built on the 'meta' device (under `torch.device("meta")`), fn(module)
+      initialises one module's own parameters and buffers, as FSDP1's param_init_fn; without it each
+      module's reset_parameters() does. Each rank then materialises only what its stage keeps, one
+      bucket at a time, running the initialisers module by module from rank 0's random state: the
+      same values, bit for bit, as building the model whole with that seed.
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -75,4 +81,4 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler)
+    return Engine(model, optimizer, cfg, comm, lr_scheduler, param_init_fn=param_init_fn)
