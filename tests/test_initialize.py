@@ -33,18 +33,48 @@ def test_trainable_parameter_missing_from_optimizer_is_named():
         zerodp.initialize(model, opt, CFG)
 
 
-def test_model_on_meta_device_is_rejected_saying_how_to_materialize_it():
+def test_model_on_meta_with_a_parameter_nothing_can_initialise_names_it_and_says_how():
     with torch.device("meta"):
-        model = Toy()
-    with pytest.raises(ValueError, match=r"'meta' device \(first: 'inp.weight'\).*model.to_empty\(device=...\)"):
+        model = Toy(tied=True)  # TiedPair makes its weight in __init__ and has no reset_parameters()
+    with pytest.raises(ValueError, match=r"'meta' device and nothing can initialise 'pair.w'.*"
+                                         r"reset_parameters\(\).*param_init_fn"):
         zerodp.initialize(model, one_group(model), CFG)
 
 
-def test_model_with_only_a_meta_buffer_is_rejected():
-    model = nn.BatchNorm1d(4)
-    model.running_mean = torch.empty(4, device="meta")
-    with pytest.raises(ValueError, match=r"first: 'running_mean'"):
+class _Table(nn.Module):
+    """A computed buffer and no reset_parameters(): on meta, nothing can fill it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_meta_buffer_nothing_can_initialise_is_named():
+    with torch.device("meta"):
+        model = _Table()
+    with pytest.raises(ValueError, match=r"nothing can initialise 'table'"):
         zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG)
+
+
+def test_meta_buffer_is_filled_by_param_init_fn():
+    def init(m):
+        if isinstance(m, _Table):
+            m.table = torch.arange(4.0)
+        else:
+            m.reset_parameters()
+    with torch.device("meta"):
+        model = _Table()
+    zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG, param_init_fn=init)
+    assert torch.equal(model.table, torch.arange(4.0)) and not model.lin.weight.is_meta
+
+
+def test_meta_batchnorm_statistics_come_from_reset_parameters():
+    with torch.device("meta"):
+        model = nn.BatchNorm1d(4)
+    zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG)
+    assert torch.equal(model.running_mean, torch.zeros(4)) and torch.equal(model.running_var, torch.ones(4))
+    assert int(model.num_batches_tracked) == 0
 
 
 @pytest.mark.parametrize("optimizer", ["instance", "factory"])

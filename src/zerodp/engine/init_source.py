@@ -60,6 +60,8 @@ class ModuleInit:
             if any(b.is_meta for b in m.buffers(recurse=False)):
                 self.buffer_units.append(k)
         self.states: list[torch.Tensor] = []  # states[k]: the CPU random state before unit k
+        # As zerodp.initialize found it: set-up may draw random numbers before the units run.
+        self.initial_state = torch.get_rng_state()
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # ---- checks (local: no collective) ----------------------------------------------------------
@@ -86,7 +88,7 @@ class ModuleInit:
     def start(self, state: torch.Tensor) -> None:
         """Begin from this CPU random state (rank 0's, so that every rank draws the same values)."""
         self.states = [state]
-        self._own_state = torch.get_rng_state()
+        self._own_state = self.initial_state
 
     def finish(self, advance: bool) -> None:
         """With `advance` (the initialisers gave the parameters), draw whatever units were not asked for

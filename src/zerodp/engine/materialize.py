@@ -60,7 +60,7 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
     tensor outside the flat buffers that is on meta gets its value, whole, on `device`."""
     if filling.inits is None:
         return
-    state = torch.get_rng_state().to(device)
+    state = filling.inits.initial_state.to(device)
     comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
     filling.inits.start(state.cpu())
     for name, p in filling.module.named_parameters():
