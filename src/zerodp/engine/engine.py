@@ -360,6 +360,7 @@ class Engine:
             return
         sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
                for n, p in self.module.named_parameters()]
+        sig.append(("the values come from", self.filling.origin))  # a broadcast, or each rank's own reads
         text = repr(sig) + self.config.model_dump_json()
         digests = self.comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
         if len(set(digests)) == 1:

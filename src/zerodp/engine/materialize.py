@@ -35,6 +35,11 @@ class Filling:
     def from_source(self) -> bool:
         return self.source is not None
 
+    @property
+    def origin(self) -> str:
+        """Said the same on every rank, or the ranks would not meet in the same collectives."""
+        return "rank 0's module (broadcast)" if self.source is None else type(self.source).__name__
+
 
 def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn: ParamInitFn | None) -> Filling:
     """Local checks, no collective: every tensor on meta has a source of values, and the source has every
