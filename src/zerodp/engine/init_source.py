@@ -94,6 +94,7 @@ class ModuleInit:
         """With `advance` (the initialisers gave the parameters), draw whatever units were not asked for
         (a tied head), one at a time, and leave the CPU random state where the whole build leaves it;
         otherwise the rank's own state is restored."""
+        self._cached = None
         while advance and len(self.states) <= len(self.units):
             self._run(len(self.states) - 1)
         torch.set_rng_state(self.states[-1] if advance else self._own_state)
@@ -118,6 +119,7 @@ class ModuleInit:
         """Unit k's own tensors, initialised (the last unit's are kept: slots of one module come together)."""
         if self._cached is not None and self._cached[0] == k:
             return self._cached[1]
+        self._cached = None  # one unit's values at a time
         while len(self.states) <= k:  # first pass over the units before k: draw, to learn their states
             self._run(len(self.states) - 1)
         values = self._run(k)

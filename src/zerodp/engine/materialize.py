@@ -79,17 +79,21 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
 def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype: torch.dtype,
          device: torch.device, sharded: bool, host_shards: bool, pin: bool) -> list[torch.Tensor]:
     """Materialise every group's flat buffer bucket by bucket; returns this rank's fp32 shard of each
-    bucket (the masters start from these)."""
+    bucket (the masters start from these): fresh tensors, or, in fp32 with the shards on the device,
+    views of the working shards themselves (the fp32 master is the working shard; no second copy)."""
     names = {id(p): n for n, p in filling.module.named_parameters()}
     shards: list[torch.Tensor] = []
+    fresh = dtype != torch.float32 or host_shards
     for g in layout:
         for b in g.buckets:
             for s in b.slots:
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
                     swap_tensors(s.param, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
                                                        requires_grad=s.param.requires_grad))
-        g.materialize(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards), rank,
-                      sharded=sharded, host_shards=host_shards, pin=pin)
+        g.materialize(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else []),
+                      rank, sharded=sharded, host_shards=host_shards, pin=pin)
+        if not fresh:
+            shards += [b.owned for b in g.buckets]
     if filling.inits is not None:
         filling.inits.finish(advance=filling.source is filling.inits)
     return shards
