@@ -80,8 +80,9 @@ def _rank(rank: int, world: int, store_path: str, out_dir: str, job: dict) -> No
     torch.set_num_threads(1)
     if job["mode"] == "main":
         sys.path.insert(0, job["main_src"])
-    import zerodp.engine.engine  # imported before the baseline
     from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    import zerodp.engine.engine  # imported before the baseline
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
     base = _status("VmRSS")

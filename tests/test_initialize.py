@@ -170,3 +170,9 @@ def test_hugging_face_model_from_config_on_meta_initialises_with_its_own_init_we
     x = torch.randint(0, 300, (2, 8))
     engine.backward(engine(input_ids=x, labels=x).loss)
     engine.step()
+
+
+def test_param_init_fn_for_a_model_not_on_meta_is_refused():
+    model = Toy()
+    with pytest.raises(ValueError, match=r"param_init_fn initialises a model built on the 'meta' device"):
+        zerodp.initialize(model, one_group(model), CFG, param_init_fn=lambda m: None)

@@ -4,13 +4,13 @@ or from any ParameterSource, and then trains exactly as the same model built who
 
 from __future__ import annotations
 
+import oracle
 import pytest
 import torch
+from spawn import run_ranks
 from torch import nn
 
-import oracle
 import zerodp
-from spawn import run_ranks
 from zerodp.config import load_config
 from zerodp.distributed.comm import Comm
 from zerodp.engine.engine import Engine
@@ -130,8 +130,9 @@ def test_meta_build_trains_as_single_process(ranks):
         for res in results:
             ours = res["oracle"][(name, stage, *META.values())]
             for k in ref["state"]:
+                where = f"{name} stage {stage} {k}"
                 torch.testing.assert_close(ours["state"][k], ref["state"][k], rtol=1e-6, atol=1e-6,
-                                           msg=lambda m: f"{name} stage {stage} {k}: {m}")
+                                           msg=lambda m, where=where: f"{where}: {m}")
             torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(ref["norms"]), rtol=1e-6, atol=1e-6)
 
 

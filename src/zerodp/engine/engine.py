@@ -15,9 +15,9 @@ from torch.optim import Optimizer
 
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
+from zerodp.engine import materialize
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine import materialize
 from zerodp.engine.flat import plan
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.init_source import ParamInitFn

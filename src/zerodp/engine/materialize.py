@@ -19,7 +19,12 @@ from torch.utils import swap_tensors
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, FlatGroup
-from zerodp.engine.init_source import ModuleInit, ParamInitFn, meta_names, missing_initialiser
+from zerodp.engine.init_source import (
+    ModuleInit,
+    ParamInitFn,
+    meta_names,
+    missing_initialiser,
+)
 from zerodp.engine.source import ParameterSource
 
 
@@ -47,6 +52,9 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError(f"param_init_fn must be a callable module -> None, got {type(param_init_fn).__name__}")
     params, buffers = meta_names(module)
+    if param_init_fn is not None and not params and not buffers:
+        raise ValueError("param_init_fn initialises a model built on the 'meta' device, and this model has no "
+                         "tensor on meta; build it under torch.device('meta'), or leave param_init_fn out")
     inits = None
     if params or buffers:
         inits = ModuleInit(module, param_init_fn)
