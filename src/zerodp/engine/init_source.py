@@ -69,13 +69,13 @@ class ModuleInit:
         """Those of the given parameter/buffer names whose unit has no initialiser."""
         if self.param_init_fn is not None:
             return []
-        bare = {k for k, m in enumerate(self.units) if not callable(getattr(m, "reset_parameters", None))}
-        out = []
+        wanted, out = set(names), []
+        bare = {k for k, m in enumerate(self.units) if not _has_initialiser(m)}
         for k in sorted(bare):
             prefix = self.unit_names[k] + "." if self.unit_names[k] else ""
             m = self.units[k]
             for n, t in itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
-                if t.is_meta and (prefix + n in names):
+                if t.is_meta and prefix + n in wanted:
                     out.append(prefix + n)
         return out
 
@@ -88,7 +88,6 @@ class ModuleInit:
     def start(self, state: torch.Tensor) -> None:
         """Begin from this CPU random state (rank 0's, so that every rank draws the same values)."""
         self.states = [state]
-        self._own_state = self.initial_state
 
     def finish(self, advance: bool) -> None:
         """With `advance` (the initialisers gave the parameters), draw whatever units were not asked for
@@ -97,7 +96,7 @@ class ModuleInit:
         self._cached = None
         while advance and len(self.states) <= len(self.units):
             self._run(len(self.states) - 1)
-        torch.set_rng_state(self.states[-1] if advance else self._own_state)
+        torch.set_rng_state(self.states[-1] if advance else self.initial_state)
         self._cached = None
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -142,7 +141,7 @@ class ModuleInit:
             with torch.no_grad():
                 if self.param_init_fn is not None:
                     self.param_init_fn(m)
-                else:
+                elif _has_initialiser(m):  # else it holds only tensors that other units own (a tied weight)
                     m.reset_parameters()
             values = {prefix + n: b.detach() for n, b in m.named_buffers(recurse=False)}
             for n, p in m.named_parameters(recurse=False):
@@ -156,6 +155,10 @@ class ModuleInit:
         if len(self.states) == k + 1:
             self.states.append(torch.get_rng_state())
         return values
+
+
+def _has_initialiser(m: nn.Module) -> bool:
+    return callable(getattr(m, "reset_parameters", None))
 
 
 def _cpu_stand_in(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:
