@@ -98,7 +98,7 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
                     swap_tensors(s.param, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
                                                        requires_grad=s.param.requires_grad))
-        g.materialize(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else []),
+        g.materialize(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else None),
                       rank, sharded=sharded, host_shards=host_shards, pin=pin)
         if not fresh:
             shards += [b.owned for b in g.buckets]
@@ -108,19 +108,19 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
 
 
 def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharded: bool,
-                   names: dict[int, str], shards: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Each bucket's fp32 values in turn: whole, or only this rank's shard (stage 3 from a source)."""
+                   names: dict[int, str], shards: list[torch.Tensor] | None) -> Iterator[torch.Tensor]:
+    """Each bucket's fp32 values in turn: whole, or only this rank's shard (stage 3 from a source); with
+    `shards`, a fresh copy of this rank's shard of each is added to it."""
     for b in g.buckets:
         if not filling.from_source:
             values = b.flatten(torch.float32)
             comm.broadcast(values)  # every rank starts from rank 0's weights
-            shards.append(b.shard(values, rank).clone())
         elif sharded:
             values = _read(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling.source, names)
-            shards.append(values)
         else:
             values = _read(b, 0, b.numel, filling.source, names)
-            shards.append(b.shard(values, rank).clone())
+        if shards is not None:
+            shards.append(values if values.numel() == b.shard_numel else b.shard(values, rank).clone())
         yield values
         del values
 
