@@ -154,11 +154,16 @@ def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload:
 
 
 def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp32", offload: bool = False,
-                 seed: int = 0, **zero) -> dict:
-    """Train one case on this rank; returns the gathered fp32 weights and the step norms."""
+                 seed: int = 0, meta: bool = False, **zero) -> dict:
+    """Train one case on this rank; returns the gathered fp32 weights and the step norms. meta: the model
+    is built on the meta device, each rank's random state seeded differently (rank 0's must be used)."""
     case = CASES[name]
     model = build(case, seed=seed + rank)  # different init per rank: the engine must broadcast rank 0's
-    if rank != 0:
+    if meta:
+        torch.manual_seed(seed + rank)
+        with torch.device("meta"):
+            model = Toy(**case.model)
+    elif rank != 0:
         torch.manual_seed(seed)
         model = build(case, seed=seed)
         with torch.no_grad():  # then perturb, so a missing broadcast cannot go unnoticed

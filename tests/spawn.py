@@ -5,6 +5,7 @@ Ranks rendezvous through a FileStore in a temporary directory, so tests never pi
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -40,6 +41,11 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300, start_method: str =
     """
     if dist.is_initialized() or torch.cuda.is_initialized():
         start_method = "spawn"  # a forked rank would inherit this process's group, or a CUDA context it cannot use
+    if start_method == "fork":
+        # An earlier in-process test's process group, destroyed but left in a reference cycle (an error's
+        # traceback), is collected here: collected in a forked rank, its destructor would wait forever for
+        # gloo threads that the fork did not copy.
+        gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args, timeout_s), nprocs=world,
                            join=True, start_method=start_method)

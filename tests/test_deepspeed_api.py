@@ -250,3 +250,25 @@ def test_gathered_parameters_modifier_keeps_the_other_parameters_fp32_masters():
     after = engine.full_state_dict()
     assert torch.equal(after["out.bias"], torch.full((5,), 0.25))
     assert all(torch.equal(after[k], v) for k, v in before.items() if k != "out.bias")
+
+
+def test_zero_init_builds_on_meta_and_initialize_materialises_the_whole_builds_values():
+    from zerodp.models.gpt import GPT, gpt_config
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        model = GPT(gpt_config("tiny"))
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match="meta device.*hold no values until deepspeed.initialize"):
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            pass
+    engine, *_ = deepspeed.initialize(model=model, config={**MICRO, "zero_optimization": {"stage": 3},
+                                                           "optimizer": {"type": "AdamW", "params": {}}})
+    torch.manual_seed(0)
+    whole = GPT(gpt_config("tiny"))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole.parameters()))
+    x = torch.randint(0, 256, (4, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    with deepspeed.zero.Init(enabled=False):
+        assert not any(p.is_meta for p in Toy().parameters())

@@ -1,7 +1,7 @@
 """Faults injected on one rank reach every rank as one clear error; nothing hangs, nothing is lost.
 
-Set-up errors (a config error, a model on 'meta') on one rank only, a checkpoint save that runs out of
-disk on one rank only, and the process-group timeout. The failing rank stays alive after its error, as
+Set-up errors (a config error, a model on 'meta' that cannot be initialised) on one rank only, a
+checkpoint save that runs out of disk on one rank only, and the process-group timeout. The failing rank stays alive after its error, as
 in a notebook: the other rank must raise anyway, promptly, rather than wait in a collective.
 """
 
@@ -35,8 +35,9 @@ def _initialize_on_every_rank(rank: int, fault: str) -> tuple[str, str, float]:
     model, cfg = Toy(), dict(CFG)
     if rank == 1 and fault == "config":
         cfg["zero_optimization"] = {"stge": 2}
-    if rank == 1 and fault == "meta":
-        model = model.to("meta")
+    if rank == 1 and fault == "meta":  # on meta, with a parameter that nothing can initialise
+        with torch.device("meta"):
+            model = Toy(tied=True)
     t0 = time.monotonic()
     try:
         zerodp.initialize(model, one_group(model), cfg)

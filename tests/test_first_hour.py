@@ -146,7 +146,7 @@ def test_fit_budget_without_a_unit_is_an_error_naming_the_units():
 @pytest.mark.parametrize("where", ["missing", "not_a_checkpoint"])
 def test_resume_from_a_wrong_path_is_one_line_before_any_rank_starts(tmp_path, where):
     from zerodp.train.options import parse_options
-    from zerodp.train.resume import plan_resume
+    from zerodp.train.resume import choose_resume
 
     path = tmp_path / "nothing-here"
     if where == "not_a_checkpoint":
@@ -154,7 +154,7 @@ def test_resume_from_a_wrong_path_is_one_line_before_any_rank_starts(tmp_path, w
         (path / "notes.txt").write_text("hi")
     opts = parse_options(["--model", "tiny", "--nproc", "1", "--out", str(tmp_path / "run"), "--resume-from", str(path)])
     with pytest.raises(SystemExit) as e:
-        plan_resume(opts, 1)
+        choose_resume(opts, 1)
     message = str(e.value.code)
     assert message.startswith(f"zerodp train: --resume-from: no checkpoint {'at' if where == 'missing' else 'in'} "
                               f"'{path}'") and "\n" not in message

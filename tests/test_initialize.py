@@ -33,18 +33,48 @@ def test_trainable_parameter_missing_from_optimizer_is_named():
         zerodp.initialize(model, opt, CFG)
 
 
-def test_model_on_meta_device_is_rejected_saying_how_to_materialize_it():
+def test_model_on_meta_with_a_parameter_nothing_can_initialise_names_it_and_says_how():
     with torch.device("meta"):
-        model = Toy()
-    with pytest.raises(ValueError, match=r"'meta' device \(first: 'inp.weight'\).*model.to_empty\(device=...\)"):
+        model = Toy(tied=True)  # TiedPair makes its weight in __init__ and has no reset_parameters()
+    with pytest.raises(ValueError, match=r"'meta' device and nothing can initialise 'pair.w'.*"
+                                         r"reset_parameters\(\).*param_init_fn"):
         zerodp.initialize(model, one_group(model), CFG)
 
 
-def test_model_with_only_a_meta_buffer_is_rejected():
-    model = nn.BatchNorm1d(4)
-    model.running_mean = torch.empty(4, device="meta")
-    with pytest.raises(ValueError, match=r"first: 'running_mean'"):
+class _Table(nn.Module):
+    """A computed buffer and no reset_parameters(): on meta, nothing can fill it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_meta_buffer_nothing_can_initialise_is_named():
+    with torch.device("meta"):
+        model = _Table()
+    with pytest.raises(ValueError, match=r"nothing can initialise 'table'"):
         zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG)
+
+
+def test_meta_buffer_is_filled_by_param_init_fn():
+    def init(m):
+        if isinstance(m, _Table):
+            m.table = torch.arange(4.0)
+        else:
+            m.reset_parameters()
+    with torch.device("meta"):
+        model = _Table()
+    zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG, param_init_fn=init)
+    assert torch.equal(model.table, torch.arange(4.0)) and not model.lin.weight.is_meta
+
+
+def test_meta_batchnorm_statistics_come_from_reset_parameters():
+    with torch.device("meta"):
+        model = nn.BatchNorm1d(4)
+    zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), CFG)
+    assert torch.equal(model.running_mean, torch.zeros(4)) and torch.equal(model.running_var, torch.ones(4))
+    assert int(model.num_batches_tracked) == 0
 
 
 @pytest.mark.parametrize("optimizer", ["instance", "factory"])
@@ -188,3 +218,29 @@ def test_set_up_says_stage_offload_and_dtype_at_info(api, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "zerodp" and r.levelname == "INFO"]
     assert lines == [("zerodp: ZeRO stage 2 (optimizer state and gradients sharded over 1 of 1 ranks); offload: "
                       "optimizer to cpu; dtype bf16; batch 2 per rank x 1 accumulation x 1 ranks = 2")]
+
+
+def test_hugging_face_model_from_config_on_meta_initialises_with_its_own_init_weights():
+    """HF layers (Conv1D, RMSNorm) have no reset_parameters(): HF's `_init_weights(module)` is the
+    param_init_fn; it also fills the rotary tables (non-persistent buffers) as the whole build does."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    whole = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"nothing can initialise 'model.layers.0.input_layernorm.weight'"):
+        zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CFG)
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CFG, param_init_fn=model._init_weights)
+    for name, b in whole.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], b), name
+    assert torch.equal(model.model.norm.weight, torch.ones(32))
+    x = torch.randint(0, 300, (2, 8))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+
+
+def test_param_init_fn_for_a_model_not_on_meta_is_refused():
+    model = Toy()
+    with pytest.raises(ValueError, match=r"param_init_fn initialises a model built on the 'meta' device"):
+        zerodp.initialize(model, one_group(model), CFG, param_init_fn=lambda m: None)

@@ -131,12 +131,12 @@ def test_eval_every_0_means_no_validation(reference):
 
 def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
     from zerodp.train.options import parse_options
-    from zerodp.train.resume import plan_resume
+    from zerodp.train.resume import choose_resume
 
     data, ref = reference
     opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume"])
     with pytest.raises(SystemExit) as e:
-        plan_resume(opts, 2)
+        choose_resume(opts, 2)
     assert e.value.code == 0
     assert "is at step 8, and --steps is 8: nothing left to train; pass a larger --steps" in capsys.readouterr().err
 
@@ -145,13 +145,13 @@ def test_resume_with_more_steps_continues_the_lr_schedule_without_a_jump(referen
     from zerodp.models.build import build_model
     from zerodp.train.ds_sections import optimizer_and_schedule
     from zerodp.train.options import parse_options
-    from zerodp.train.resume import plan_resume
+    from zerodp.train.resume import choose_resume
 
     data, ref = reference
     saved = {r["step"]: r["lr"] for r in metrics(ref) if r["kind"] == "train"}
     opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume", "global_step3",
                           "--steps", "20"])
-    plan_resume(opts, 2)
+    choose_resume(opts, 2)
     assert "--steps 8 -> 20: the lr schedule goes on from step 3's lr" in capsys.readouterr().err
     model, _ = build_model("tiny", 256, None)
     optimizer, factory, _ = optimizer_and_schedule(model, opts)

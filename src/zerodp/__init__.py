@@ -47,7 +47,8 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                config: Config | dict | str | None = None,
                process_group: dist.ProcessGroup | None = None,
                lr_scheduler: Callable | None = None, device_mesh=None,
-               stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None) -> Engine:
+               stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None,
+               param_init_fn: Callable[[nn.Module], None] | None = None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -63,6 +64,11 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     stage3_unit: what stage 3 gathers and reduces as one unit, as zero_optimization.stage3_unit
       (which it replaces; give one of the two): "blocks", "module", a list of module classes, class
       names or module names, or a function module -> bool choosing the units' root modules.
+    param_init_fn: for a model built on the 'meta' device (under `torch.device("meta")`), fn(module)
+      initialises one module's own parameters and buffers, as FSDP1's param_init_fn; without it each
+      module's reset_parameters() does. Each rank then materialises only what its stage keeps, one
+      bucket at a time, running the initialisers module by module from rank 0's random state: the
+      same values, bit for bit, as building the model whole with that seed.
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -81,6 +87,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io)
+    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
+                    param_init_fn=param_init_fn)
     log_set_up(cfg, comm.world_size, engine.shard_size, comm.rank)
     return engine

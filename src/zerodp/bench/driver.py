@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from zerodp.bench.worker import run_worker
+    from zerodp.distributed.device import accelerator_type
     from zerodp.models.gpt import gpt_config
 
     if args.loss_chunk is None:
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     title = (f"{args.model}, micro-batch {args.micro_batch}, seq {args.seq}, {args.dtype}"
              f"{', checkpointing' if args.checkpointing else ''} — {device}")
     print_table(title, results)
-    note = CPU_NOTE if not torch.cuda.is_available() else None
+    note = CPU_NOTE if accelerator_type() is None else None
     if note:
         print(f"note: {note}")
     fake = [launch(m, args.fake_world, args, fake_world=args.fake_world) for m in FAKE_MODES] \

@@ -1,6 +1,6 @@
 """`deepspeed.accelerator.get_accelerator()`: the device a DeepSpeed script runs on, by DeepSpeed's names.
 
-DeepSpeed's scripts ask the accelerator object rather than `torch.cuda` (`set_device(local_rank)`,
+DeepSpeed's scripts ask the accelerator object rather than the CUDA module (`set_device(local_rank)`,
 `device_name()`, `communication_backend_name()`, `is_bf16_supported()`, `manual_seed`, `synchronize`, ...),
 so that the same script runs on any device. This is the subset scripts use, over `torch.accelerator`
 (the current CUDA / XPU / ... device, or the CPU when there is none), answering as DeepSpeed's CUDA
@@ -13,6 +13,8 @@ import os
 from typing import Any
 
 import torch
+
+from zerodp.distributed import device
 
 
 class Accelerator:
@@ -61,14 +63,13 @@ class Accelerator:
         return self._module is None
 
     def communication_backend_name(self) -> str:
-        """The torch.distributed backend zerodp uses on this device: 'nccl' on CUDA, 'gloo' otherwise."""
-        return "nccl" if self._name == "cuda" else "gloo"
+        """The torch.distributed backend zerodp uses on this device ('nccl' on CUDA, 'gloo' on the CPU)."""
+        return device.backend(None if self._module is None else self._name)
 
     # ---- precision ------------------------------------------------------------------------------
     def is_bf16_supported(self) -> bool:
-        if self._name == "cuda":
-            return torch.cuda.is_bf16_supported()
-        return True
+        check = getattr(self._module, "is_bf16_supported", None)
+        return check() if check is not None else True
 
     def is_fp16_supported(self) -> bool:
         """False on the CPU, as DeepSpeed's CPU accelerator says (fp16 there is emulated and slow)."""
@@ -81,7 +82,7 @@ class Accelerator:
 
     # ---- random numbers -------------------------------------------------------------------------
     def manual_seed(self, seed: int) -> None:
-        """The device's generator (the CPU's on a CPU), as torch.cuda.manual_seed."""
+        """The device's generator (the CPU's on a CPU), as the device module's manual_seed."""
         (self._module or torch).manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
@@ -151,12 +152,14 @@ class Accelerator:
 
     def range_push(self, msg: str) -> None:
         """A profiler range (nvtx on CUDA); nothing elsewhere."""
-        if self._name == "cuda":
-            torch.cuda.nvtx.range_push(msg)
+        nvtx = getattr(self._module, "nvtx", None)
+        if nvtx is not None:
+            nvtx.range_push(msg)
 
     def range_pop(self) -> None:
-        if self._name == "cuda":
-            torch.cuda.nvtx.range_pop()
+        nvtx = getattr(self._module, "nvtx", None)
+        if nvtx is not None:
+            nvtx.range_pop()
 
 
 _ACCELERATOR: Accelerator | None = None

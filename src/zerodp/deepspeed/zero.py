@@ -1,4 +1,5 @@
-"""`deepspeed.zero`: GatheredParameters over the engine that trains the parameters.
+"""`deepspeed.zero`: GatheredParameters over the engine that trains the parameters; Init, which builds
+a model on the meta device for initialize to materialise shard by shard.
 
 DeepSpeed's stage 3 partitions each parameter; GatheredParameters makes the named ones whole inside
 a `with` block and, with `modifier_rank`, keeps what that rank wrote into them (broadcast to every
@@ -11,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from zerodp.deepspeed.engine import owner_of
@@ -28,6 +30,10 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     """
     params = [params] if isinstance(params, nn.Parameter) else [p for p in params if p is not None]
     engines = {id(e): e for p in params if (e := owner_of(p)) is not None}
+    if enabled and not engines and any(p.is_meta for p in params):
+        raise ValueError("GatheredParameters was given parameters on the meta device (built under "
+                         "deepspeed.zero.Init), which hold no values until deepspeed.initialize; read or "
+                         "set them after initialize, inside GatheredParameters(..., modifier_rank=0)")
     if not enabled or not engines:
         yield
         return
@@ -40,16 +46,26 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
 
 
 class Init:
-    """deepspeed.zero.Init builds a model already partitioned; zerodp partitions in initialize.
+    """deepspeed.zero.Init: a model built inside the block is built on the meta device and holds no values
+    (no rank holds it whole); zerodp.deepspeed.initialize then materialises on each rank only what its
+    stage keeps, each module initialised by its reset_parameters() from rank 0's random state: the values
+    a whole build with the same seed gives, bit for bit. `enabled=False`, or `module=` (a model built
+    already), builds whole. DeepSpeed's other arguments (the group, remote_device, pin_memory, config,
+    dtype, ...) concern its partitioning at construction, which initialize does here: accepted, unused.
 
-    Accepted so that scripts run unchanged: it builds the model whole (enabled or not), and
-    zerodp.deepspeed.initialize partitions it. Peak memory at construction is the whole model."""
+    Weights set before initialize would be lost on meta: GatheredParameters refuses such parameters."""
 
-    def __init__(self, *args, **kwargs):
-        pass
+    def __init__(self, module: nn.Module | None = None, *args, enabled: bool = True, **kwargs):
+        self.enabled = enabled and module is None
+        self._meta: torch.device | None = None
 
     def __enter__(self) -> "Init":
+        if self.enabled:
+            self._meta = torch.device("meta")
+            self._meta.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        if self._meta is not None:
+            self._meta.__exit__(*exc)
+            self._meta = None

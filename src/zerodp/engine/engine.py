@@ -18,10 +18,12 @@ from torch.optim import Optimizer
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, device_of_backend, seed_everything
+from zerodp.engine import materialize
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
+from zerodp.engine.init_source import ParamInitFn
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import NonFinitePolicy, step_flags, step_is_finite
 from zerodp.engine.optimizer import (
@@ -31,6 +33,7 @@ from zerodp.engine.optimizer import (
 )
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
+from zerodp.engine.source import ParameterSource
 from zerodp.engine.stage3 import Gatherer
 from zerodp.engine.units import UnitRule, find_units, unit_rule
 from zerodp.engine.units import layout as stage3_layout
@@ -67,11 +70,15 @@ class Engine:
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
                  comm: Comm, lr_scheduler: Callable | None = None, stage3_unit: UnitRule | None = None, *,
-                 checkpoint_io: CheckpointIO | None = None):
+                 checkpoint_io: CheckpointIO | None = None, source: ParameterSource | None = None,
+                 param_init_fn: ParamInitFn | None = None):
+        """source: where the parameters' values come from (a model built on meta, or weights read from
+        files), asked for the ranges this rank keeps; None: the module's own values, or, for tensors on
+        meta, their modules' initialisers (reset_parameters, or param_init_fn(module))."""
         self.config, self.comm, self.module = config, comm, module
         self._stage3_unit = stage3_unit
         self.checkpoint_io = checkpoint_io
-        optimizer, groups = self._agreed_set_up(optimizer)
+        optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn)
         self._cast_and_sync_untrained(groups)
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
@@ -89,20 +96,20 @@ class Engine:
         self.monitor.instrument_gathers(self.partitioned_optimizer, self.gatherer)
 
     # ---- set-up, in the order __init__ runs it ---------------------------------------------------
-    def _agreed_set_up(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
+    def _agreed_set_up(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
+                       param_init_fn: ParamInitFn | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
         """The local checks, then the first collective: a set-up error on any rank raises on every rank
         (zerodp.initialize meets this agreement directly when its config failed to load)."""
         error = None
         try:
-            optimizer, groups = self._local_checks(optimizer)
+            optimizer, groups = self._local_checks(optimizer, source, param_init_fn)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
         self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
         warn_if_slow_bf16(self.device, self.dtype, self.comm.rank)
         self.comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        if self.config.seed is not None:
-            seed_everything(self.config.seed + self.comm.rank)
+        materialize.start(self.filling, self.comm, self.device, {id(p) for g in groups for p in g})
         return optimizer, groups
 
     def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
@@ -115,17 +122,10 @@ class Engine:
         layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
                   else stage3_layout(groups, self.units, comm.shard_size, zero))
         rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = []
-        for g in layout:
-            fulls = [b.flatten(torch.float32) for b in g.buckets]
-            for full in fulls:
-                comm.broadcast(full)  # every rank starts from rank 0's weights
-            g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
-                          pin=zero.offload_param.pin_memory and can_pin())
-            shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
-            # Stage 3 must not hold every full bucket at once: keep only the shard of each.
-            fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
-            del fulls
+        fp32_shards = materialize.fill(layout, self.filling, comm, rank, self.dtype, self.device, self.stage == 3,
+                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
+        if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
+            seed_everything(self.config.seed + comm.rank)
         self.flat_groups = layout
         return layout, fp32_shards
 
@@ -401,7 +401,8 @@ class Engine:
         return memory_report(self)
 
     # ---- set-up checks --------------------------------------------------------------------------
-    def _local_checks(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
+    def _local_checks(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
+                      param_init_fn: ParamInitFn | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
         """Everything about the set-up that this rank can check alone, and the local moves (the module
         to its device). No collective here: whatever raises is agreed on by every rank just after."""
         config, module = self.config, self.module
@@ -427,18 +428,22 @@ class Engine:
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
+        self.filling = materialize.filling_for(module, source, param_init_fn)
         self.units = find_units(module, unit_rule(zero, self._stage3_unit)) if self.stage == 3 else None
         self.device = _device_of(module, self.comm)
         check_available(config)  # an enabled monitor's package is missing: every rank hears of it
-        if any(t.device != self.device for t in itertools.chain(module.parameters(), module.buffers())):
-            module.to(self.device)  # only when needed: a model already there may hold fake tensors
+        if any(t.device != self.device and not t.is_meta
+               for t in itertools.chain(module.parameters(), module.buffers())):
+            materialize.move_to(module, self.device)  # only when needed: a model already there may hold fake tensors
         return optimizer, groups
 
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same model with the same config, or collectives would mismatch."""
         if self.comm.world_size == 1 or self.comm.backend == "fake":
             return
-        sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in self.module.named_parameters()]
+        sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
+               for n, p in self.module.named_parameters()]
+        sig.append(("the values come from", self.filling.origin))  # a broadcast, or each rank's own reads
         text = repr(sig) + self.config.model_dump_json()
         digests = self.comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
         if len(set(digests)) == 1:
@@ -467,14 +472,8 @@ class Engine:
 
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
-    """What this rank can tell about the model on its own, before any collective. (A fake tensor,
-    as the memory planner uses, reports the device it stands for, not 'meta'.)"""
-    meta = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers())
-            if t.device.type == "meta"]
-    if meta:
-        raise ValueError(f"the model has {len(meta)} tensor(s) on the 'meta' device (first: '{meta[0]}'), "
-                         "which hold no values; materialize it with model.to_empty(device=...) and "
-                         "initialise the weights, or load a state dict, before zerodp.initialize")
+    """What this rank can tell about the model on its own, before any collective. (Tensors on meta are
+    materialize.filling_for's to check.)"""
     if not any(groups):
         raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
                          "optimizer holds none), so there is nothing to train; set requires_grad=True on "
@@ -482,7 +481,7 @@ def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:
-    devices = {p.device for p in module.parameters()}
+    devices = {p.device for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                          "zerodp needs the whole model on one device per rank")

@@ -13,7 +13,7 @@ loop and no copy (the layout FSDP and picotron use). Each rank still owns exactl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -87,10 +87,13 @@ class FlatGroup:
     numel: int
     data: torch.Tensor | None = None
 
-    def materialize(self, dtype: torch.dtype, fp32_buckets: list[torch.Tensor], rank: int,
+    def materialize(self, dtype: torch.dtype, fp32_buckets: Iterable[torch.Tensor], rank: int,
                     sharded: bool = False, host_shards: bool = False, pin: bool = False) -> None:
         """Allocate the flat buffer, fill it, and turn every parameter into a view of it.
 
+        fp32_buckets: each bucket's values in turn, whole; or, when sharded, only this rank's shard of
+        it (a rank that builds on meta never holds a whole stage-3 bucket it does not need). Taken one
+        at a time, so a generator keeps one bucket in memory.
         sharded (stage 3): the flat buffer holds only this rank's shards; each bucket gets a
         buffer of its own for the gathered parameters, whose storage is freed between uses.
         host_shards (stage 3's offload_param): that flat buffer of shards is in host memory (pinned
@@ -106,17 +109,21 @@ class FlatGroup:
             self.data = torch.empty(size, dtype=dtype, device=device)
         offset = 0
         for b, full in zip(self.buckets, fp32_buckets):
+            whole = full.numel() == b.numel
             if sharded:
                 b.data = torch.empty(b.numel, dtype=dtype, device=device)
                 b.owned = self.data[offset:offset + b.shard_numel]
-                b.owned.copy_(b.shard(full, rank))
+                b.owned.copy_(b.shard(full, rank) if whole else full)
                 offset += b.shard_numel
             else:
                 b.data = self.data[b.start:b.start + b.numel]
                 b.owned = b.shard(b.data, rank)  # a view: filled by the copy below
-            b.data.copy_(full)
+            if whole:
+                b.data.copy_(full)
             for s in b.slots:
                 s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
+            if not whole:  # stage 3 from a shard: the gathered buffer holds nothing until a gather fills it
+                b.data.untyped_storage().resize_(0)
 
 
 def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,

@@ -53,8 +53,8 @@ class PartitionedOptimizer:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
             self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
         else:
-            self.masters = [shard.clone() if self.separate else b.owned
-                            for b, shard in zip(self.buckets, fp32_shards)]
+            # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
+            self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
         self.set_gather_order(list(range(len(self.buckets))))
         per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
         if isinstance(optimizer, Optimizer):

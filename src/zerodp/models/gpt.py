@@ -3,6 +3,10 @@
 nanoGPT's model, read top to bottom: config and named sizes, attention, MLP, block, GPT.
 Pre-LayerNorm blocks, learned position embeddings, an output head tied to the token embedding,
 GPT-2 initialisation. Nothing here knows about data parallelism: zerodp wraps it unchanged.
+
+The initialisation is each layer's own `reset_parameters()`, run as the layer is built: a GPT built on
+the meta device and initialised layer by layer in module order (what zerodp.initialize does, and
+init_weights()) gets the same values, bit for bit, as one built whole with the same seed.
 """
 
 import math
@@ -46,13 +50,39 @@ def gpt_config(size: str, **overrides) -> GPTConfig:
     return config
 
 
+class Linear(nn.Linear):
+    """nn.Linear with GPT-2's initialisation: weight ~ N(0, std), bias 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02):
+        self.std = std  # read by reset_parameters, which nn.Linear's constructor calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding with GPT-2's initialisation: N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def residual_std(config: GPTConfig) -> float:
+    """Each block adds two residual projections to the stream; their weights are scaled so that its
+    variance does not grow with depth (GPT-2 paper, section 2.3)."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,9 +100,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,35 +127,24 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
+        self.wte = Embedding(config.vocab_size, config.n_embd)  # token embedding
+        self.wpe = Embedding(config.block_size, config.n_embd)  # position embedding
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """GPT-2 initialisation; also re-ties the head after `to_empty()` from the meta device."""
+        # The head draws its own weight, which the tie then replaces (a meta build draws it too).
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one Parameter is both the input and output embedding.
         self.lm_head.weight = self.wte.weight
+
+    def init_weights(self) -> None:
+        """GPT-2 initialisation again, layer by layer as at construction (the same values for the same
+        seed); also re-ties the head after `to_empty()` from the meta device."""
+        self.lm_head.weight = nn.Parameter(torch.empty_like(self.wte.weight))  # drawn, then tied, as built
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        # Each block adds two residual projections to the stream; scale them so its variance
-        # does not grow with depth (GPT-2 paper, section 2.3).
-        std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=std)
-            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=std)
+            if module is not self and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids idx (B, T); with targets, the mean cross-entropy."""

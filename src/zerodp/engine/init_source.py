@@ -1,0 +1,173 @@
+"""The initialiser source: the values of a model built on `meta`, from each module's own initialiser.
+
+A module with a tensor on `meta` registered directly on it (a *unit*) is initialised by its
+`reset_parameters()` (torch's convention, which FSDP follows) or by the `param_init_fn(module)` the
+user passes (as FSDP1's). Units run one at a time on CPU, in `module.modules()` order (the order in
+which a model that creates its layers in registration order constructs them, and so draws its random
+numbers), starting from rank 0's CPU random state: each parameter then gets, bit for bit, the value a
+whole build with the same seed gives it, without the whole model ever existing. A unit keeps the
+values of the tensors it owns (first registers); what it draws for a tied weight that another module
+owns is only drawn, as the whole build draws it before tying.
+
+The random state before each unit is recorded as the walk first passes it, so the engine may ask for
+parameters in any order: going back re-runs one unit from its recorded state. Asked in module order,
+every unit runs once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils import swap_tensors
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def meta_names(module: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the parameters and of the buffers that are on `meta` (tied ones under their first name)."""
+    params = [n for n, p in module.named_parameters() if p.is_meta]
+    buffers = [n for n, b in module.named_buffers() if b.is_meta]
+    return params, buffers
+
+
+class ModuleInit:
+    """ParameterSource over the module initialisers of a meta-built model; also gives its buffers."""
+
+    def __init__(self, module: nn.Module, param_init_fn: ParamInitFn | None = None):
+        self.param_init_fn = param_init_fn
+        self.units: list[nn.Module] = []
+        self.unit_names: list[str] = []
+        self.unit_of: dict[str, int] = {}  # a meta parameter's name -> the unit that owns it
+        self.buffer_units: list[int] = []  # units with a meta buffer of their own
+        self.built: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        first = {id(p): n for n, p in module.named_parameters()}
+        self.real = {n: p for n, p in module.named_parameters() if not p.is_meta}  # a partly meta model
+        for mname, m in module.named_modules():
+            direct = list(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
+            if not any(t.is_meta for t in direct):
+                continue
+            k = len(self.units)
+            self.units.append(m)
+            self.unit_names.append(mname)
+            for p in m.parameters(recurse=False):
+                # As built: the engine may give a parameter another shape (a flat view) and dtype.
+                self.built[id(p)] = (p.shape, p.dtype)
+                if p.is_meta:
+                    self.unit_of.setdefault(first[id(p)], k)
+            if any(b.is_meta for b in m.buffers(recurse=False)):
+                self.buffer_units.append(k)
+        self.states: list[torch.Tensor] = []  # states[k]: the CPU random state before unit k
+        # As zerodp.initialize found it: set-up may draw random numbers before the units run.
+        self.initial_state = torch.get_rng_state()
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    # ---- checks (local: no collective) ----------------------------------------------------------
+    def uninitialisable(self, names: list[str]) -> list[str]:
+        """Those of the given parameter/buffer names whose unit has no initialiser."""
+        if self.param_init_fn is not None:
+            return []
+        wanted, out = set(names), []
+        bare = {k for k, m in enumerate(self.units) if not _has_initialiser(m)}
+        for k in sorted(bare):
+            prefix = self.unit_names[k] + "." if self.unit_names[k] else ""
+            m = self.units[k]
+            for n, t in itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
+                if t.is_meta and prefix + n in wanted:
+                    out.append(prefix + n)
+        return out
+
+    def check(self, shapes: dict[str, torch.Size]) -> None:
+        missing = self.uninitialisable(list(shapes))
+        if missing:
+            raise ValueError(missing_initialiser(missing))
+
+    # ---- values ---------------------------------------------------------------------------------
+    def start(self, state: torch.Tensor) -> None:
+        """Begin from this CPU random state (rank 0's, so that every rank draws the same values)."""
+        self.states = [state]
+
+    def finish(self, advance: bool) -> None:
+        """With `advance` (the initialisers gave the parameters), draw whatever units were not asked for
+        (a tied head), one at a time, and leave the CPU random state where the whole build leaves it;
+        otherwise the rank's own state is restored."""
+        self._cached = None
+        while advance and len(self.states) <= len(self.units):
+            self._run(len(self.states) - 1)
+        torch.set_rng_state(self.states[-1] if advance else self.initial_state)
+        self._cached = None
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name not in self.unit_of:
+            return self.real[name].detach().reshape(-1)[start:stop]
+        return self._values(self.unit_of[name])[name].reshape(-1)[start:stop]
+
+    def buffers(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+        """(module, buffer name, value) for every buffer that was on meta, unit by unit."""
+        for k in self.buffer_units:
+            values = self._values(k)
+            m = self.units[k]
+            for n, b in list(m.named_buffers(recurse=False)):
+                key = f"{self.unit_names[k]}.{n}" if self.unit_names[k] else n
+                if key in values:
+                    yield m, n, values[key]
+
+    def _values(self, k: int) -> dict[str, torch.Tensor]:
+        """Unit k's own tensors, initialised (the last unit's are kept: slots of one module come together)."""
+        if self._cached is not None and self._cached[0] == k:
+            return self._cached[1]
+        self._cached = None  # one unit's values at a time
+        while len(self.states) <= k:  # first pass over the units before k: draw, to learn their states
+            self._run(len(self.states) - 1)
+        values = self._run(k)
+        self._cached = (k, values)
+        return values
+
+    def _run(self, k: int) -> dict[str, torch.Tensor]:
+        """Run unit k's initialiser on CPU stand-ins for its own tensors; the module is left as it was
+        (meta, or the places the engine has given them already: a tied weight may be in a flat buffer)."""
+        m, prefix = self.units[k], (self.unit_names[k] + "." if self.unit_names[k] else "")
+        torch.set_rng_state(self.states[k])
+        # swap_tensors keeps each Parameter object (the optimizer and the engine hold them by identity).
+        swapped = [(p, _cpu_stand_in(p, *self.built[id(p)])) for p in m.parameters(recurse=False)]
+        for p, stand_in in swapped:
+            swap_tensors(p, stand_in)
+        kept = {n: b for n, b in m.named_buffers(recurse=False)}
+        for n, b in kept.items():
+            setattr(m, n, torch.empty_like(b, device="cpu"))
+        try:
+            with torch.no_grad():
+                if self.param_init_fn is not None:
+                    self.param_init_fn(m)
+                elif _has_initialiser(m):  # else it holds only tensors that other units own (a tied weight)
+                    m.reset_parameters()
+            values = {prefix + n: b.detach() for n, b in m.named_buffers(recurse=False)}
+            for n, p in m.named_parameters(recurse=False):
+                if self.unit_of.get(prefix + n) == k:
+                    values[prefix + n] = p.detach()
+        finally:
+            for p, stand_in in swapped:
+                swap_tensors(p, stand_in)
+            for n, b in kept.items():
+                setattr(m, n, b)
+        if len(self.states) == k + 1:
+            self.states.append(torch.get_rng_state())
+        return values
+
+
+def _has_initialiser(m: nn.Module) -> bool:
+    return callable(getattr(m, "reset_parameters", None))
+
+
+def _cpu_stand_in(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="cpu"), requires_grad=p.requires_grad)
+
+
+def missing_initialiser(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (f"the model is on the 'meta' device and nothing can initialise {shown}: the module that "
+            "registers it has no reset_parameters(); give that module a reset_parameters(), pass "
+            "zerodp.initialize(..., param_init_fn=fn) with fn(module) initialising the module's own "
+            "tensors, or build the model off 'meta'")
