@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable
 
 from zerodp.lazy import lazy_names
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
     from zerodp.engine.optimizer import OptimizerLike
+    from zerodp.engine.source import ParameterSource
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
@@ -46,7 +48,8 @@ def __dir__() -> list[str]:
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                config: Config | dict | str | None = None,
                process_group: dist.ProcessGroup | None = None,
-               lr_scheduler: Callable | None = None, device_mesh=None) -> Engine:
+               lr_scheduler: Callable | None = None, device_mesh=None,
+               weights: str | os.PathLike | ParameterSource | None = None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -59,6 +62,11 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     device_mesh: a 2-D torch DeviceMesh (replicate, shard) over the data-parallel ranks: model states
       are sharded along its second dimension and replicated along its first (as the config key
       zero_optimization.mics_shard_size does with groups zerodp builds).
+    weights: where the parameters' values come from instead of the model's own: a Hugging Face folder
+      (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
+      file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
+      zerodp.engine.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
+      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -71,8 +79,15 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
         cfg, error = load_config(config), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         cfg, error = None, e
+    source = weights
+    if isinstance(weights, (str, os.PathLike)) and error is None:
+        from zerodp.checkpoint.weights import open_weights
+        try:  # headers and metadata only; the error is agreed like the config's
+            source = open_weights(weights, model)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+            error = e
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler)
+    return Engine(model, optimizer, cfg, comm, lr_scheduler, weights=source)

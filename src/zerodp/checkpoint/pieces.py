@@ -57,12 +57,14 @@ def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]
 def signature(engine) -> list[dict]:
     """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
     trained = {id(s.param): b.group for b in engine.partitioned.buckets for s in b.slots}
+    # A stage-3 parameter released after use has an empty placeholder: its slot keeps the real shape.
+    shapes = {id(s.param): s.shape for b in engine.partitioned.buckets for s in b.slots}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}
     out = []
     for name, t in engine.module.state_dict(keep_vars=True).items():
         kind = "trained" if id(t) in trained else "frozen" if id(t) in params else "buffer"
-        out.append({"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype),
+        out.append({"name": name, "kind": kind, "shape": list(shapes.get(id(t), t.shape)), "dtype": str(t.dtype),
                     "alias_of": first.get(id(t)), "group": trained.get(id(t))})
         first.setdefault(id(t), name)
     return out

@@ -27,6 +27,7 @@ from zerodp.engine.optimizer import (
 )
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
+from zerodp.engine.source import ParameterSource, read_bucket
 from zerodp.engine.stage3 import Gatherer, owning_modules
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
@@ -49,8 +50,8 @@ class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None):
-        self.config, self.comm, self.module = config, comm, module
+                 comm: Comm, lr_scheduler: Callable | None = None, weights: ParameterSource | None = None):
+        self.config, self.comm, self.module, self.weights = config, comm, module, weights
         zero = config.zero_optimization
         error = None
         try:
@@ -76,10 +77,14 @@ class Engine:
         layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.shard_rank if self.stage > 0 else 0
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
+        names = {id(p): n for n, p in module.named_parameters()}
         for g in layout:
-            fulls = [b.flatten(torch.float32) for b in g.buckets]
-            for full in fulls:
-                comm.broadcast(full)  # every rank starts from rank 0's weights
+            if weights is None:
+                fulls = [b.flatten(torch.float32) for b in g.buckets]
+                for full in fulls:
+                    comm.broadcast(full)  # every rank starts from rank 0's weights
+            else:  # every rank reads the files, which every rank sees
+                fulls = [read_bucket(b, weights, names).to(self.device) for b in g.buckets]
             g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
                           pin=zero.offload_param.pin_memory and torch.cuda.is_available())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
@@ -345,6 +350,8 @@ class Engine:
                                   "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
+        if self.weights is not None:
+            self.weights.check({n: p.shape for n, p in module.named_parameters()})
         _check_model(module, groups)
         self.device = _device_of(module, self.comm)
         check_available(config)  # an enabled monitor's package is missing: every rank hears of it
@@ -376,12 +383,16 @@ class Engine:
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
         """Frozen parameters and floating buffers: working precision, rank 0's values."""
         trained = {id(p) for g in groups for p in g}
+        names = {id(p): n for n, p in self.module.named_parameters()} if self.weights is not None else {}
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
                 continue
+            if id(t) in names:  # a frozen parameter: the weights' values, read whole
+                t.data = self.weights.read(names[id(t)], 0, t.numel()).view(t.shape).to(t.device, t.dtype)
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
-            self.comm.broadcast(t.data)
+            if id(t) not in names:
+                self.comm.broadcast(t.data)
 
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:

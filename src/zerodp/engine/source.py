@@ -24,3 +24,16 @@ class ParameterSource(Protocol):
         """Elements [start, stop) of parameter `name` flattened, as a 1-D CPU tensor of any floating
         dtype (the caller casts). Reads no more of the file than those elements need."""
         ...
+
+
+def read_bucket(bucket, source: ParameterSource, names: dict[int, str], start: int = 0,
+                stop: int | None = None) -> torch.Tensor:
+    """Elements [start, stop) of `bucket` (a zerodp.engine.flat.Bucket, whole by default) in fp32, each
+    parameter's part read from `source` by its name (`names`: id(param) -> name), padding zero."""
+    stop = bucket.numel if stop is None else stop
+    out = torch.zeros(stop - start, dtype=torch.float32)
+    for s in bucket.slots:
+        lo, hi = max(s.offset, start), min(s.offset + s.numel, stop)
+        if lo < hi:
+            out[lo - start:hi - start] = source.read(names[id(s.param)], lo - s.offset, hi - s.offset)
+    return out

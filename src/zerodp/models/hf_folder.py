@@ -27,7 +27,7 @@ CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prefixes a trained state dict may carry before HF's own names: zerodp's HFCausalLM (`model.`),
 # a DDP/DeepSpeed-style wrapper (`module.`).
-_PREFIXES = ("", "model.", "module.", "module.model.")
+PREFIXES = ("", "model.", "module.", "module.model.")
 
 
 def is_model_folder(path: str) -> bool:
@@ -169,10 +169,10 @@ def _assign(model, state: dict) -> None:
 
 
 def _prefix(state: dict, expected: set[str]) -> str:
-    for prefix in _PREFIXES:
+    for prefix in PREFIXES:
         if all(k.startswith(prefix) and k[len(prefix):] in expected for k in state):
             return prefix
-    unknown = sorted(k for k in state if not any(k.startswith(p) and k[len(p):] in expected for p in _PREFIXES))
+    unknown = sorted(k for k in state if not any(k.startswith(p) and k[len(p):] in expected for p in PREFIXES))
     raise ValueError(f"the weights do not fit this HF config's model: {len(unknown or state)} name(s) such as "
                      f"{', '.join((unknown or sorted(state))[:3])} are not among its "
                      f"{len(expected)} (e.g. {', '.join(sorted(expected)[:2])}): is the config the one "
