@@ -1,7 +1,8 @@
 """Hugging Face model folders (what `save_pretrained` writes): read one to fine-tune, write one from
 trained weights. The one place that knows the folder format; transformers is imported on use only.
 
-In: `load_model` (AutoModelForCausalLM, fp32), `load_tokenizer` (the folder's, when it has one) and
+In: `model_from_config` (the folder's AutoModelForCausalLM in fp32, its weights left to
+`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the folder's, when it has one) and
 `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, assigns the trained fp32 tensors to it (a wrapper's
 `model.` prefix stripped) and lets `save_pretrained` write config.json, generation_config.json and
@@ -49,16 +50,18 @@ def quiet_other_ranks() -> None:
         logging.disable_progress_bar()
 
 
-def load_model(path: str):
-    """The folder's causal LM with its weights, in fp32 (the engine keeps fp32 master weights)."""
+def model_from_config(path: str):
+    """The folder's causal LM built from its config.json in fp32 (the engine keeps fp32 master weights),
+    without reading its weights: `zerodp.initialize(..., weights=path)` reads each rank's share."""
     import torch
     import transformers
 
     quiet_other_ranks()
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = transformers.AutoConfig.from_pretrained(path)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model {path!r}: cannot load a causal LM from this folder: {e}") from None
+        raise ValueError(f"--model {path!r}: cannot build a causal LM from this folder: {e}") from None
 
 
 def load_tokenizer(path: str):

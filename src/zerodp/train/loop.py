@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import zerodp
 from zerodp.models import hf_folder
-from zerodp.models.build import build_model, hf_description
+from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
@@ -126,7 +126,8 @@ def train(opts: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     hf = hf_description(model, opts.model)  # kept in every checkpoint: `zerodp consolidate --hf` needs it
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
-    engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler)
+    engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
+                               weights=weights_of(opts.model))
     data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, block, opts.micro_batch, opts.eval_batches, rank, world)
 

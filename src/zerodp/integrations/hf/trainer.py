@@ -63,12 +63,16 @@ class ZeroTrainer(Trainer):
     sizes, gradient_clipping and fp16/bf16 where absent, come from the TrainingArguments as Hugging Face
     does for DeepSpeed (`zerodp.integrations.hf.fill_from_training_args`). Without an `optimizer` or
     `scheduler` section the Trainer's own (from TrainingArguments, or `optimizers=`) are used.
+    weights: where the model's parameter values come from (`zerodp.initialize(..., weights=)`): a Hugging
+    Face folder, a .safetensors file, a zerodp or DeepSpeed checkpoint; each rank reads only its share,
+    so the model can be built from its config alone (`AutoModelForCausalLM.from_config`) instead of
+    `from_pretrained` loading it whole on every rank.
     Launch with torchrun (or accelerate launch); checkpoints hold the HF model files plus a sharded zerodp
     checkpoint, from which `train(resume_from_checkpoint=...)` resumes.
     """
 
     def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
+                 weights: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         missing = [m for m in _SEAMS if not hasattr(Trainer, m)]
         if missing:
             raise ImportError(f"ZeroTrainer needs a transformers whose Trainer has {', '.join(missing)} (the "
@@ -78,7 +82,7 @@ class ZeroTrainer(Trainer):
                    for k, why in _REFUSED.items() if getattr(self.args, k, None)]
         if refused:
             raise ValueError("\n".join(refused))
-        self.zero_config = zero_config
+        self.zero_config, self.weights = zero_config, weights
         self.engine: Engine | None = None
 
     # ---- building the engine ----------------------------------------------------------------------
@@ -91,7 +95,7 @@ class ZeroTrainer(Trainer):
         _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
         optimizer = self._optimizer_for(config)
         scheduler = self._scheduler_for(config, max_steps)
-        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler)
+        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights)
         if self.engine.comm.world_size != self.args.world_size:
             raise ValueError(f"zerodp's process group has {self.engine.comm.world_size} ranks but the Trainer "
                              f"(accelerate) sees {self.args.world_size} processes; launch every rank with "
