@@ -90,4 +90,4 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler, weights=source)
+    return Engine(model, optimizer, cfg, comm, lr_scheduler, source=source)

@@ -50,8 +50,10 @@ class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None, weights: ParameterSource | None = None):
-        self.config, self.comm, self.module, self.weights = config, comm, module, weights
+                 comm: Comm, lr_scheduler: Callable | None = None, source: ParameterSource | None = None):
+        """source: where the parameters' values come from (weights read from files), asked for the
+        buckets; None: the module's own values, rank 0's broadcast."""
+        self.config, self.comm, self.module, self.source = config, comm, module, source
         zero = config.zero_optimization
         error = None
         try:
@@ -79,12 +81,12 @@ class Engine:
         fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
         names = {id(p): n for n, p in module.named_parameters()}
         for g in layout:
-            if weights is None:
+            if source is None:
                 fulls = [b.flatten(torch.float32) for b in g.buckets]
                 for full in fulls:
                     comm.broadcast(full)  # every rank starts from rank 0's weights
             else:  # every rank reads the files, which every rank sees
-                fulls = [read_bucket(b, weights, names).to(self.device) for b in g.buckets]
+                fulls = [read_bucket(b, source, names).to(self.device) for b in g.buckets]
             g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
                           pin=zero.offload_param.pin_memory and torch.cuda.is_available())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
@@ -350,8 +352,8 @@ class Engine:
                                   "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
-        if self.weights is not None:
-            self.weights.check({n: p.shape for n, p in module.named_parameters()})
+        if self.source is not None:
+            self.source.check({n: p.shape for n, p in module.named_parameters()})
         _check_model(module, groups)
         self.device = _device_of(module, self.comm)
         check_available(config)  # an enabled monitor's package is missing: every rank hears of it
@@ -383,12 +385,12 @@ class Engine:
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
         """Frozen parameters and floating buffers: working precision, rank 0's values."""
         trained = {id(p) for g in groups for p in g}
-        names = {id(p): n for n, p in self.module.named_parameters()} if self.weights is not None else {}
+        names = {id(p): n for n, p in self.module.named_parameters()} if self.source is not None else {}
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
                 continue
             if id(t) in names:  # a frozen parameter: the weights' values, read whole
-                t.data = self.weights.read(names[id(t)], 0, t.numel()).view(t.shape).to(t.device, t.dtype)
+                t.data = self.source.read(names[id(t)], 0, t.numel()).view(t.shape).to(t.device, t.dtype)
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
             if id(t) not in names:
