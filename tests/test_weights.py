@@ -12,15 +12,15 @@ import functools
 import os
 import tempfile
 
+import oracle
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
-
-import oracle
-import zerodp
 from spawn import run_ranks
 from test_checkpoint import world_of_one
+from torch import nn
+
+import zerodp
 from zerodp.checkpoint import deepspeed as ck_ds
 from zerodp.checkpoint.weights import open_weights
 
@@ -120,7 +120,7 @@ def test_files_of_another_model_are_errors_naming_the_tensors(hf_folders, tmp_pa
 @pytest.mark.parametrize("fixture", ["stage2_fp32_tied_frozen", "stage3_fp32_tied_frozen", "stage2_bf16"])
 def test_deepspeed_checkpoint_reads_equal_its_consolidation(fixture):
     path = ck_ds.find(os.path.join(DS, fixture))
-    state, ties = ck_ds.consolidate(path)
+    state, _ = ck_ds.consolidate(path)
     model = oracle.Toy(tied="tied" in fixture, frozen="frozen" in fixture)
     source = open_weights(os.path.join(DS, fixture), model)
     assert_reads_equal(source, {n: state[n] for n, _ in model.named_parameters()})
@@ -128,7 +128,7 @@ def test_deepspeed_checkpoint_reads_equal_its_consolidation(fixture):
 
 # ---- the engine, from weights ---------------------------------------------------------------------------
 CASE = oracle.CASES["tied"]
-TIED_FROZEN = dict(tied=True, frozen=True)
+TIED_FROZEN = {"tied": True, "frozen": True}
 
 
 def toy(seed: int) -> oracle.Toy:

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import re
-from typing import Callable
 
 import torch
 from torch import nn
@@ -44,7 +43,7 @@ SINGLE = "model.safetensors"
 _PAIRS = [(p, "") for p in PREFIXES] + [("", p) for p in PREFIXES[1:]]
 
 
-def open_weights(path: str | os.PathLike, model: nn.Module):
+def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
     """The ParameterSource for `path`: an HF folder, a .safetensors file, a zerodp or DeepSpeed checkpoint
     (a save_dir with `latest`, or a tag directory). Reads headers and metadata only."""
     path = os.fspath(path)
@@ -65,12 +64,12 @@ def open_weights(path: str | os.PathLike, model: nn.Module):
 
 class FileSource:
     """What every reader shares: the model's names matched to the file's keys, `check` and `read`.
-    A reader gives `shapes` (every key it can read, with its shape) and `read_key`."""
+    A reader gives `shapes` (every key it can read, with its shape; `other`: keys it holds and does not
+    read, such as buffers) and implements `read_key`."""
 
-    def __init__(self, origin: str, shapes: dict[str, torch.Size], model: nn.Module,
-                 read_key: Callable[[str, int, int], torch.Tensor], other: set[str] = frozenset(),
+    def __init__(self, origin: str, shapes: dict[str, torch.Size], model: nn.Module, other: set[str] = frozenset(),
                  problems: list[str] | None = None):
-        self.origin, self.shapes, self._read_key = origin, shapes, read_key
+        self.origin, self.shapes = origin, shapes
         self.names, self.unexpected = match_names(model, set(shapes) | set(other))
         self.problems = list(problems or [])
 
@@ -95,7 +94,11 @@ class FileSource:
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of parameter `name` flattened, in the file's dtype."""
-        return self._read_key(self.names[name], start, stop)
+        return self.read_key(self.names[name], start, stop)
+
+    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the file's tensor `key` flattened."""
+        raise NotImplementedError
 
 
 def match_names(model: nn.Module, keys: set[str]) -> tuple[dict[str, str], list[str]]:
@@ -128,9 +131,10 @@ class SafetensorsSource(FileSource):
 
     def __init__(self, origin: str, files: dict[str, str], model: nn.Module, problems: list[str] | None = None):
         self.files = files
-        super().__init__(origin, _shapes(files), model, self._read_rows, problems=problems)
+        super().__init__(origin, _shapes(files), model, problems=problems)
 
-    def _read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """The rows that cover [start, stop), cut to it."""
         from safetensors import safe_open
 
         with safe_open(self.files[key], framework="pt") as f:
@@ -218,10 +222,11 @@ class ZeroCheckpointSource(FileSource):
         self.verified: set[str] = set()
         self._last: tuple[tuple[str, ...], dict[str, torch.Tensor]] = ((), {})
         super().__init__(f"the weights of checkpoint '{self.path}'",
-                         {e["name"]: torch.Size(e["shape"]) for e in entries}, model, self._read_pieces,
+                         {e["name"]: torch.Size(e["shape"]) for e in entries}, model,
                          other={e["name"] for e in meta["model"]})
 
-    def _read_pieces(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """The saved master pieces that overlap [start, stop), cut to it."""
         key = self.alias.get(key, key)
         if key not in self.pieces:  # a frozen parameter, saved whole
             return self._load([f"model/{key}"])[f"model/{key}"].reshape(-1)[start:stop]
@@ -254,9 +259,10 @@ class DeepSpeedSource(FileSource):
         self.ties = dict(ckpt.model.get("shared_params") or {})
         frozen = {n: t.shape for n, t in ckpt.untrained.items()}
         super().__init__(f"the weights of DeepSpeed checkpoint '{path}'", {**frozen, **ckpt.shapes}, model,
-                         self._read_partitions, other=set(self.ties))
+                         other=set(self.ties))
 
-    def _read_partitions(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_key(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """The range copied out of the rank partitions that hold it."""
         key = self.ties.get(key, key)
         if key not in self.ckpt.shapes:  # a frozen parameter, whole in the model states
             return self.ckpt.untrained[key].reshape(-1)[start:stop]
