@@ -222,3 +222,15 @@ def test_weights_that_do_not_fit_are_an_error_on_every_rank_naming_the_tensor(wo
     for r in spawned(world):
         assert "no tensor for 1 parameter(s) of the model: mid.bias" in r["missing"]
         assert "'out.weight' has shape (3, 3), parameter 'out.weight' of the model has (5, 37)" in r["shape"]
+
+
+def test_deepspeed_initialize_passes_weights_through(tmp_path):
+    import zerodp.deepspeed as deepspeed
+    state = {n: p.detach() for n, p in toy(7).named_parameters()}
+    save_file(state, tmp_path / "toy.safetensors")
+    model = toy(1)
+    with world_of_one():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=CASE.optimizer(model),
+                                          config=oracle.config_for(CASE, 2, 1), weights=tmp_path / "toy.safetensors")
+        got = engine.module.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
