@@ -48,7 +48,7 @@ def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
     (a save_dir with `latest`, or a tag directory). Reads headers and metadata only."""
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(".safetensors"):
-        return SafetensorsSource(f"weights file '{path}'", _keys_in([path]), model)
+        return SafetensorsSource(f"the weights in file '{path}'", _keys_in([path]), model)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG)):
         return _hf_folder(path, model)
     ds = deepspeed.find(path) if os.path.isdir(path) else None
