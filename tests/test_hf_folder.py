@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from zerodp.models import hf_folder  # noqa: E402
 from zerodp.checkpoint import CheckpointError, main as consolidate_main, write_hf_folder  # noqa: E402
-from zerodp.models.build import build_model, hf_description, weights_of  # noqa: E402
+from zerodp.models.build import HFCausalLM, build_model, hf_description, weights_of  # noqa: E402
 from zerodp.train.build import build_corpus  # noqa: E402
 from zerodp.train.data import load_corpus  # noqa: E402
 from zerodp.models.gpt import gpt_config  # noqa: E402
@@ -108,7 +108,7 @@ def test_llama_folder_is_trained_from_its_weights_on_data_read_by_its_tokenizer(
 
 def test_write_folder_from_a_wrapped_untied_llama_state(hf_folders, tmp_path):
     folder = str(hf_folders["llama"])
-    model, _ = build_model(folder, 300, None)
+    model = HFCausalLM(AutoModelForCausalLM.from_pretrained(folder))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -6,6 +6,7 @@ RNG files and checkpoint rotation. zerodp owns the model's parameters, gradients
 clipping, precision and lr schedule. The seams, the same places where the Trainer branches for
 DeepSpeed (`deepspeed_init`, `accelerator.prepare`, `deepspeed_load_checkpoint`):
 
+  _move_model_to_device   a model built on meta is left there: initialize materialises each rank's share
   _prepare_for_training   builds the engine instead of `accelerator.prepare(model, optimizer)` (no
                           DDP wrapper), and loads a zerodp checkpoint on resume
   training_step           the Trainer's own loss, then `engine.backward` instead of `accelerator.backward`
@@ -48,8 +49,8 @@ _REFUSED = {
 
 # The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
 # train without the engine (present since transformers 5.3; tested with 5.23).
-_SEAMS = ("_prepare_for_training", "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
-          "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
+_SEAMS = ("_prepare_for_training", "_wrap_model", "_move_model_to_device", "training_step", "_clip_grad_norm",
+          "_get_grad_norm", "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
 
 
 class ZeroTrainer(Trainer):
@@ -84,6 +85,11 @@ class ZeroTrainer(Trainer):
             raise ValueError("\n".join(refused))
         self.zero_config, self.weights = zero_config, weights
         self.engine: Engine | None = None
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """A model built on meta has nothing to move: initialize materialises this rank's share on the device."""
+        if not any(t.is_meta for t in model.parameters()):
+            super()._move_model_to_device(model, device)
 
     # ---- building the engine ----------------------------------------------------------------------
     def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
