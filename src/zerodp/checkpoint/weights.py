@@ -5,7 +5,8 @@ ZeRO checkpoint; the engine asks it for the element ranges this rank keeps.
 
 How each reads only what is asked:
   safetensors  `safe_open(...).get_slice(key)[r0:r1]` of the rows that cover [start, stop) (less than
-               one row read on either side of the range); the file is memory-mapped per read and closed.
+               one row read on either side of the range): a view of the memory-mapped file, of which only
+               the pages touched are read; the range is copied out and the file closed per read.
   zerodp       the fp32 master pieces `master/{name}@{start}` that overlap [start, stop), loaded by
                torch.distributed.checkpoint (read.py's checked reader); a piece is read whole, so at most
                one saved shard is read beyond the range on either side.
@@ -145,7 +146,9 @@ class SafetensorsSource(FileSource):
             row = math.prod(shape[1:])
             first = start // row
             rows = sl[first:-(-stop // row)].reshape(-1)
-            return rows[start - first * row:stop - first * row]
+            # A view of the mapped file, of which only the pages touched were read: copy the range out, so
+            # that the mapping closes now rather than when the caller drops the tensor.
+            return rows[start - first * row:stop - first * row].clone()
 
 
 def _keys_in(files: list[str]) -> dict[str, str]:
