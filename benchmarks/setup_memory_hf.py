@@ -2,8 +2,8 @@
 zerodp.initialize) from a Hugging Face folder, three ways, measured in the same run, each configuration
 in fresh processes, one at a time:
 
-  today   the zerodp of --main-src: from_pretrained reads the whole model on every rank (hf_folder.load_model),
-          then initialize broadcasts rank 0's values
+  today   from_pretrained reads the whole model in fp32 on every rank (what hf_folder.load_model did), then
+          the zerodp of --main-src (one without `weights`) initializes it, broadcasting rank 0's values
   config  this tree: the model built whole from config.json, initialize(weights=FOLDER) reads the buckets
   meta    the model built under torch.device("meta"), initialize(weights=FOLDER, param_init_fn=HF's
           _init_weights for the buffers): each rank reads only what its stage keeps (needs the meta set-up
@@ -64,7 +64,7 @@ def _set_up(mode: str, folder: str, stage: int, dtype: str) -> None:
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if mode == "today":
-        model = HFCausalLM(hf_folder.load_model(folder))
+        model = HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
         zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
         return
     if mode == "config":
