@@ -86,7 +86,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
             source = open_weights(weights, model)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
-    elif weights is not None and not (callable(getattr(weights, "check", None)) and callable(getattr(weights, "read", None))):
+    elif weights is not None and not all(callable(getattr(weights, m, None)) for m in ("check", "read")):
         error = TypeError(f"weights must be a path (an HF folder, a .safetensors file, a zerodp or DeepSpeed "
                           f"checkpoint) or a ParameterSource, got {type(weights).__name__}")
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)

@@ -55,7 +55,7 @@ def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
     ds = deepspeed.find(path) if os.path.isdir(path) else None
     if ds is not None:
         return DeepSpeedSource(ds, model)
-    if os.path.isdir(path) and (os.path.isfile(os.path.join(path, META)) or os.path.isfile(os.path.join(path, "latest"))):
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (META, "latest")):
         return ZeroCheckpointSource(path, model)
     found = deepspeed.describe(path) if os.path.isdir(path) else "it does not exist" if not os.path.exists(path) \
         else "it is a file not ending in .safetensors"
@@ -121,7 +121,9 @@ def match_names(model: nn.Module, keys: set[str]) -> tuple[dict[str, str], list[
             break
     names, mp, fp = best
     known = {fp + n[len(mp):] for n in model.state_dict() if n.startswith(mp)}
-    ignored = [re.compile(p) for m in model.modules() for p in getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    # Keys a Hugging Face model declares it ignores on load (old checkpoints' buffers, e.g. attn.masked_bias).
+    ignored = [re.compile(p) for m in model.modules()
+               for p in getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unexpected = sorted(k for k in keys if k not in known and not any(p.search(k) for p in ignored))
     return names, unexpected
 

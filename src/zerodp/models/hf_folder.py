@@ -2,8 +2,8 @@
 trained weights. The one place that knows the folder format; transformers is imported on use only.
 
 In: `model_from_config` (the folder's AutoModelForCausalLM in fp32, its weights left to
-`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the folder's, when it has one) and
-`tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
+`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the
+folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, assigns the trained fp32 tensors to it (a wrapper's
 `model.` prefix stripped) and lets `save_pretrained` write config.json, generation_config.json and
 model.safetensors with HF's own key names and tied weights (GPT-2's lm_head is not stored: HF re-ties
