@@ -228,7 +228,7 @@ def train_overflow(rank: int, world: int, stage: int) -> dict:
             working = [p.detach().clone() for p in model.parameters()]
         record.append({
             "scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
-            "master": [m.clone() for m in engine.partitioned.masters],
+            "master": [m.clone() for m in engine.partitioned_optimizer.masters],
             "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
         })

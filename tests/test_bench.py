@@ -105,7 +105,7 @@ def test_multi_rank_modes_run_under_torchrun_on_2_gloo_ranks(tmp_path):
 
 
 def test_overhead_benchmark_runs_every_mode_and_profiles_zerodp():
-    """Issue 13 §4's many-small-parameters benchmark, at toy size: the harness only, never speed."""
+    """The many-small-parameters benchmark (zerodp.bench.overhead), at toy size: the harness only, never speed."""
     from zerodp.bench import overhead
     out = overhead.main(["--layers", "2", "3", "--worlds", "1", "--steps", "1", "--warmup", "0",
                          "--profile-stage", "3", "--profile-steps", "1", "--top", "3", "--quiet"])

@@ -1,4 +1,4 @@
-"""`import zerodp.deepspeed as deepspeed` runs a DeepSpeed ZeRO script unchanged (issue 11 §1)."""
+"""`import zerodp.deepspeed as deepspeed` runs a DeepSpeed ZeRO script unchanged."""
 
 from __future__ import annotations
 

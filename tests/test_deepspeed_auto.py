@@ -1,4 +1,4 @@
-""""auto" in a DeepSpeed config is filled from what is known, or fails naming the key (issue 11)."""
+""""auto" in a DeepSpeed config is filled from what is known, or fails naming the key."""
 
 from __future__ import annotations
 

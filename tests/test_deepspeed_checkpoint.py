@@ -77,7 +77,7 @@ def resume_run(rank: int, world: int, name: str, stage: int) -> dict:
     loaded = {"pieces": ck.local_state(engine), "steps": (engine.global_steps, engine.skipped_steps),
               "lr": [g["lr"] for g in engine.optimizer.param_groups], "client": client,
               "sched": engine.lr_scheduler.state_dict()["last_epoch"], "scaler": engine.scaler.state_dict(),
-              "adam_step": [float(engine.optimizer.state[m]["step"]) for m in engine.partitioned.masters]}
+              "adam_step": [float(engine.optimizer.state[m]["step"]) for m in engine.partitioned_optimizer.masters]}
     losses, data = [], batches()
     for step in range(SAVE_AT, SAVE_AT + CONTINUE):
         x, y = data[step]

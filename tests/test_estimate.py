@@ -91,6 +91,5 @@ def test_fit_scales_the_given_config_and_answers_the_largest_that_fits(tmp_path,
 
 
 def test_bucket_default_is_the_engines():
-    from zerodp.config import ZeroConfig
-    from zerodp.plan.measure import DEFAULT_BUCKET
-    assert estimate.DEFAULT_BUCKET == DEFAULT_BUCKET == ZeroConfig.model_fields["reduce_bucket_size"].default
+    from zerodp.config import REDUCE_BUCKET_SIZE, ZeroConfig
+    assert estimate.DEFAULT_BUCKET == REDUCE_BUCKET_SIZE == ZeroConfig.model_fields["reduce_bucket_size"].default

@@ -49,7 +49,7 @@ def _engine(stage, **zero):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_every_parameter_is_gathered_before_its_first_use(stage):
     model, engine = _engine(stage, overlap_param_gather=True)
-    buckets = engine.partitioned.buckets
+    buckets = engine.partitioned_optimizer.buckets
     assert len(buckets) > 5, "the check needs many buckets"
     bucket_of = {id(s.param): b.index for b in buckets for s in b.slots}
     by_ptr = {b.data.data_ptr(): b.index for b in buckets}
@@ -86,7 +86,7 @@ def test_without_overlap_step_returns_with_parameters_gathered():
     x, y = torch.randn(3, D_IN), torch.randn(3, D_OUT)
     engine.backward(engine(x, y))
     engine.step()
-    assert not engine.partitioned.pending
+    assert not engine.partitioned_optimizer.pending
 
 
 def test_forward_that_raises_ends_the_trace():

@@ -155,3 +155,12 @@ def test_consolidate_hf_of_a_deepspeed_checkpoint_needs_the_model_config(hf_fold
     with pytest.raises(CheckpointError, match="do not fit this HF config's model"):
         write_hf_folder(str(DS_CHECKPOINT), str(tmp_path / "hf"), hf_config=str(hf_folders["gpt2"]))
     assert not (tmp_path / "hf").exists()
+
+
+def test_hidden_size_is_one_rule_for_config_objects_and_config_json():
+    import transformers
+    gpt2 = transformers.GPT2Config(n_embd=48, n_head=4)
+    assert hf_folder.hidden_size(gpt2) == hf_folder.hidden_size(gpt2.to_dict()) == 48  # n_embd in config.json
+    assert hf_folder.hidden_size({"hidden_sizes": [32, 64, 160]}) == 160  # multi-stage vision models
+    assert hf_folder.hidden_size({"text_config": {"d_model": 24}}) == 24  # multimodal: the text model's
+    assert hf_folder.hidden_size({"vocab_size": 5}) is None and hf_folder.hidden_size(None) is None

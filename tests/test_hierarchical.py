@@ -100,7 +100,7 @@ def _held(engine) -> dict:
     """Every piece of master and optimizer state this rank holds (replicas included), by saved name."""
     out = {}
     for pc in owned_pieces(engine):
-        m = engine.partitioned.masters[pc.master]
+        m = engine.partitioned_optimizer.masters[pc.master]
         out[f"master/{pc.name}@{pc.start}"] = m.detach()[pc.offset:pc.offset + pc.numel].clone()
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.shape == m.shape:

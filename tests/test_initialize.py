@@ -118,5 +118,5 @@ def test_bf16_engine_casts_inputs_and_keeps_fp32_masters():
     loss = engine(torch.randn(2, 13), torch.randn(2, 5))
     engine.backward(loss)
     engine.step()
-    assert all(m.dtype == torch.float32 for m in engine.partitioned.masters)
+    assert all(m.dtype == torch.float32 for m in engine.partitioned_optimizer.masters)
     assert all(v.dtype == torch.float32 for v in engine.full_state_dict().values())

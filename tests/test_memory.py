@@ -10,6 +10,7 @@ import pytest
 from zerodp.plan import estimate
 
 from zerodp.plan import measure
+from zerodp.plan import units
 
 from zerodp.engine import memory
 from zerodp.plan.tables import size
@@ -196,15 +197,20 @@ def test_estimate_fit_answers_a_micro_batch_and_the_largest_of_the_family(capsys
 
 
 def test_human_picks_a_readable_unit():
-    assert estimate.human(3 * 2 ** 30) == "3.00 GiB"
-    assert estimate.human(1536) == "1.50 KiB"
-    assert estimate.human(12) == "12 B"
+    assert units.human(3 * 2 ** 30) == "3.00 GiB"
+    assert units.human(1536) == "1.50 KiB"
+    assert units.human(12) == "12 B"
+    # the same rule at each table's precision: --comm's, the memory table's and its crowded cells'
+    assert units.human(1536, ".1f") == "1.5 KiB"
+    assert units.human(29.74 * 2 ** 30, ".3g") == "29.7 GiB"
+    assert units.human(29.74 * 2 ** 30, ".3g", compact=True) == "29.7G"
+    assert units.human(12, ".3g", compact=True) == "12B"
 
 
 def test_parse_bytes_reads_units():
-    assert estimate.parse_bytes("80GiB") == 80 * 2 ** 30
-    assert estimate.parse_bytes("16GB") == 16 * 10 ** 9
-    assert estimate.parse_bytes("1.5e9") == 1_500_000_000
+    assert units.parse_bytes("80GiB") == 80 * 2 ** 30
+    assert units.parse_bytes("16GB") == 16 * 10 ** 9
+    assert units.parse_bytes("1.5e9") == 1_500_000_000
 
 
 # ---- peak of a step on fake tensors (zerodp.plan.peak) -----------------------------------------------

@@ -66,7 +66,7 @@ def zerodp_log():
 def snapshot(engine, model) -> dict:
     with engine.gathered_parameters():
         working = [p.detach().clone() for p in model.parameters()]
-    return {"master": [m.detach().clone() for m in engine.partitioned.masters], "working": working,
+    return {"master": [m.detach().clone() for m in engine.partitioned_optimizer.masters], "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
             "lr": engine.get_lr(), "skipped": engine.skipped_steps, "steps": engine.global_steps,
             "grads_freed": all(a is None for a in engine.reducer.acc)}
@@ -143,7 +143,7 @@ def policy_run(rank: int, world: int, stage: int, bad_steps: set[int], cfg_extra
                 error, raised_at = str(e), engine.global_steps
                 break
     return {"error": error, "raised_at": raised_at, "skipped": engine.skipped_steps, "log": lines,
-            "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.partitioned.masters)}
+            "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.partitioned_optimizer.masters)}
 
 
 def checkpoint_guard(rank: int, world: int) -> dict:
@@ -157,7 +157,7 @@ def checkpoint_guard(rank: int, world: int) -> dict:
     from zerodp.checkpoint.pieces import owned_pieces
     if rank == world - 1:
         piece = owned_pieces(engine)[0]
-        engine.partitioned.masters[piece.master][piece.offset] = float("nan")
+        engine.partitioned_optimizer.masters[piece.master][piece.offset] = float("nan")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             engine.save_checkpoint(tmp)

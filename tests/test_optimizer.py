@@ -26,7 +26,7 @@ def test_gradient_norm_matches_an_fp64_norm(dtype):
     grads = engine.reducer.shard_grads()
     assert len(grads) > 2
     exact = sum(g.double().square().sum() for g in grads)
-    ours, _ = engine.partitioned.grad_norm_squared(grads)
+    ours, _ = engine.partitioned_optimizer.grad_norm_squared(grads)
     assert ours.dtype == torch.float64
     # fp32 row norms: about 1e-8 relative; one fp32 norm per shard would be off by ~1e-6.
     torch.testing.assert_close(ours, exact, rtol=1e-7, atol=0)
@@ -58,15 +58,15 @@ def _train_bf16(**zero):
     for _ in range(3):
         engine.backward(engine(torch.randn(3, D_IN, generator=g), 100 * torch.randn(3, D_OUT, generator=g)))
         engine.step()
-    return engine, [m.clone() for m in engine.partitioned.masters], len(calls) // 3
+    return engine, [m.clone() for m in engine.partitioned_optimizer.masters], len(calls) // 3
 
 
 def test_step_in_sub_groups_is_the_same_step_with_a_smaller_fp32_copy():
     whole, whole_masters, whole_calls = _train_bf16()
     parts, parts_masters, parts_calls = _train_bf16(sub_group_size=6000)
-    numels = [b.shard_numel for b in whole.partitioned.buckets]
+    numels = [b.shard_numel for b in whole.partitioned_optimizer.buckets]
     assert whole_calls == 1
-    assert parts_calls == len(parts.partitioned.sub_groups(numels, torch.bfloat16)) == len(numels) > 1
+    assert parts_calls == len(parts.partitioned_optimizer.sub_groups(numels, torch.bfloat16)) == len(numels) > 1
     for a, b in zip(whole_masters, parts_masters):
         assert torch.equal(a, b)
     assert whole.memory_report()["step_transient"] == 4 * sum(numels)

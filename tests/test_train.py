@@ -157,11 +157,11 @@ def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, 
     args = [*TINY, "--steps", "8", "--eval-every", "100", "--data", reference[0], "--out", str(out),
             "--dtype", "fp32", "--warmup", "2", "--nproc", "1"]
     from zerodp.train.options import parse_options
-    from zerodp.train.resume import plan_resume
+    from zerodp.train.resume import choose_resume
 
     def planned(*extra: str) -> str:  # the job's first step, before any rank starts: no process needed
         with pytest.raises(SystemExit) as stop:
-            plan_resume(parse_options([*args, *extra]), 1)
+            choose_resume(parse_options([*args, *extra]), 1)
         return str(stop.value)
 
     # The latest checkpoint (step 8) is the one-rank run's: 8 = 1 rank x 2 accumulation x 4.

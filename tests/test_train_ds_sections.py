@@ -1,4 +1,4 @@
-"""`zerodp train --ds-config` uses the config's optimizer and scheduler; flags given win (issue 11)."""
+"""`zerodp train --ds-config` uses the config's optimizer and scheduler; flags given win."""
 
 from __future__ import annotations
 

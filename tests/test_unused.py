@@ -38,7 +38,7 @@ def _state_of(engine, name: str) -> dict[str, torch.Tensor]:
     out = {}
     for pc in owned_pieces(engine):
         if pc.name == name:
-            m = engine.partitioned.masters[pc.master]
+            m = engine.partitioned_optimizer.masters[pc.master]
             out["master"] = m[pc.offset:pc.offset + pc.numel]
             for key, t in engine.optimizer.state.get(m, {}).items():
                 if t.dim() > 0:

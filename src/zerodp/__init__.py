@@ -71,6 +71,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
+    import zerodp.checkpoint as checkpoint_io
     from zerodp.config import load_config
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
@@ -79,18 +80,26 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
         cfg, error = load_config(config), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         cfg, error = None, e
-    source = weights
-    if isinstance(weights, (str, os.PathLike)) and error is None:
-        from zerodp.checkpoint.weights import open_weights
-        try:  # headers and metadata only; the error is agreed like the config's
-            source = open_weights(weights, model)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
-            error = e
-    elif weights is not None and not all(callable(getattr(weights, m, None)) for m in ("check", "read")):
-        error = TypeError(f"weights must be a path (an HF folder, a .safetensors file, a zerodp or DeepSpeed "
-                          f"checkpoint) or a ParameterSource, got {type(weights).__name__}")
+    source, weights_error = _weights_source(weights, model) if error is None else (None, None)
+    error = error or weights_error
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler, source=source)
+    return Engine(model, optimizer, cfg, comm, lr_scheduler, checkpoint_io=checkpoint_io, source=source)
+
+
+def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, Exception | None]:
+    """(the ParameterSource `weights` names, or the error to agree on): headers and metadata only."""
+    if weights is None:
+        return None, None
+    if not isinstance(weights, (str, os.PathLike)):
+        if all(callable(getattr(weights, m, None)) for m in ("check", "read")):
+            return weights, None
+        return None, TypeError(f"weights must be a path (an HF folder, a .safetensors file, a zerodp or DeepSpeed "
+                               f"checkpoint) or a ParameterSource, got {type(weights).__name__}")
+    from zerodp.checkpoint.weights import open_weights
+    try:
+        return open_weights(weights, model), None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        return None, e

@@ -43,6 +43,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from zerodp.config import ActivationCheckpointingConfig
+from zerodp.distributed.device import (
+    current_stream,
+    event,
+    is_accelerator,
+    new_stream,
+    synchronize,
+    use_stream,
+    wait_stream,
+)
 
 # Slots start on 512-byte boundaries: any dtype view is aligned, and so are the copies into them.
 SLOT_ALIGN = 512
@@ -110,8 +119,8 @@ class Checkpointer:
         """fn(*args, **kwargs), checkpointed; its positional tensor inputs held as configured."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        if self.synchronize_checkpoint_boundary and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if self.synchronize_checkpoint_boundary:
+            synchronize()
         return out
 
     def _pack(self, x: torch.Tensor) -> _Kept:
@@ -126,7 +135,7 @@ class Checkpointer:
                 dst = dst.view(x.dtype).view(x.shape)
             else:
                 dst = torch.empty(x.shape, dtype=x.dtype, device=self._home(x),
-                                  pin_memory=self.cpu_checkpointing and x.is_cuda)
+                                  pin_memory=self.cpu_checkpointing and is_accelerator(x.device))
             kept = _Kept(self, dst, x.device, nbytes, slot, self.cpu_checkpointing)
             self._copy_out(kept, x)
         if kept.slot is None:
@@ -141,42 +150,42 @@ class Checkpointer:
             return kept.tensor  # on the device already: the original, or its slot in the buffer
         t = self._take_fetched(kept)
         prev = kept.prev() if kept.prev is not None else None
-        if prev is not None and prev.offloaded and prev.fetched is None and kept.device.type == "cuda":
+        if prev is not None and prev.offloaded and prev.fetched is None and is_accelerator(kept.device):
             self._fetch(prev)  # block i's recompute starts: bring block i-1's input back meanwhile
         return t
 
-    # ---- copies (asynchronous on CUDA) ----------------------------------------------------------
+    # ---- copies (asynchronous on an accelerator) -------------------------------------------------
     def _home(self, x: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.cpu_checkpointing else x.device
 
-    def _cuda_streams(self):
+    def _side_streams(self, device: torch.device):
         if self._streams is None:
-            self._streams = (torch.cuda.Stream(), torch.cuda.Stream())  # device -> host, host -> device
+            self._streams = (new_stream(device), new_stream(device))  # device -> host, host -> device
         return self._streams
 
     def _copy_out(self, kept: _Kept, x: torch.Tensor) -> None:
-        if not (x.is_cuda and kept.offloaded):
+        if not (is_accelerator(x.device) and kept.offloaded):
             kept.tensor.copy_(x)
             return
-        d2h = self._cuda_streams()[0]
-        d2h.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(d2h):
+        d2h = self._side_streams(x.device)[0]
+        wait_stream(d2h, x.device)
+        with use_stream(d2h):
             kept.tensor.copy_(x, non_blocking=True)
-            kept.copied = torch.cuda.Event()
+            kept.copied = event(x.device)
             kept.copied.record(d2h)
         x.record_stream(d2h)  # the allocator must not reuse x's memory before the copy has read it
 
     def _fetch(self, kept: _Kept) -> None:
         """Start copying an offloaded input back to its device."""
-        if kept.device.type != "cuda":
+        if not is_accelerator(kept.device):
             kept.fetched = (kept.tensor.to(kept.device, copy=True), None)
             return
-        h2d = self._cuda_streams()[1]
+        h2d = self._side_streams(kept.device)[1]
         h2d.wait_event(kept.copied)
-        with torch.cuda.stream(h2d):
+        with use_stream(h2d):
             t = torch.empty(kept.tensor.shape, dtype=kept.tensor.dtype, device=kept.device)
             t.copy_(kept.tensor, non_blocking=True)
-            done = torch.cuda.Event()
+            done = event(kept.device)
             done.record(h2d)
         kept.fetched = (t, done)
 
@@ -186,7 +195,7 @@ class Checkpointer:
         t, done = kept.fetched
         kept.fetched = None  # a second backward over the same graph fetches again
         if done is not None:
-            current = torch.cuda.current_stream(kept.device)
+            current = current_stream(kept.device)
             current.wait_event(done)
             t.record_stream(current)
         return t
@@ -204,7 +213,7 @@ class Checkpointer:
             self.slot_bytes = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
             self.buffer = None
             self.buffer = torch.empty(self.number_checkpoints * self.slot_bytes, dtype=torch.uint8,
-                                      device=home, pin_memory=self.cpu_checkpointing and x.is_cuda)
+                                      device=home, pin_memory=self.cpu_checkpointing and is_accelerator(x.device))
             self._free = list(range(self.number_checkpoints))
             self.peak_bytes = max(self.peak_bytes, self.buffer.numel())
         if not self._free:

@@ -20,8 +20,8 @@ Two files, read in this order:
 
 from zerodp.lazy import lazy_names
 
-# Every public name of the former single-file bench.py, so zerodp.bench.X keeps working; each is
-# imported on first use (PEP 562), so that `zerodp bench --help` answers before torch loads.
+# zerodp.bench's public names, the driver's and the worker's; each is imported on first use (PEP 562),
+# so that `zerodp bench --help` answers before torch loads.
 _DRIVER = ("add_ratios", "device_name", "launch", "main", "median_result", "modes_to_run", "owned_total", "parser",
            "print_table", "source_commit")
 _WORKER = ("FAKE_MODES", "GIB", "MODES", "PEAK_TFLOPS", "Result", "build_model", "checkpoint_blocks", "engine_bytes",

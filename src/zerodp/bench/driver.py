@@ -37,11 +37,10 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0) -> Result:
     """Run one mode in a fresh process (torchrun for world > 1 or DeepSpeed) and read its row."""
-    import torch
-
     from zerodp.bench.worker import skip_reason
+    from zerodp.distributed.device import local
 
-    reason = skip_reason(mode, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    reason = skip_reason(mode, local(0))
     if reason:  # known before any process starts
         return Result(mode, "skipped", world, reason)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,10 +122,12 @@ def source_commit() -> str | None:
 
 
 def device_name() -> str:
-    import torch
+    from zerodp.distributed.device import device_name as accelerator_name
+    from zerodp.distributed.device import local
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+    device = local(0)
+    if device.type != "cpu":
+        return accelerator_name(device)
     return f"CPU ({os.cpu_count()} cores)"
 
 
@@ -175,12 +176,12 @@ def _default(key: str) -> str:
 
 def fill_device_defaults(args: argparse.Namespace) -> None:
     """The options not given take their device's default (_DEVICE_DEFAULTS)."""
-    import torch
+    from zerodp.distributed.device import accelerator_type
 
-    cuda = torch.cuda.is_available()
-    for key, (on_cuda, on_cpu) in _DEVICE_DEFAULTS.items():
+    accelerator = accelerator_type() is not None
+    for key, (on_accelerator, on_cpu) in _DEVICE_DEFAULTS.items():
         if getattr(args, key) is None:
-            setattr(args, key, on_cuda if cuda else on_cpu)
+            setattr(args, key, on_accelerator if accelerator else on_cpu)
 
 
 def modes_to_run(requested: list[str]) -> list[str]:

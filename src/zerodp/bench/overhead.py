@@ -1,4 +1,4 @@
-"""The engine's own host work per step, with many small parameters (issue 13 §4).
+"""The engine's own host work per step, with many small parameters.
 
     python -m zerodp.bench.overhead                       # 50 and 200 layers, worlds 1 and 2, profile
     python -m zerodp.bench.overhead --layers 200 --worlds 2 --profile-stage 3

@@ -16,6 +16,16 @@ import torch.distributed as dist
 from torch import nn
 
 from zerodp.bench.rows import FAKE_MODES, MODES, Result  # noqa: F401 - zerodp.bench.FAKE_MODES is read from here
+from zerodp.distributed.comm import init_distributed, init_fake
+from zerodp.distributed.device import (
+    device_name,
+    is_accelerator,
+    local,
+    max_memory_allocated,
+    max_memory_reserved,
+    reset_peak_memory_stats,
+    synchronize,
+)
 from zerodp.models.gpt import GPT, Block, gpt_config
 
 # Dense bf16 tensor-core peak, TFLOP/s, by device-name substring (first match wins).
@@ -24,24 +34,16 @@ PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H20", 1
 GIB = 2 ** 30
 
 
-def _init_process_group(device: torch.device, fake_world: int) -> tuple[int, int]:
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def _init_process_group(fake_world: int) -> tuple[int, int]:
     if fake_world:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    else:  # a world of one needs no rendezvous: no port, no socket
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_fake(fake_world)
+    else:
+        init_distributed()
     return dist.get_rank(), dist.get_world_size()
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return local(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 class _Checkpointed(nn.Module):
@@ -131,7 +133,7 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         return _torch_step(model, _adamw(model.parameters(), args, device), args, bf16, device), note, None
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = DDP(model, device_ids=[device.index] if is_accelerator(device) else None)
         return _torch_step(ddp, _adamw(ddp.parameters(), args, device), args, bf16, device), note, None
     if mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -181,11 +183,6 @@ def skip_reason(mode: str, device: torch.device) -> str:
     return ""
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _batch(args: argparse.Namespace, vocab: int, rank: int, device: torch.device):
     g = torch.Generator().manual_seed(args.seed + 1 + rank)
     tokens = torch.randint(0, vocab, (args.micro_batch, args.seq + 1), generator=g)
@@ -217,19 +214,18 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
     if device.type == "cpu":
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_ranks))
-    rank, world = _init_process_group(device, args.fake_world)
+    rank, world = _init_process_group(args.fake_world)
     try:
         step, note, owned_bytes = setup_mode(mode, args, device, world)
         x, y = _batch(args, gpt_config(args.model).vocab_size, rank, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory_stats(device)
         for _ in range(args.warmup):
             step(x, y)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         losses = [step(x, y) for _ in range(args.steps)]
         getattr(step, "finish", lambda: None)()
-        _sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
         fake = args.fake_world > 0
         fpt = flops_per_token(args)
@@ -240,9 +236,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         result = Result(mode, "ok", world, tokens_per_s=tokens_per_s, tflops=tflops,
                         mfu=tflops / peak if peak else None, seconds=seconds,
                         losses=[float(v) for v in torch.stack(losses).float().cpu()], note=note)
-        if device.type == "cuda":
-            result.peak_allocated_gib = torch.cuda.max_memory_allocated(device) / GIB
-            result.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / GIB
+        if is_accelerator(device):
+            result.peak_allocated_gib = max_memory_allocated(device) / GIB
+            result.peak_reserved_gib = max_memory_reserved(device) / GIB
         if fake and owned_bytes is not None:
             result.owned_bytes = owned_bytes()
         if fake:
@@ -254,7 +250,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
 
 
 def _peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
+    if not is_accelerator(device):
         return None
-    name = torch.cuda.get_device_name(device)
+    name = device_name(device)
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)

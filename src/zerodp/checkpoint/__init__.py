@@ -24,6 +24,7 @@ One concept per file, read in this order:
   read.py     finding and checking a checkpoint (and the newest intact one); the restricted
               unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
+  apply.py    the second phase of every load: what was staged, written into the engine
   export.py   consolidate / write_consolidated / write_hf_folder / `zerodp consolidate` (main)
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """

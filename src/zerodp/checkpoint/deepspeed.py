@@ -12,7 +12,7 @@ step) over the same partition:
               k = ceil(numel / world), the pieces of a group's parameters concatenated in order.
 `read` works out where each parameter's elements lie in those partitions (`Segment`s, by parameter
 name: the layout-free view zerodp's own checkpoints use); `load` copies out the pieces this rank now
-owns, on any world size and stage, and hands them to load.py's `_apply` like a zerodp checkpoint's: the
+owns, on any world size and stage, and hands them to apply.py's `apply` like a zerodp checkpoint's: the
 engine never learns DeepSpeed's names. The optimizer files are memory-mapped, so a rank reads about
 its own share of them. DeepSpeed's files are pickles: they are read with
 torch.load(weights_only=True) and an allow-list of the few DeepSpeed globals they hold (`ALLOWED`),
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
+from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
 from zerodp.checkpoint.pieces import owned_pieces, signature, untrained
 
-LATEST = "latest"
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # Optimizer state that is not Adam's would be loaded under the wrong names: refuse it.
 ADAM = ("Adam", "AdamW")
@@ -105,7 +106,7 @@ def find(load_dir: str, tag: str | None = None) -> str | None:
     return path if tag and "/" not in tag and _is_tag_dir(path) else None
 
 
-def describe(path: str) -> str:
+def directory_contents(path: str) -> str:
     """What a directory holds, for an error that says what was found instead of a checkpoint."""
     try:
         names = sorted(os.listdir(path))
@@ -227,7 +228,7 @@ def _optim_file(path: str, rank: int) -> dict:
     if len(found) != 1:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' is incomplete: {'no' if not found else 'more than one'}"
                               f" optimizer file for data-parallel rank {rank} (zero_pp_rank_{rank}_mp_rank_00_"
-                              f"optim_states.pt); {describe(path)}")
+                              f"optim_states.pt); {directory_contents(path)}")
     sd = torch_load(found[0], mmap=True)
     if not isinstance(sd.get("optimizer_state_dict"), dict):
         raise CheckpointError(f"'{found[0]}' has no optimizer_state_dict: not a DeepSpeed ZeRO optimizer file")
@@ -286,25 +287,19 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
 
 # ---- loading one into an engine ------------------------------------------------------------------
 def load(engine, path: str, parts=None) -> dict:
-    """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then load.py's apply."""
-    from zerodp.checkpoint.load import (  # load.py dispatches here: imported late, no cycle
-        _apply,
-        _Parts,
-        _Staged,
-    )
-
+    """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then apply.py."""
     err = meta = staged = None
     try:
         ckpt = read(path)
         _check_model(engine, ckpt)
         meta = _meta(engine, ckpt)
-        staged = _stage(engine, ckpt, _Staged)
+        staged = _stage(engine, ckpt)
     except CheckpointError as e:
         err = str(e)
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
     agree(engine.comm, err)
-    _apply(engine, meta, staged, parts or _Parts())
+    apply(engine, meta, staged, parts or Parts())
     return meta["client_state"]
 
 
@@ -339,20 +334,20 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
                               f"groups, the optimizer has {len(engine.optimizer.param_groups)}")
 
 
-def _stage(engine, ckpt: DeepSpeedCheckpoint, staged_type):
+def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
-    part = engine.partitioned
+    part = engine.partitioned_optimizer
     kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.parts}
     for pc in owned_pieces(engine):
         for kind, dests in kinds.items():
             ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])
     model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in untrained(engine).items()}
     masters = kinds.pop("master")
-    return staged_type(masters, kinds, dict(ckpt.scalars), model_state, {})
+    return Staged(masters, kinds, dict(ckpt.scalars), model_state, {})
 
 
 def _meta(engine, ckpt: DeepSpeedCheckpoint) -> dict:
-    """What load.py's _apply reads from a zerodp.json, from DeepSpeed's host state."""
+    """What apply.py's apply reads from a zerodp.json, from DeepSpeed's host state."""
     ds_config = ckpt.model.get("ds_config") or {}
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))
     schedule = _lr_scheduler(engine, ckpt, ds_config)  # first: it may set the groups' lr

@@ -80,7 +80,7 @@ def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: 
 
 
 def _recorded_hf(load_dir: str, tag: str | None) -> dict:
-    """The HF description (hf_folder.describe) that `zerodp train` keeps in its checkpoints."""
+    """The HF description (hf_folder.description) that `zerodp train` keeps in its checkpoints."""
     if deepspeed.find(load_dir, tag) is not None:
         raise CheckpointError(f"'{load_dir}' is a DeepSpeed checkpoint, which records no Hugging Face config: "
                               "pass --hf-config with the model's folder (save_pretrained's) or its config.json")

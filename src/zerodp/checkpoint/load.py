@@ -2,20 +2,18 @@
 
 Two phases, so that a bad checkpoint changes nothing: `_stage` reads and checks this rank's share into
 fresh CPU tensors, every rank agrees that all of them succeeded (errors.agree), and only then
-`_apply` writes the masters, optimizer state, counters, scaler, scheduler and RNG into the engine.
+`apply` (apply.py) writes the masters, optimizer state, counters, scaler, scheduler and RNG into the engine.
 Working-precision parameters are not stored: they are the masters cast to the working dtype,
 exactly what a step would have left.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zerodp.checkpoint import deepspeed
+from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
 from zerodp.checkpoint.pieces import owned_pieces, saved_pieces, signature, untrained
 from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
@@ -29,9 +27,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
-    parts = _Parts(optimizer_states and not module_only, lr_scheduler_states and not module_only, not module_only)
+    parts = Parts(optimizer_states and not module_only, lr_scheduler_states and not module_only, not module_only)
     ds_path = deepspeed.find(load_dir, tag)
-    if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, _apply below loads it
+    if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, apply.py loads it
         return deepspeed.load(engine, ds_path, parts)
     err = staged = meta = None
     try:
@@ -43,7 +41,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reach the agreement, or other ranks hang
         err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
     agree(engine.comm, err)
-    _apply(engine, meta, staged, parts)
+    apply(engine, meta, staged, parts)
     return meta["client_state"] if meta["client_state"] is not None else {}
 
 
@@ -79,28 +77,10 @@ def _check_model(engine, path: str, meta: dict) -> None:
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
 
 
-@dataclass(frozen=True)
-class _Parts:
-    """What a load restores besides the weights (which it always does)."""
-
-    optimizer: bool = True
-    lr_scheduler: bool = True
-    training_state: bool = True  # counters, loss scale, RNG
-
-
-@dataclass
-class _Staged:
-    masters: list[torch.Tensor]                  # fp32, this rank's shard of each bucket
-    states: dict[str, list[torch.Tensor]]        # optimizer key -> per-bucket shard
-    scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim tensor
-    untrained: dict[str, torch.Tensor]
-    rng: dict[str, torch.Tensor]
-
-
-def _stage(engine, path: str, meta: dict) -> _Staged:
+def _stage(engine, path: str, meta: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
-    part, rank = engine.partitioned, engine.comm.rank
+    part, rank = engine.partitioned_optimizer, engine.comm.rank
     masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
     keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
     states = {}
@@ -142,85 +122,4 @@ def _stage(engine, path: str, meta: dict) -> _Staged:
     scalars = {k[len("optim_scalar/"):]: t for k, t in whole.items() if k.startswith("optim_scalar/")}
     model_state = {k[len("model/"):]: t for k, t in whole.items() if k.startswith("model/")}
     rng = {k.rsplit("/", 1)[1]: t for k, t in whole.items() if k.startswith("rng/")}
-    return _Staged(masters, states, scalars, model_state, rng)
-
-
-def _apply(engine, meta: dict, staged: _Staged, parts: _Parts = _Parts()) -> None:
-    part = engine.partitioned
-    with torch.no_grad():
-        for m, new in zip(part.masters, staged.masters):
-            m.copy_(new.view(m.shape))
-        for name, t in untrained(engine).items():
-            if name in staged.untrained:
-                t.data.copy_(staged.untrained[name])
-    if parts.optimizer:
-        _apply_optimizer(engine, meta, staged)
-    part.all_gather()  # working params from the masters, on every rank
-    if getattr(engine, "gatherer", None) is not None:
-        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
-    engine.reducer.zero()
-    engine._grad_norm = None
-    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None and parts.lr_scheduler:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-    if not parts.training_state:
-        return
-    c = meta["counters"]
-    engine.global_steps, engine.skipped_steps = c["global_steps"], c["skipped_steps"]
-    # The accumulation count restarts at a boundary: gas may differ when the world size did.
-    engine.micro_steps = engine._stepped_at = engine.global_steps * engine.gas
-    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
-        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
-    engine._scale_used = engine.scaler.scale
-    _restore_rng(engine, meta, staged.rng)
-
-
-def _apply_optimizer(engine, meta: dict, staged: _Staged) -> None:
-    # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
-    # dtype (and `step` where the optimizer wants it), so it continues exactly.
-    part, opt = engine.partitioned, engine.optimizer
-    sd = opt.state_dict()
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    state = {}
-    for i, (b, m) in enumerate(zip(part.buckets, part.masters)):
-        entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
-        entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
-                      if k.split("/", 1)[0] == str(b.group)})
-        entry.update(meta.get("optim_scalars", {}).get(str(b.group), {}))
-        if entry:
-            state[index[id(m)]] = entry
-    sd["state"] = state
-    for group, saved in zip(sd["param_groups"], meta["param_groups"]):
-        for k, v in saved.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
-    opt.load_state_dict(sd)
-    if engine.unused is not None:
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        engine.unused.after_load(opt, part.masters, names, meta.get("step_counts"))
-
-
-def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
-    rank = engine.comm.rank
-    host = meta.get("rng", {}).get(str(rank))
-    if host is None or "torch" not in rng:
-        # More ranks than were saved: a deterministic, distinct stream per rank.
-        seed = (meta["config"].get("seed") or 0) + rank
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-            np.random.seed(seed)
-        except ImportError:
-            pass
-        return
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], engine.device)
-    version, internal, gauss = host["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in host:
-        try:
-            import numpy as np
-            kind, keys, pos, has_gauss, cached = host["numpy"]
-            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-        except ImportError:
-            pass
+    return Staged(masters, states, scalars, model_state, rng)

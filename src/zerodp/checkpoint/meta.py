@@ -89,11 +89,11 @@ def validate(text: str, where: str) -> dict:
         CheckpointMeta.model_validate_json(text)
     except ValidationError as e:
         raise CheckpointError(f"{where} is not a valid zerodp checkpoint description: "
-                              f"{describe(e)}") from None
+                              f"{field_errors(e)}") from None
     return meta
 
 
-def describe(e: ValidationError, limit: int = 3) -> str:
+def field_errors(e: ValidationError, limit: int = 3) -> str:
     """'field a.b = value: reason' for the first few errors of `e`."""
     parts = []
     for err in e.errors()[:limit]:

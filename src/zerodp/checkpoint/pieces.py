@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodp.distributed.device import is_accelerator, rng_state
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -27,14 +29,11 @@ class Piece:
 def owned_pieces(engine) -> list[Piece]:
     """The parameter pieces this rank's master shards hold (every piece of the model in stage 0)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    part, pieces = engine.partitioned, []
+    part, pieces = engine.partitioned_optimizer, []
     for i, b in enumerate(part.buckets):
         lo_r = part.rank * b.shard_numel
-        hi_r = lo_r + b.shard_numel
-        for s in b.slots:
-            lo, hi = max(s.offset, lo_r), min(s.offset + s.numel, hi_r)
-            if lo < hi:
-                pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
+        for _, s, lo, hi in b.owned_slots(part.rank):
+            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
     return pieces
 
 
@@ -56,9 +55,9 @@ def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]
 
 def signature(engine) -> list[dict]:
     """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
-    trained = {id(s.param): b.group for b in engine.partitioned.buckets for s in b.slots}
+    trained = {id(s.param): b.group for b in engine.partitioned_optimizer.buckets for s in b.slots}
     # A stage-3 parameter released after use has an empty placeholder: its slot keeps the real shape.
-    shapes = {id(s.param): s.shape for b in engine.partitioned.buckets for s in b.slots}
+    shapes = {id(s.param): s.shape for b in engine.partitioned_optimizer.buckets for s in b.slots}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}
     out = []
@@ -79,7 +78,7 @@ def untrained(engine) -> dict[str, torch.Tensor]:
 def group_states(engine) -> dict[int, dict]:
     """The optimizer state of the first master of each param group (its per-group scalars)."""
     out: dict[int, dict] = {}
-    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+    for b, m in zip(engine.partitioned_optimizer.buckets, engine.partitioned_optimizer.masters):
         if b.group not in out and m in engine.optimizer.state:
             out[b.group] = engine.optimizer.state[m]
     return out
@@ -88,7 +87,7 @@ def group_states(engine) -> dict[int, dict]:
 def local_state(engine) -> dict[str, torch.Tensor]:
     """The DCP tensors this rank writes (CPU copies): its master/optimizer pieces and, on rank 0,
     the replicated tensors. Also what tests compare: the union over ranks is layout-free."""
-    comm, part = engine.comm, engine.partitioned
+    comm, part = engine.comm, engine.partitioned_optimizer
     writes_replicated = comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Hierarchical sharding: the first copy of each shard writes it (the others hold the same values).
@@ -107,9 +106,32 @@ def local_state(engine) -> dict[str, torch.Tensor]:
         for name, t in untrained(engine).items():
             out[f"model/{name}"] = _cpu(t.detach())
     out[f"rng/{comm.rank}/torch"] = torch.get_rng_state()
-    if engine.device.type == "cuda":
-        out[f"rng/{comm.rank}/cuda"] = torch.cuda.get_rng_state(engine.device)
+    if is_accelerator(engine.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
+        out[f"rng/{comm.rank}/{engine.device.type}"] = rng_state(engine.device)
     return out
+
+
+def first_non_finite(engine) -> str | None:
+    """This rank's first non-finite fp32 master value, as "'NAME' element I (nan)", or None.
+
+    One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
+    all sums come to the host in one sync); only a master whose sum is non-finite is searched.
+    """
+    masters = engine.partitioned_optimizer.masters
+    if not masters:
+        return None
+    sums = torch.stack([m.detach().sum() for m in masters])
+    for i in torch.isfinite(sums).logical_not().nonzero().flatten().tolist():
+        bad = torch.isfinite(masters[i]).logical_not().nonzero().flatten()
+        if bad.numel() == 0:  # finite values whose sum overflowed
+            continue
+        k = int(bad[0])
+        value = float(masters[i][k])
+        for p in owned_pieces(engine):
+            if p.master == i and p.offset <= k < p.offset + p.numel:
+                return f"'{p.name}' element {p.start + k - p.offset} ({value})"
+        return f"the padding of bucket {i} ({value})"
+    return None
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from zerodp.checkpoint import files
-from zerodp.checkpoint.deepspeed import describe
+from zerodp.checkpoint.deepspeed import directory_contents
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.files import LATEST, META, TAG
 from zerodp.checkpoint.meta import validate
@@ -48,7 +48,7 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
                 tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, META)))
                 hint = f"; tags found: {', '.join(tags)} (pass tag=...)" if tags else ""
                 raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}; neither a "
-                                      f"zerodp nor a DeepSpeed checkpoint: {describe(load_dir)}")
+                                      f"zerodp nor a DeepSpeed checkpoint: {directory_contents(load_dir)}")
             with open(latest) as f:
                 tag, named_by = f.read().strip(), f"named by '{latest}'"
             if not TAG.fullmatch(tag):
@@ -61,7 +61,7 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     meta_path = os.path.join(path, META)
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"'{path}' is neither a zerodp nor a DeepSpeed checkpoint ({META} or "
-                              f"mp_rank_00_model_states.pt; an interrupted save?): {describe(path)}")
+                              f"mp_rank_00_model_states.pt; an interrupted save?): {directory_contents(path)}")
     _inside(path, META, "the checkpoint itself")
     try:
         with open(meta_path, encoding="utf-8") as f:

@@ -29,8 +29,7 @@ from zerodp.checkpoint.errors import (
     root_oserror,
 )
 from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
-from zerodp.checkpoint.pieces import bucket_params, group_states, local_state, signature
-from zerodp.engine.non_finite import first_non_finite
+from zerodp.checkpoint.pieces import bucket_params, first_non_finite, group_states, local_state, signature
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -97,7 +96,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     if not TAG.fullmatch(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
                               "'_.+-', not starting with '.', and not 'latest'")
-    if engine.micro_steps != engine._stepped_at:  # backward() calls not yet applied by a step()
+    if engine.pending_micro_steps:  # backward() calls not yet applied by a step()
         raise CheckpointError(
             f"save_checkpoint in the middle of a gradient accumulation (micro step "
             f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
@@ -112,7 +111,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
                               f"bools, None): {e}") from None
-    for b, m in zip(engine.partitioned.buckets, engine.partitioned.masters):
+    for b, m in zip(engine.partitioned_optimizer.buckets, engine.partitioned_optimizer.masters):
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
                 raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
@@ -143,11 +142,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "client_state": client_state,
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
-        "step_counts": (None if engine.unused is None else
-                        engine.unused.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
+        "step_counts": (None if engine.used_only is None else
+                        engine.used_only.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
-                   for b in engine.partitioned.buckets],
+                   for b in engine.partitioned_optimizer.buckets],
     }
 
 

@@ -57,7 +57,7 @@ def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
         return DeepSpeedSource(ds, model)
     if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (META, "latest")):
         return ZeroCheckpointSource(path, model)
-    found = deepspeed.describe(path) if os.path.isdir(path) else "it does not exist" if not os.path.exists(path) \
+    found = deepspeed.directory_contents(path) if os.path.isdir(path) else "it does not exist" if not os.path.exists(path) \
         else "it is a file not ending in .safetensors"
     raise ValueError(f"weights '{path}' are none of what zerodp reads (a Hugging Face folder with config.json and "
                      f"{SINGLE} or {INDEX}, a .safetensors file, a zerodp or DeepSpeed checkpoint): {found}")
@@ -196,7 +196,7 @@ def _hf_folder(path: str, model: nn.Module) -> SafetensorsSource:
         files = _keys_in([os.path.join(path, SINGLE)])
     else:
         raise ValueError(f"Hugging Face folder '{path}' has neither {SINGLE} nor {INDEX} (other weight formats, "
-                         f"such as pytorch_model.bin, are not read): {deepspeed.describe(path)}")
+                         f"such as pytorch_model.bin, are not read): {deepspeed.directory_contents(path)}")
     return SafetensorsSource(origin, files, model, problems=_other_model_type(path, model))
 
 

@@ -107,12 +107,17 @@ class NonFiniteConfig(_Section):
     max_consecutive_skips: PositiveInt = 3
 
 
+# ZeroConfig.reduce_bucket_size's default (why: there); `zerodp estimate` keeps a torch-free copy,
+# estimate.DEFAULT_BUCKET, that a test holds equal to it.
+REDUCE_BUCKET_SIZE = 50_000_000
+
+
 class ZeroConfig(_Section):
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     # Elements, not bytes, as in DeepSpeed. Smaller than DeepSpeed's 5e8 default: a model under the
     # bucket size is one bucket, whose reduction cannot start before backward ends (no overlap), and
     # the stage-2 bucket pool would then be a whole-model gradient.
-    reduce_bucket_size: PositiveInt = 50_000_000
+    reduce_bucket_size: PositiveInt = REDUCE_BUCKET_SIZE
     allgather_bucket_size: PositiveInt = 500_000_000
     overlap_comm: bool = True
     # Stages 1-2: step() returns with the updated parameters still being all-gathered, and the next

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerodp.checkpoint.files import LATEST
 from zerodp.engine.engine import Engine
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
@@ -183,12 +184,12 @@ class DeepSpeedEngine:
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported; load the state dict "
                              "yourself inside zero.GatheredParameters(..., modifier_rank=0)")
-        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
-            warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, 'latest')}; if trying to "
+        if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)):
+            warnings.warn(f"Unable to find latest file at {os.path.join(load_dir, LATEST)}; if trying to "
                           "load the latest checkpoint please pass tag", stacklevel=2)
             return None, None
         if tag is None:
-            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
+            with open(os.path.join(load_dir, LATEST), encoding="utf-8") as f:
                 tag = f.read().strip()
         client_state = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states,
                                                    load_lr_scheduler_states, load_module_only)

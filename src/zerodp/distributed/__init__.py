@@ -1,2 +1,3 @@
 """What a rank owns besides its model: the process group (comm.py: the few collectives zerodp uses, the
-agreement that turns one rank's error into every rank's, the shard and replica groups)."""
+agreement that turns one rank's error into every rank's, the shard and replica groups) and the device
+(device.py: the one place that talks to the accelerator, through torch.accelerator)."""

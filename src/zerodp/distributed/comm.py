@@ -24,6 +24,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from zerodp.distributed.device import backend as device_backend
+from zerodp.distributed.device import set_device
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,14 +47,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         return
     timeout = timedelta(seconds=timeout_s)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = device_backend()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if backend != "gloo" and backend == device_backend():  # the accelerator's own: one device per rank
+            set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timeout)
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_fake(world_size: int) -> None:
+    """Initialise torch.distributed as rank 0 of `world_size` ranks whose collectives do nothing
+    (torch's "fake" backend): one process plans or measures one rank's share of a larger job."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 class PeerFailure(RuntimeError):
@@ -105,6 +115,27 @@ class Traffic:
         self.by_group.clear()
 
 
+# comms_logger's hook: watch(op, nbytes) is called as a collective starts and returns what to call
+# when it has completed.
+Watcher = Callable[[str, int], Callable[[], None]]
+
+
+class _WatchedWork:
+    """An async collective's handle whose wait() tells the watchers it has completed."""
+
+    def __init__(self, work, dones: list[Callable[[], None]]):
+        self.work, self.dones = work, dones
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        for done in self.dones:
+            done()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 class _Done:
     """The work handle of a collective that had nothing to do (a world of one)."""
 
@@ -120,7 +151,7 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
-                 traffic: Traffic | None = None):
+                 traffic: Traffic | None = None, watchers: list[Watcher] | None = None):
         """mesh: a 2-D DeviceMesh (replicate, shard) whose groups are used for hierarchical
         sharding instead of the ones `split` would build; its ranks must be the whole group's."""
         self.group = group if group is not None else dist.group.WORLD
@@ -129,6 +160,9 @@ class Comm:
         self.backend = dist.get_backend(self.group)
         self.name = name
         self.traffic = traffic if traffic is not None else Traffic()
+        # Called around each of the four collectives (comms_logger, monitor/comms.py); shared with
+        # the shard and replica groups, like the traffic tally. Empty: nothing is called.
+        self.watchers: list[Watcher] = watchers if watchers is not None else []
         self.last_op = "collective"  # the kind issued last: names a timed-out collective (peer_failure)
         self.shard: Comm = self            # where model states are partitioned
         self.replica: Comm | None = None   # the ranks holding the same shard (None: flat)
@@ -169,8 +203,8 @@ class Comm:
         self._use(mesh.get_group(1), mesh.get_group(0))
 
     def _use(self, shard: dist.ProcessGroup, replica: dist.ProcessGroup) -> None:
-        self.shard = Comm(shard, name="shard", traffic=self.traffic)
-        self.replica = Comm(replica, name="replica", traffic=self.traffic)
+        self.shard = Comm(shard, name="shard", traffic=self.traffic, watchers=self.watchers)
+        self.replica = Comm(replica, name="replica", traffic=self.traffic, watchers=self.watchers)
 
     def shard_reduce(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum `inp` over every rank and keep this rank's shard-group chunk in `out`: reduce_scatter
@@ -251,6 +285,9 @@ class Comm:
         return nbytes * (self.world_size - 1) / self.world_size
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
+        return self._watched("all_reduce", (t,), lambda: self._all_reduce(t, async_op))
+
+    def _all_reduce(self, t: torch.Tensor, async_op: bool = False):
         self.last_op = "all_reduce"
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()), self.name)
         if self.world_size == 1:
@@ -259,6 +296,9 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum `inp` over ranks and keep this rank's 1/N chunk in `out` (which may alias it)."""
+        return self._watched("reduce_scatter", (out, inp), lambda: self._reduce_scatter(out, inp, async_op))
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self.last_op = "reduce_scatter"
         self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()), self.name)
         if self.world_size == 1:
@@ -267,11 +307,28 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
+        return self._watched("all_gather", (out, inp), lambda: self._all_gather(out, inp, async_op))
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self.last_op = "all_gather"
         self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
+
+    def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
+        """call(), with every watcher told of it: op and the larger tensor's bytes, then, when it
+        completes (at its handle's wait() for an async one), the watcher's `done`."""
+        if not self.watchers:
+            return call()
+        nbytes = max(t.numel() * t.element_size() for t in tensors)
+        dones = [watch(op, nbytes) for watch in self.watchers]
+        work = call()
+        if work is None:
+            for done in dones:
+                done()
+            return None
+        return _WatchedWork(work, dones)
 
     @staticmethod
     def _local_copy(out: torch.Tensor, inp: torch.Tensor, async_op: bool):
@@ -280,6 +337,9 @@ class Comm:
         return _Done() if async_op else None
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
+        self._watched("broadcast", (t,), lambda: self._broadcast(t, src_rank))
+
+    def _broadcast(self, t: torch.Tensor, src_rank: int = 0):
         if self.world_size == 1:
             return
         self.last_op = "broadcast"

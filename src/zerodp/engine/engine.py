@@ -7,7 +7,7 @@ import functools
 import hashlib
 import itertools
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -15,10 +15,12 @@ from torch.optim import Optimizer
 
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin, device_of_backend, seed_everything
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import plan
+from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
+from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import NonFinitePolicy, norm_is_finite, step_flags
 from zerodp.engine.optimizer import (
     OptimizerLike,
@@ -46,90 +48,125 @@ def _names_peer_failure(where: str):
     return wrap
 
 
+class CheckpointIO(Protocol):
+    """What engine.save_checkpoint / load_checkpoint call: the zerodp.checkpoint package, which sits
+    above the engine (it reads the engine's state), handed in by zerodp.initialize."""
+
+    def save_checkpoint(self, engine: Engine, save_dir: str, tag: str | None, client_state: dict | None,
+                        keep_last: int | None) -> str: ...
+
+    def load_checkpoint(self, engine: Engine, load_dir: str, tag: str | None, optimizer_states: bool,
+                        lr_scheduler_states: bool, module_only: bool) -> dict: ...
+
+
 class Engine:
     """A model wrapped for ZeRO training. Use `zerodp.initialize` to build one."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerLike | None, config: Config,
-                 comm: Comm, lr_scheduler: Callable | None = None, source: ParameterSource | None = None):
+                 comm: Comm, lr_scheduler: Callable | None = None, *, checkpoint_io: CheckpointIO | None = None,
+                 source: ParameterSource | None = None):
         """source: where the parameters' values come from (weights read from files), asked for the
         buckets; None: the module's own values, rank 0's broadcast."""
-        self.config, self.comm, self.module, self.source = config, comm, module, source
-        zero = config.zero_optimization
+        self.config, self.comm, self.module = config, comm, module
+        self.checkpoint_io, self.source = checkpoint_io, source
+        optimizer, groups = self._agreed_set_up(optimizer)
+        self._cast_and_sync_untrained(groups)
+        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
+                            else None)
+        layout, fp32_shards = self._flat_buffers(groups)
+        self._step_parts(optimizer, layout, fp32_shards)
+        del fp32_shards
+        self.scaler = LossScaler.from_config(config)
+        if lr_scheduler is None and config.scheduler is not None:
+            lr_scheduler = config.scheduler.build
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.clip = config.gradient_clipping
+        self._start_counters()
+        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
+        self.monitor = StepMonitor(config, comm, self.device)
+        self.monitor.instrument_gathers(self.partitioned_optimizer, self.gatherer)
+
+    # ---- set-up, in the order __init__ runs it ---------------------------------------------------
+    def _agreed_set_up(self, optimizer: OptimizerLike | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
+        """The local checks, then the first collective: a set-up error on any rank raises on every rank
+        (zerodp.initialize meets this agreement directly when its config failed to load)."""
         error = None
         try:
             optimizer, groups = self._local_checks(optimizer)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
-        # The first collective: a set-up error on any rank raises on every rank (zerodp.initialize
-        # meets this agreement directly when its config failed to load).
-        comm.agree(error, "zerodp.initialize")
+        self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere()
-        warn_if_slow_bf16(self.device, self.dtype, comm.rank)
-        comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        if config.seed is not None:
-            _seed_everything(config.seed + comm.rank)
+        warn_if_slow_bf16(self.device, self.dtype, self.comm.rank)
+        self.comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
+        if self.config.seed is not None:
+            seed_everything(self.config.seed + self.comm.rank)
+        return optimizer, groups
 
-        self._cast_and_sync_untrained(groups)
-        self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
-                            else None)
-        units = owning_modules(module) if self.stage == 3 else None
+    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+        """The parameters become views into flat buckets holding rank 0's weights; returns the layout
+        and this rank's fp32 values, bucket by bucket, which the masters start from."""
+        zero, comm = self.config.zero_optimization, self.comm
+        units = owning_modules(self.module) if self.stage == 3 else None
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
         # allows it at stage 3 only); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = plan(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
+        layout = lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size, units)
         rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = []  # this rank's fp32 values, bucket by bucket: the masters start from these
-        names = {id(p): n for n, p in module.named_parameters()}
+        fp32_shards = []
+        names = {id(p): n for n, p in self.module.named_parameters()}
         for g in layout:
-            if source is None:
+            if self.source is None:
                 fulls = [b.flatten(torch.float32) for b in g.buckets]
                 for full in fulls:
                     comm.broadcast(full)  # every rank starts from rank 0's weights
             else:  # every rank reads the files, which every rank sees
-                fulls = [read_bucket(b, source, names).to(self.device) for b in g.buckets]
+                fulls = [read_bucket(b, self.source, names).to(self.device) for b in g.buckets]
             g.materialize(self.dtype, fulls, rank, sharded=self.stage == 3, host_shards=self.offload_param,
-                          pin=zero.offload_param.pin_memory and torch.cuda.is_available())
+                          pin=zero.offload_param.pin_memory and can_pin())
             shards = [b.shard(f, rank) for b, f in zip(g.buckets, fulls)]
             # Stage 3 must not hold every full bucket at once: keep only the shard of each.
             fp32_shards += [s.clone() for s in shards] if self.stage == 3 else shards
             del fulls
         self.flat_groups = layout
-        offload = zero.offload_optimizer
-        self.partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage,
-                                                offload.device == "cpu", offload.pin_memory,
-                                                zero.allgather_bucket_size, zero.sub_group_size)
-        del fp32_shards
-        self.optimizer: Optimizer = self.partitioned.optimizer
-        self.unused = (None if zero.step_unused_parameters else
-                       UsedParameters(self.partitioned.buckets, self.partitioned.rank, comm, self.stage))
-        self.partitioned.used_only = self.unused
-        # Stage 0 gathers nothing and stage 3 gathers per module already.
-        self.forward_order = (ForwardOrder(module, self.partitioned)
-                              if zero.overlap_param_gather and 0 < self.stage < 3 else None)
+        return layout, fp32_shards
+
+    def _step_parts(self, optimizer: OptimizerLike, layout: list, fp32_shards: list[torch.Tensor]) -> None:
+        """The partitioned optimizer, the used-parameter tracker, stage 3's gatherer, overlap_param_gather's
+        forward order and the gradient reducer, over one layout."""
+        config, comm, zero = self.config, self.comm, self.config.zero_optimization
         buckets = [b for g in layout for b in g.buckets]
-        self.gatherer = Gatherer(module, buckets, comm, zero.stage3_param_persistence_threshold,
+        # Steps only the parameters that got a gradient (PyTorch's semantics, unused.py); None when
+        # step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's).
+        self.used_only = (None if zero.step_unused_parameters else
+                          UsedParameters(buckets, comm.shard_rank if self.stage > 0 else 0, comm, self.stage))
+        offload = zero.offload_optimizer
+        partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
+                                           offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
+                                           self.used_only)
+        self.partitioned_optimizer = partitioned
+        self.optimizer: Optimizer = partitioned.optimizer
+        # Stage 0 gathers nothing and stage 3 gathers per module already.
+        self.forward_order = (ForwardOrder(self.module, partitioned)
+                              if zero.overlap_param_gather and 0 < self.stage < 3 else None)
+        self.gatherer = Gatherer(self.module, buckets, comm, zero.stage3_param_persistence_threshold,
                                  zero.stage3_prefetch_bucket_size, self.offload_param) if self.stage == 3 else None
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else (lambda b: self.gatherer.release([b]))
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                                comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
                                predivide=config.gradient_predivide_factor)
-        self.scaler = LossScaler.from_config(config)
-        if lr_scheduler is None and config.scheduler is not None:
-            lr_scheduler = config.scheduler.build
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.clip = config.gradient_clipping
+
+    def _start_counters(self) -> None:
+        """Steps, the accumulation window and no_sync's state, all at zero; the byte tally too."""
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._stepped_at = 0
         self._scale_used = self.scaler.scale
         self._grad_norm: torch.Tensor | None = None
-        self.non_finite = NonFinitePolicy(config, comm.rank)
+        self.non_finite = NonFinitePolicy(self.config, self.comm.rank)
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
-        comm.traffic.reset()
-        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
-        self.monitor = StepMonitor(config, comm, self.device)
-        self.monitor.instrument_gathers(self.partitioned, self.gatherer)
+        self.comm.traffic.reset()
 
     # ---- the training step ----------------------------------------------------------------------
     @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
@@ -159,8 +196,8 @@ class Engine:
             self.reducer.begin(communicate=communicate)
             loss.backward()
             self.reducer.finish_backward()
-            if self.unused is not None:
-                self.unused.after_backward(self.reducer.arrived)
+            if self.used_only is not None:
+                self.used_only.after_backward(self.reducer.arrived)
             if self.gatherer is not None:
                 self.gatherer.release_all()
         self.micro_steps += 1
@@ -201,10 +238,10 @@ class Engine:
             self.reducer.wait()
         grads = self.reducer.shard_grads()
         flags = step_flags(self._window_loss, self.comm.rank)
-        if self.unused is None:
-            norm_sq, flags = self.partitioned.grad_norm_squared(grads, flags)
+        if self.used_only is None:
+            norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
         else:  # the used bits ride in the same all-reduce
-            norm_sq, flags = self.unused.norm_and_agree(self.partitioned, grads, flags)
+            norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
         # The one host sync of the step, in every precision, on a value every rank agrees on: a
         # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
@@ -212,14 +249,14 @@ class Engine:
         if skip:
             self.skipped_steps += 1
         else:
-            self.partitioned.step(grads, coef, defer_gather=self.forward_order is not None)
+            self.partitioned_optimizer.step(grads, coef, defer_gather=self.forward_order is not None)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         if self.gatherer is not None and not skip:
             self.gatherer.refresh_persistent()
         self.scaler.update(skip)
-        if self.unused is not None:
-            self.unused.end_window(stepped=not skip)
+        if self.used_only is not None:
+            self.used_only.end_window(stepped=not skip)
         self.reducer.zero()
         self._window_loss = None
         self.global_steps += 1
@@ -252,7 +289,7 @@ class Engine:
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
         gathered and the next forward waits for them; call this to read them directly before that."""
-        self.partitioned.wait_for_parameters()
+        self.partitioned_optimizer.wait_for_parameters()
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -284,19 +321,19 @@ class Engine:
         unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
-        buckets = [b for b in self.partitioned.buckets
+        buckets = [b for b in self.partitioned_optimizer.buckets
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
-                self.partitioned.adopt_working(buckets, modifier_rank, wanted)
+                self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
         self.wait_for_parameters()
         values: dict[int, torch.Tensor] = {}
-        for b, m in zip(self.partitioned.buckets, self.partitioned.masters):
-            full = self.partitioned.full_master(b, m)
+        for b, m in zip(self.partitioned_optimizer.buckets, self.partitioned_optimizer.masters):
+            full = self.partitioned_optimizer.full_master(b, m)
             for s in b.slots:
                 values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
         out = {}
@@ -310,20 +347,42 @@ class Engine:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
-        from zerodp.checkpoint import save_checkpoint
         self.wait_for_parameters()
-        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+        return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
                         lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
         """Restore a checkpoint saved on any world size; returns its client_state (collective).
         module_only restores the weights alone (no optimizer, scheduler, counters or RNG)."""
-        from zerodp.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
+        return self._checkpoints().load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states,
+                                                   module_only)
+
+    def _checkpoints(self) -> CheckpointIO:
+        if self.checkpoint_io is None:
+            raise RuntimeError("this Engine was built without checkpoint_io, so it cannot save or load "
+                               "checkpoints; build it with zerodp.initialize, or call "
+                               "zerodp.checkpoint.save_checkpoint(engine, ...) / load_checkpoint(engine, ...)")
+        return self.checkpoint_io
+
+    @property
+    def pending_micro_steps(self) -> int:
+        """backward() calls since the last update that no step() has applied yet."""
+        return self.micro_steps - self._stepped_at
+
+    def drop_gradients(self) -> None:
+        """The weights were replaced (a checkpoint was loaded): the gradients and the last norm are gone."""
+        self.reducer.zero()
+        self._grad_norm = None
+
+    def resume_counters(self, global_steps: int, skipped_steps: int) -> None:
+        """A checkpoint's step counts, restarting at an accumulation boundary (the accumulation steps
+        may differ from the saved run's when the world size did), with the loss scale now in force."""
+        self.global_steps, self.skipped_steps = global_steps, skipped_steps
+        self.micro_steps = self._stepped_at = global_steps * self.gas
+        self._scale_used = self.scaler.scale
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
-        from zerodp.engine.memory import memory_report
         return memory_report(self)
 
     # ---- set-up checks --------------------------------------------------------------------------
@@ -412,23 +471,14 @@ def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
                          "the parameters to train before zerodp.initialize")
 
 
-def _seed_everything(seed: int) -> None:
-    """The config's `seed`: torch (every device), Python's and numpy's generators."""
-    import random
-
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:
     devices = {p.device for p in module.parameters()}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                          "zerodp needs the whole model on one device per rank")
-    if comm.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    on_backend = device_of_backend(comm.backend)  # an accelerator's backend: its current device
+    if on_backend is not None:
+        return on_backend
     return devices.pop() if devices else torch.device("cpu")
 
 

@@ -13,6 +13,7 @@ loop and no copy (the layout FSDP and picotron use). Each rank still owns exactl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -52,6 +53,16 @@ class Bucket:
     @property
     def shard_numel(self) -> int:
         return self.numel // self.partitions
+
+    def owned_slots(self, rank: int) -> Iterator[tuple[int, Slot, int, int]]:
+        """(i, slot i, lo, hi) for each slot with elements in rank's shard: [lo, hi) are those elements,
+        in bucket coordinates (the shard starts at rank * shard_numel)."""
+        first = rank * self.shard_numel
+        last = first + self.shard_numel
+        for i, s in enumerate(self.slots):
+            lo, hi = max(s.offset, first), min(s.offset + s.numel, last)
+            if lo < hi:
+                yield i, s, lo, hi
 
     def shard(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank's equal slice of a bucket-sized tensor (padding falls on the last ranks)."""
@@ -107,8 +118,8 @@ class FlatGroup:
                 s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
 
 
-def plan(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
-         unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
+def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
+            unit_of: dict[int, int] | None = None) -> list[FlatGroup]:
     """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets.
 
     unit_of (stage 3): id(param) -> the module that owns it; a bucket then holds exactly one

@@ -41,7 +41,7 @@ class _FirstUse(TorchFunctionMode):
 
 class ForwardOrder:
     def __init__(self, module: nn.Module, partitioned: PartitionedOptimizer):
-        self.module, self.partitioned = module, partitioned
+        self.module, self.partitioned_optimizer = module, partitioned
         self.bucket_of = {id(s.param): b.index for b in partitioned.buckets for s in b.slots}
         self.unseen = 0      # buckets the trace saw no use of: gathered first, waited for at the root
         self._handles = [module.register_forward_pre_hook(self._root_pre),
@@ -54,15 +54,15 @@ class ForwardOrder:
     def _root_pre(self, module, args) -> None:
         if not self.traced and self._trace is None:
             self._begin_trace()
-        self.partitioned.wait_for_parameters(upto=self.unseen)
+        self.partitioned_optimizer.wait_for_parameters(upto=self.unseen)
 
     def _root_post(self, module, args, output) -> None:
         if self._trace is not None:
             self._end_trace()
-        self.partitioned.wait_for_parameters()
+        self.partitioned_optimizer.wait_for_parameters()
 
     def _begin_trace(self) -> None:
-        self.partitioned.wait_for_parameters()
+        self.partitioned_optimizer.wait_for_parameters()
         self._trace = _FirstUse(self.bucket_of)
         self._modules = [m for m in self.module.modules() if m is not self.module]
         for i, m in enumerate(self._modules):
@@ -81,11 +81,11 @@ class ForwardOrder:
             h.remove()
         self._trace_handles = []
         self.traced = True
-        n = len(self.partitioned.buckets)
+        n = len(self.partitioned_optimizer.buckets)
         unseen = [k for k in range(n) if k not in trace.first_use]
         seen = sorted((k for k in trace.first_use), key=lambda k: (trace.first_use[k], k))
         order = unseen + seen
-        self.partitioned.set_gather_order(order)
+        self.partitioned_optimizer.set_gather_order(order)
         # A bucket first used after the j-th pre-hook fired is waited for in that hook's module;
         # used before any (by the root's own forward): at the root, like an unseen one. Those sort
         # first in `order`, so the root waits for a prefix too.
@@ -98,5 +98,5 @@ class ForwardOrder:
 
     def _waiter(self, upto: int):
         def hook(module, args):
-            self.partitioned.wait_for_parameters(upto=upto)
+            self.partitioned_optimizer.wait_for_parameters(upto=upto)
         return hook

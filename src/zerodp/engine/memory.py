@@ -21,6 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from zerodp.activations import attached
+from zerodp.config import REDUCE_BUCKET_SIZE
+from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
+from zerodp.engine.reducer import POOL_BUFFERS
+
 GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
@@ -42,18 +47,16 @@ def memory_report(engine) -> dict[str, int]:
     rest as device_model_states. Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
-    from zerodp.activations import attached
-
     flat = {id(s.param) for g in engine.flat_groups for b in g.buckets for s in b.slots}
     untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
                  if id(t) not in flat}
     grads = engine.reducer.bytes()
-    opt = engine.partitioned
+    opt = engine.partitioned_optimizer
     report = {
         "working_params": sum(_nbytes(g.data) for g in engine.flat_groups if g.data is not None),
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": grads["gradients"],
-        **engine.partitioned.bytes(),
+        **engine.partitioned_optimizer.bytes(),
         "reduce_buckets": grads["reduce_buckets"],
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
         "gathered_params": 0 if engine.gatherer is None else sum(
@@ -72,10 +75,10 @@ def memory_report(engine) -> dict[str, int]:
     checkpointer = attached(engine.module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
-    if engine.device.type == "cuda":
-        report["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
-        report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
-        report["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+    if is_accelerator(engine.device):  # the keys keep their first accelerator's name on every one
+        report["cuda_allocated"] = memory_allocated(engine.device)
+        report["cuda_peak_allocated"] = max_memory_allocated(engine.device)
+        report["cuda_peak_reserved"] = max_memory_reserved(engine.device)
     return report
 
 
@@ -133,13 +136,12 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
 
 
 def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16",
-                    reduce_bucket_size: int = 50_000_000, largest_module: int | None = None) -> int:
+                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE, largest_module: int | None = None) -> int:
     """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
     in the working dtype, never more than the whole model. A stage 2 bucket holds up to
     reduce_bucket_size elements; a stage 3 bucket is one module's own parameters (largest_module
     elements when known, else the reduce_bucket_size bound). Stages 0-1 (and one rank) reduce in
     place in the gradient buffer: no pool."""
-    from zerodp.engine.reducer import POOL_BUFFERS
     if stage < 2 or world == 1:
         return 0
     bucket = largest_module if stage == 3 and largest_module else reduce_bucket_size

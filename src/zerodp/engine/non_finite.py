@@ -109,30 +109,3 @@ def _where(count: int | None, flags: torch.Tensor | None) -> str:
     if count == 0:
         return "no rank (the loss was finite everywhere: the gradients themselves overflowed)"
     return f"rank {int(flags[1]) - 1}" if count == 1 else f"{count} ranks"
-
-
-def first_non_finite(engine) -> str | None:
-    """This rank's first non-finite fp32 master value, as "'NAME' element I (nan)", or None.
-
-    One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
-    all sums come to the host in one sync); only a master whose sum is non-finite is searched.
-    """
-    from zerodp.checkpoint.pieces import (
-        owned_pieces,  # the checkpoint package imports this module
-    )
-
-    masters = engine.partitioned.masters
-    if not masters:
-        return None
-    sums = torch.stack([m.detach().sum() for m in masters])
-    for i in torch.isfinite(sums).logical_not().nonzero().flatten().tolist():
-        bad = torch.isfinite(masters[i]).logical_not().nonzero().flatten()
-        if bad.numel() == 0:  # finite values whose sum overflowed
-            continue
-        k = int(bad[0])
-        value = float(masters[i][k])
-        for p in owned_pieces(engine):
-            if p.master == i and p.offset <= k < p.offset + p.numel:
-                return f"'{p.name}' element {p.start + k - p.offset} ({value})"
-        return f"the padding of bucket {i} ({value})"
-    return None

@@ -15,13 +15,17 @@ non-blocking copies.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable
 
 import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin, synchronize_stream
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
+from zerodp.engine.unused import UsedParameters
+from zerodp.monitor.timers import gather_phase
 
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
@@ -29,12 +33,14 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 class PartitionedOptimizer:
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
-                 allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000):
+                 allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
+                 used_only: UsedParameters | None = None):
         self.comm, self.stage, self.offload = comm, stage, offload
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
-        self.used_only = None  # unused.UsedParameters: parameters without a gradient are not stepped
+        self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
+        self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
         self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
@@ -42,7 +48,7 @@ class PartitionedOptimizer:
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
-        pin = offload and pin_memory and torch.cuda.is_available()
+        pin = offload and pin_memory and can_pin()
         if offload:
             self.masters = [_host(shard, pin) for shard in fp32_shards]
             self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
@@ -97,8 +103,8 @@ class PartitionedOptimizer:
         if self.offload:
             for m, h, g in zip(self.masters, self.host_grads, grads):
                 m.grad = h.copy_(g, non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the host step needs the gradients
+            if grads:
+                synchronize_stream(grads[0].device)  # the host step needs the gradients
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
@@ -144,6 +150,11 @@ class PartitionedOptimizer:
             return 0
         return max((4 * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
 
+    def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
+        """Run the parameter gathers inside span() (wall_clock_breakdown's 'gather' phase)."""
+        self.gather_span = span
+
+    @gather_phase
     def all_gather(self, defer: bool = False) -> None:
         """Copy each master shard into the working buffer and gather every rank's shard.
 
@@ -174,9 +185,8 @@ class PartitionedOptimizer:
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
             lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
-            for s in b.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if (params is not None and id(s.param) not in params) or start >= end:
+            for _, s, start, end in b.owned_slots(self.rank):
+                if params is not None and id(s.param) not in params:
                     continue
                 value = b.data[start:end]
                 if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart
@@ -184,6 +194,7 @@ class PartitionedOptimizer:
                 if self.separate:
                     self.masters[b.index][start - lo:end - lo].copy_(value)
 
+    @gather_phase
     def wait_for_parameters(self, upto: int | None = None) -> None:
         """Wait for the parameter gathers in flight: all, or those of gather_order[:upto]."""
         while self.pending and (upto is None or self.position[self.pending[0][0]] < upto):

@@ -40,6 +40,9 @@ class Reducer:
                  predivide: float | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
         self.on_bucket_done = on_bucket_done
+        # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
+        # "bucket": a reduce buffer of the pool): the memory planner (plan/peak.py) labels them.
+        self.on_new_buffer: list[Callable[[torch.Tensor, str], None]] = []
         # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
         # with no bucket pool and no copy out of it.
         self.sharded_grads = stage >= 2 and comm.shard_size > 1
@@ -177,7 +180,12 @@ class Reducer:
             make = torch.empty if self.sharded_grads else torch.zeros
             self.acc[k] = make(b.shard_numel if self.sharded_grads else b.numel, dtype=self.acc_dtype,
                                device=b.data.device)
+            self._made(self.acc[k], "grad")
         return self.acc[k]
+
+    def _made(self, buffer: torch.Tensor, kind: str) -> None:
+        for callback in self.on_new_buffer:
+            callback(buffer, kind)
 
     # ---- communication --------------------------------------------------------------------------
     def _launch(self, k: int) -> None:
@@ -239,6 +247,7 @@ class Reducer:
             buf = torch.zeros(numel, dtype=self.dtype, device=self.buckets[0].data.device)
             self.live.append(numel)
             self.pool_peak = max(self.pool_peak, sum(self.live))
+            self._made(buf, "bucket")
             return buf
 
     # ---- results --------------------------------------------------------------------------------

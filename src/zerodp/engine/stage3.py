@@ -1,6 +1,6 @@
 """Stage 3: parameters partitioned; each module's parameters gathered just before it runs.
 
-Every bucket holds one module's parameters (see flat.plan's `unit_of`). Its gathered buffer keeps
+Every bucket holds one module's parameters (see flat.lay_out's `unit_of`). Its gathered buffer keeps
 its tensor object but its storage is resized to zero between uses, so any autograd graph that
 saved views of it stays valid and sees the data again once it is gathered back. While released,
 the parameters themselves point at an empty tensor, so stray reads fail loudly instead of reading
@@ -19,7 +19,8 @@ would cost more than their memory.
 from __future__ import annotations
 
 import bisect
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket
+from zerodp.monitor.timers import gather_phase
 
 
 def owning_modules(module: nn.Module) -> dict[int, int]:
@@ -43,6 +45,7 @@ class Gatherer:
     def __init__(self, module: nn.Module, buckets: list[Bucket], comm: Comm, persistence_threshold: int,
                  prefetch_numel: int, host_shards: bool = False):
         self.comm = comm
+        self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
         bucket_of = {id(s.param): b for b in buckets for s in b.slots}
@@ -89,6 +92,11 @@ class Gatherer:
         return hook
 
     # ---- gather / release -----------------------------------------------------------------------
+    def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
+        """Run the parameter gathers inside span() (wall_clock_breakdown's 'gather' phase)."""
+        self.gather_span = span
+
+    @gather_phase
     def gather(self, units: list[Bucket]) -> None:
         for b in units:
             if b.index not in self.position:
@@ -158,6 +166,7 @@ class Gatherer:
         finally:
             self.release(buckets)
 
+    @gather_phase
     def refresh_persistent(self) -> None:
         """After a step (and at start): persistent buckets hold the new weights of every rank."""
         for w in self.pending.values():

@@ -12,7 +12,7 @@ moments. `zero_optimization.step_unused_parameters: true` keeps that behaviour (
                 all-reduce of its own (as DDP does for its used-parameter map). A parameter is used if
                 any rank used it.
   fast path     a shard whose parameters are all used and all stepped as often as the shard is stepped
-                whole, as before: the normal case costs no host work beyond reading the bits when this
+                whole, as usual: the normal case costs no host work beyond reading the bits when this
                 rank itself saw an unused parameter.
   slow path     otherwise the shard is replaced, for this one optimizer.step() call, by views of its
                 used parameters' element ranges (adjacent ones with equal step counts merged), each with
@@ -53,9 +53,8 @@ class UsedParameters:
         # Per master shard: (slot id, lo, hi) of each parameter range it holds, in shard coordinates.
         self.ranges: list[list[tuple[int, int, int]]] = []
         for k, b in enumerate(buckets):
-            lo_r, hi_r = rank * b.shard_numel, (rank + 1) * b.shard_numel
-            self.ranges.append([(self.first[k] + i, max(s.offset, lo_r) - lo_r, min(s.offset + s.numel, hi_r) - lo_r)
-                                for i, s in enumerate(b.slots) if max(s.offset, lo_r) < min(s.offset + s.numel, hi_r)])
+            lo_r = rank * b.shard_numel
+            self.ranges.append([(self.first[k] + i, lo - lo_r, hi - lo_r) for i, _, lo, hi in b.owned_slots(rank)])
         self.ids = [torch.tensor([r[0] for r in ranges], dtype=torch.long) for ranges in self.ranges]
         self.used: torch.Tensor | None = None  # the agreed bits of the step being taken; None: all used
         # Step counts, materialised only once some parameter was not stepped (until then every

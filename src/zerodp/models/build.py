@@ -85,9 +85,9 @@ def _pretrained(path: str, vocab_size: int, block_size: int | None) -> tuple[nn.
 
 
 def hf_description(model: nn.Module, name: str) -> dict | None:
-    """What a checkpoint records to write this model as an HF folder (hf_folder.describe), or None
+    """What a checkpoint records to write this model as an HF folder (hf_folder.description), or None
     for zerodp's own GPT."""
     if not isinstance(model, HFCausalLM):
         return None
     tokenizer = name if hf_folder.is_model_folder(name) and hf_folder.has_tokenizer(name) else None
-    return hf_folder.describe(model.model, tokenizer)
+    return hf_folder.description(model.model, tokenizer)

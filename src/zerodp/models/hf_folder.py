@@ -8,7 +8,7 @@ model of a recorded config on the meta device, assigns the trained fp32 tensors 
 `model.` prefix stripped) and lets `save_pretrained` write config.json, generation_config.json and
 model.safetensors with HF's own key names and tied weights (GPT-2's lm_head is not stored: HF re-ties
 it on load); the tokenizer is copied through `AutoTokenizer`. What a checkpoint records to make this
-possible later (`zerodp consolidate --hf`) is `describe(model, tokenizer_from)`.
+possible later (`zerodp consolidate --hf`) is `description(model, tokenizer_from)`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Prefixes a trained state dict may carry before HF's own names: zerodp's HFCausalLM (`model.`),
 # a DDP/DeepSpeed-style wrapper (`module.`).
 PREFIXES = ("", "model.", "module.", "module.model.")
+# The names families give a model's width in config.json; a config object answers to `hidden_size`
+# under any of them (transformers' attribute_map), a config.json dict does not.
+WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def hidden_size(config: Any) -> int | None:
+    """A model's width by transformers' own rule for DeepSpeed's "auto" bucket sizes: its hidden
+    size, else the largest of `hidden_sizes` (multi-stage vision models), else the same read from
+    `text_config` (multimodal models). `config`: a transformers config or a config.json dict."""
+    def field(c: Any, key: str) -> Any:
+        return c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+
+    for c in (config, field(config, "text_config") if config is not None else None):
+        if c is None:
+            continue
+        width = next((field(c, k) for k in WIDTH_KEYS if field(c, k) is not None), None)
+        if width is not None:
+            return int(width)
+        if field(c, "hidden_sizes"):
+            return int(max(field(c, "hidden_sizes")))
+    return None
 
 
 def is_model_folder(path: str) -> bool:
@@ -85,7 +106,7 @@ def tokenize(text: str, tokenizer) -> np.ndarray:
     return np.fromiter((t for line in ids for t in line), dtype=dtype)
 
 
-def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
+def description(model, tokenizer_from: str | None) -> dict[str, Any]:
     """What a checkpoint records of an HF model to write its folder later: config, generation
     config and where its tokenizer is (JSON)."""
     generation = getattr(model, "generation_config", None)
@@ -95,7 +116,7 @@ def describe(model, tokenizer_from: str | None) -> dict[str, Any]:
 
 
 def read_description(path: str) -> dict[str, Any]:
-    """describe()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
+    """description()'s record from a folder or a config.json file (`zerodp consolidate --hf-config`)."""
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     file = os.path.join(path, CONFIG) if os.path.isdir(path) else path
     try:

@@ -1,10 +1,10 @@
 """comms_logger: calls, bytes and time of each collective the engine issues.
 
-Every collective zerodp makes goes through its one `Comm`; when the comms logger is enabled its four
-collectives are wrapped on that instance (comm.py itself is unchanged and pays nothing when it is
-off). Time is host time from the call to its completion: for a blocking call the call itself, for an
-async one until the `wait()` that needed it returned, so an overlapped collective's time includes
-the work it hid behind (an upper bound of its latency). On GPUs, where wait() does not block the
+Every collective zerodp makes goes through its one `Comm`; when the comms logger is enabled it is one
+of that Comm's watchers, told of each of the four collectives as it starts and as it completes (with
+no watcher a collective pays nothing). Time is host time from the call to its completion: for a
+blocking call the call itself, for an async one until the `wait()` that needed it returned, so an
+overlapped collective's time includes the work it hid behind (an upper bound of its latency). On GPUs, where wait() does not block the
 host, time stops when the wait is enqueued. Message size is the tensor's bytes (the larger side).
 """
 
@@ -29,21 +29,6 @@ class OpStats:
     ms: float = 0.0
 
 
-class _TimedWork:
-    """An async collective's handle whose wait() completes the record."""
-
-    def __init__(self, work, done):
-        self.work, self.done = work, done
-
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
-        self.done()
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
 class CommsLogger:
     def __init__(self, config, rank: int):
         self.config, self.rank = config, rank
@@ -51,26 +36,15 @@ class CommsLogger:
         self.stats: dict[str, OpStats] = defaultdict(OpStats)
 
     def attach(self, comm) -> None:
-        # With hierarchical sharding the shard and replica groups are Comms of their own (comm.split).
-        groups = {id(c): c for c in (comm, getattr(comm, "shard", None), getattr(comm, "replica", None))
-                  if c is not None}
-        for c in groups.values():
-            for op in self.ops:
-                setattr(c, op, self._wrap(op, getattr(c, op)))
+        """Watch comm's collectives (and its shard and replica groups', which share its watchers)."""
+        comm.watchers.append(self.watch)
 
-    def _wrap(self, op: str, inner):
-        @functools.wraps(inner)
-        def logged(*args, **kwargs):
-            nbytes = max(t.numel() * t.element_size() for t in args[:2] if hasattr(t, "numel"))
-            name = f"{op} | {_caller()}" if self.config.debug else op
-            start = time.perf_counter()
-            work = inner(*args, **kwargs)
-            done = functools.partial(self._record, name, nbytes, start)
-            if work is None:
-                done()
-                return None
-            return _TimedWork(work, done)
-        return logged
+    def watch(self, op: str, nbytes: int):
+        """Comm's watcher: called as a collective starts; returns what records it when complete."""
+        if op not in self.ops:
+            return _nothing
+        name = f"{op} | {_caller()}" if self.config.debug else op
+        return functools.partial(self._record, name, nbytes, time.perf_counter())
 
     def _record(self, name: str, nbytes: int, start: float) -> None:
         ms = (time.perf_counter() - start) * 1e3
@@ -91,6 +65,10 @@ class CommsLogger:
 
     def reset(self) -> None:
         self.stats.clear()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _caller() -> str:

@@ -13,7 +13,7 @@ What each field is:
              step's micro-batches, x world size (every rank is assumed to see the same shapes: no
              collective counts them), per second of host wall time since the last printed step;
   tokens/s   the same with the first tensor's element count, when it holds integers (token ids);
-  memory     the device's peak allocated bytes (torch.cuda.max_memory_allocated) on a GPU, the
+  memory     the device's peak allocated bytes (max_memory_allocated) on an accelerator, the
              process's peak resident set size on the CPU.
 """
 
@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from zerodp.distributed.device import is_accelerator, max_memory_allocated
 from zerodp.monitor.comms import CommsLogger
 from zerodp.monitor.timers import PhaseTimers, resolve
 from zerodp.monitor.writers import build_monitors
@@ -38,8 +39,8 @@ class StepMonitor:
     def __init__(self, config, comm, device: torch.device):
         self.every = config.steps_per_print
         self.rank, self.world = comm.rank, comm.world_size
-        self.cuda = device.type == "cuda"
-        self.defer = self.cuda  # read a step's values one step later (see the module docstring)
+        self.device, self.on_accelerator = device, is_accelerator(device)
+        self.defer = self.on_accelerator  # read a step's values one step later (see the module docstring)
         if self.defer:
             atexit.register(self.flush)  # the last step's line and events, at the end of the script
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
@@ -69,11 +70,11 @@ class StepMonitor:
 
     def instrument_gathers(self, partitioned, gatherer) -> None:
         """Time parameter all-gathers as the 'gather' phase (only with wall_clock_breakdown)."""
-        for obj, methods in ((partitioned, ("all_gather", "wait_for_parameters")),
-                             (gatherer, ("gather", "refresh_persistent"))):
+        if not self.timers.enabled:
+            return
+        for obj in (partitioned, gatherer):
             if obj is not None:
-                for m in methods:
-                    self.timers.wrap(obj, m, "gather")
+                obj.time_gathers(lambda: self.timers.span("gather"))
 
     def saw_inputs(self, args: tuple) -> None:
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
@@ -99,7 +100,7 @@ class StepMonitor:
             values = torch.stack([window_loss.detach().float().reshape(()) / max(1, micro),
                                   (grad_norm if grad_norm is not None else torch.tensor(float("nan")))
                                   .detach().float().reshape(()).to(window_loss.device)])
-            if self.cuda:  # to pinned host memory, not waited for: read after the next step's sync
+            if self.on_accelerator:  # to pinned host memory, not waited for: read after the next step's sync
                 host = torch.empty(2, pin_memory=True)
                 host.copy_(values, non_blocking=True)
                 values = host
@@ -109,7 +110,7 @@ class StepMonitor:
             now = time.perf_counter()
             dt, self.since = now - self.since, now
             record.update(samples_s=self.samples * self.world / dt, tokens_s=self.tokens * self.world / dt,
-                          memory=_peak_memory(self.cuda), steps=self.steps_since)
+                          memory=_peak_memory(self.device), steps=self.steps_since)
             self.samples = self.tokens = self.steps_since = 0
         previous, self.pending = self.pending, record
         if previous is not None:
@@ -155,9 +156,9 @@ class StepMonitor:
             m.close()
 
 
-def _peak_memory(cuda: bool) -> str:
-    if cuda:
-        return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak allocated"
+def _peak_memory(device: torch.device) -> str:
+    if is_accelerator(device):
+        return f"{max_memory_allocated(device) / 2**30:.2f} GiB peak allocated"
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB peak RSS"  # KiB on Linux
 
 

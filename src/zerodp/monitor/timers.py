@@ -3,17 +3,18 @@
 Phases are spans opened by the engine (forward, backward, reduce_wait, step) and by the parameter
 gathers (gather). Spans nest; each phase gets its own time, with the spans inside it taken out: a
 stage-3 gather during forward counts as gather, not forward, and the phases of a step add up to
-the time covered. Measured with CUDA events on a GPU (read later, when they are already complete,
-so timing adds no host sync) and with time.perf_counter on the CPU.
+the time covered. Measured with the device's events on an accelerator (read later, when they are
+already complete, so timing adds no host sync) and with the host clock on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from contextlib import contextmanager, nullcontext
 
 import torch
+
+from zerodp.distributed.device import event
 
 PHASES = ("forward", "backward", "reduce_wait", "step", "gather")
 _OFF = nullcontext()
@@ -25,7 +26,7 @@ class PhaseTimers:
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled = enabled
-        self.cuda = device.type == "cuda"
+        self.device = device
         self.spans: list[list] = []
         self.stack: list[int] = []
 
@@ -48,23 +49,9 @@ class PhaseTimers:
             record[2] = self._now()
 
     def _now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def wrap(self, obj, method: str, name: str) -> None:
-        """Time every call of obj.method (an instance attribute shadows the class's method)."""
-        if not self.enabled:
-            return
-        inner = getattr(obj, method)
-
-        @functools.wraps(inner)
-        def timed(*args, **kwargs):
-            with self._span(name):
-                return inner(*args, **kwargs)
-        setattr(obj, method, timed)
+        mark = event(self.device, timing=True)  # on the device's stream: the time its work reaches here
+        mark.record()
+        return mark
 
     def close_step(self) -> list[list]:
         """This step's spans (to `resolve` once complete); the next step starts empty. A span still
@@ -72,6 +59,17 @@ class PhaseTimers:
         done, self.spans = self.spans, []
         self.stack = []
         return done
+
+
+def gather_phase(method):
+    """The method runs inside its object's `gather_span()`: wall_clock_breakdown times it as the
+    'gather' phase. The object starts with `gather_span = nullcontext` (free) and offers
+    `time_gathers(span)`, which the step monitor calls with its timer's span when timing is on."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.gather_span():
+            return method(self, *args, **kwargs)
+    return run
 
 
 def resolve(spans: list[list]) -> dict[str, float]:
@@ -90,7 +88,5 @@ def resolve(spans: list[list]) -> dict[str, float]:
 def _ms(start, end) -> float:
     if end is None:
         return 0.0
-    if isinstance(start, float):
-        return (end - start) * 1e3
     end.synchronize()  # already complete when resolve runs a step later: no wait
     return start.elapsed_time(end)

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zerodp.plan.units import human
+
 if TYPE_CHECKING:  # torch-free at import: estimate's --help answers before torch loads
     from torch import nn
 
@@ -252,20 +254,16 @@ def section(args: argparse.Namespace, model: nn.Module, tokens_per_gpu: int, ele
                 xs = transfers(job)
                 for x in xs:
                     bytes_t.add_row(str(world), str(s or world), str(stage), x.op, x.group, x.link, str(x.calls),
-                                    _human(x.bytes), _ms(x.seconds(links)))
+                                    _bytes(x.bytes), _ms(x.seconds(links)))
                 t = step_time(job, compute, links)
                 by = {k: sum(x.bytes for x in xs if x.link == k) for k in ("intra", "inter")}
-                steps.add_row(str(world), str(s or world), str(stage), _human(by["intra"]), _human(by["inter"]),
+                steps.add_row(str(world), str(s or world), str(stage), _bytes(by["intra"]), _bytes(by["inter"]),
                               _ms(t.reduce), _ms(t.gather), _ms(t.exposed), _ms(t.step), "yes" if t.hidden else "no")
     return bytes_t, steps
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n}"
+def _bytes(n: float) -> str:
+    return human(n, ".1f")
 
 
 def _ms(s: float) -> str:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import sys
 
-DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default, read torch-free (a test checks)
+from zerodp.plan.units import parse_bytes
+
+DEFAULT_BUCKET = 50_000_000  # config.REDUCE_BUCKET_SIZE, here torch-free for --help (a test holds them equal)
 WIDTH = 100  # columns of every table (a terminal, a README)
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -31,24 +32,6 @@ DTYPES = ("bf16", "fp16", "fp32")
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # plan_model.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
 SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication",)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '16GB', '1.5e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GiB, 16GB or 1.5e9")
-    units = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    return int(float(m.group(1)) * units[m.group(2)])
-
-
-def human(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1: '1.23 GiB', '456.0 MiB'."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def build_parser() -> argparse.ArgumentParser:

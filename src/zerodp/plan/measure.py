@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from zerodp.config import REDUCE_BUCKET_SIZE
+from zerodp.distributed.comm import init_fake
+from zerodp.distributed.device import local, reset_peak_memory_stats
 from zerodp.engine.memory import memory_report
-
-DEFAULT_BUCKET = 50_000_000  # config.ZeroConfig's reduce_bucket_size default (estimate reads it torch-free)
 
 
 def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -44,7 +45,6 @@ def run_child(module_argv: list[str], what: str, timeout: float | None) -> Any:
 
 def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zerodp
     from zerodp.activations import checkpoint_blocks
@@ -52,8 +52,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     from zerodp.plan.models import PlanModel
 
     world, stage = spec["world"], spec["stage"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    init_fake(world)
+    device = local(0)
     torch.manual_seed(0)
     source = PlanModel(**spec["source"]) if "source" in spec else PlanModel("gpt", "spec", spec["model"])
     with torch.device(device):
@@ -64,7 +64,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
               "gradient_accumulation_steps": spec.get("gas", 1),
               "zero_optimization": {"stage": stage,
-                                    "reduce_bucket_size": spec.get("reduce_bucket_size") or DEFAULT_BUCKET,
+                                    "reduce_bucket_size": spec.get("reduce_bucket_size") or REDUCE_BUCKET_SIZE,
                                     "mics_shard_size": spec.get("mics_shard_size", -1),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
@@ -74,8 +74,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     engine = zerodp.initialize(model, None, config)
     if spec.get("checkpointing"):
         checkpoint_blocks(engine.module, (Block,), engine.config.activation_checkpointing)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory_stats(device)
     seq = spec["seq"]
     for _ in range(engine.gas):
         out = engine(*inputs(spec["micro_batch"], seq, device))

@@ -22,8 +22,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-# Hugging Face config keys of width, depth and the widths that follow it, by the names families use.
-_HF_WIDTH = ("hidden_size", "n_embd", "d_model")
+from zerodp.models.hf_folder import WIDTH_KEYS, hidden_size
+
+# Hugging Face config keys of depth, of the widths that follow the width, and of heads, by the names
+# families use (the width's own: hf_folder.WIDTH_KEYS).
 _HF_DEPTH = ("num_hidden_layers", "n_layer", "num_layers")
 _HF_FOLLOW = ("intermediate_size", "n_inner", "ffn_dim", "moe_intermediate_size")
 _HF_HEADS = ("num_attention_heads", "n_head")
@@ -129,7 +131,7 @@ class PlanModel:
             return SimpleNamespace(**{k: f[k] for k in ("n_layer", "n_embd", "vocab_size", "block_size")})
         if self.kind == "hf":
             get = lambda keys, default=None: next((f[k] for k in keys if k in f), default)  # noqa: E731
-            return SimpleNamespace(n_layer=get(_HF_DEPTH), n_embd=get(_HF_WIDTH), vocab_size=f.get("vocab_size"),
+            return SimpleNamespace(n_layer=get(_HF_DEPTH), n_embd=hidden_size(f), vocab_size=f.get("vocab_size"),
                                    block_size=get(("max_position_embeddings", "n_positions"), 1024))
         return None
 
@@ -138,7 +140,7 @@ class PlanModel:
         if self.kind == "factory":
             raise PlanModelError("--fit scales a GPT or Hugging Face config; a factory's shape is unknown")
         f = dict(self.fields)
-        width_keys = ("n_embd",) if self.kind == "gpt" else _HF_WIDTH
+        width_keys = ("n_embd",) if self.kind == "gpt" else WIDTH_KEYS
         depth_keys = ("n_layer",) if self.kind == "gpt" else _HF_DEPTH
         heads_keys = ("n_head",) if self.kind == "gpt" else _HF_HEADS
         width_key = next(k for k in width_keys if k in f)
@@ -160,7 +162,7 @@ class PlanModel:
                 f[key] = max(1, round(f[key] * factor))
         return dataclasses.replace(self, fields=f, ref=f"{self.ref} x{factor:.2f}")
 
-    def describe(self) -> str:
+    def title(self) -> str:
         s = self.shape()
         return self.ref if s is None else f"{self.ref} ({s.n_layer} layers x {s.n_embd} wide)"
 

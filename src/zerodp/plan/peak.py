@@ -192,6 +192,23 @@ def _snapshot(tracker, kind: str) -> dict[str, int]:
 
 
 def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
+    engine, batch = _zerodp_engine(spec, device)
+    tracker = _label_engine(ZeroTracker(), engine, batch)
+    with tracker:
+        for _ in range(2 if batch is not None else 0):  # no inputs: the engine's own memory only
+            tracker.phase = "forward"
+            loss = _loss(engine(*batch))
+            tracker.phase = "backward"
+            engine.backward(loss)
+            tracker.phase = "step"
+            engine.step()
+            tracker.reset_mod_stats()  # MemTracker counts one forward per root module
+        tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
+    return tracker
+
+
+def _zerodp_engine(spec: dict[str, Any], device: torch.device):
+    """The engine the spec describes, with `zerodp bench`'s optimizer, and its batch."""
     import zerodp
     from zerodp.activations import checkpoint_blocks
     from zerodp.models.gpt import Block
@@ -211,47 +228,26 @@ def _run_zerodp(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     engine = zerodp.initialize(model, _adamw(model.parameters()), config)
     if spec["checkpointing"]:
         checkpoint_blocks(engine.module, (Block,))
+    return engine, batch
 
-    tracker = ZeroTracker()
+
+def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
+    """Each tensor the engine holds, under its column; the reducer's buffers as it makes them."""
     tracker.track_external(engine.module)
     for g in engine.flat_groups:
         if g.data is not None:
             tracker.label(g.data, Ref.PARAM)
         for b in g.buckets if engine.gatherer is not None else ():
             tracker.label(b.data, Ref.GATHERED)
-    if engine.partitioned.separate:  # in fp32 the master is the working buffer's shard itself
-        for m in engine.partitioned.masters:
+    if engine.partitioned_optimizer.separate:  # in fp32 the master is the working buffer's shard itself
+        for m in engine.partitioned_optimizer.masters:
             tracker.label(m, Ref.MASTER)
-    grad = engine.reducer._grad  # gradient buffers are made on first use in each window
-
-    def grad_labelled(k: int) -> torch.Tensor:
-        made = engine.reducer.acc[k] is None
-        t = grad(k)
-        if made:
-            tracker.label(t, Ref.GRAD)
-        return t
-    engine.reducer._grad = grad_labelled
     for t in batch or ():
         if isinstance(t, torch.Tensor):
             tracker.label(t, Ref.OTH)
-    acquire = engine.reducer._acquire
-
-    def acquire_labelled(numel: int) -> torch.Tensor:
-        buf = acquire(numel)
-        tracker.label(buf, Ref.BUCKET)
-        return buf
-    engine.reducer._acquire = acquire_labelled
-
-    with tracker:
-        for _ in range(2 if batch is not None else 0):  # no inputs: the engine's own memory only
-            tracker.phase = "forward"
-            loss = _loss(engine(*batch))
-            tracker.phase = "backward"
-            engine.backward(loss)
-            tracker.phase = "step"
-            engine.step()
-            tracker.reset_mod_stats()  # MemTracker counts one forward per root module
-        tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
+    # gradient and reduce buffers are made on first use in each window
+    engine.reducer.on_new_buffer.append(
+        lambda t, kind: tracker.label(t, Ref.GRAD if kind == "grad" else Ref.BUCKET))
     return tracker
 
 
@@ -322,11 +318,11 @@ def _run_plain(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
 def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from zerodp.distributed.comm import init_fake
     from zerodp.models.gpt import GPT, GPTConfig
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world"])
+    init_fake(spec["world"])
     device = torch.device("cpu")
     mesh = None
     if spec["mode"] == "fsdp2":  # outside the fake mode: the mesh reads its rank table with .tolist()

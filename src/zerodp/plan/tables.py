@@ -16,16 +16,19 @@ from rich.table import Table
 
 from zerodp.engine.memory import activation_estimate, bucket_estimate, placed
 from zerodp.plan.models import PlanModel
+from zerodp.plan.units import human
 
 _SHORT = {"activations": "act", "optimizer": "optim", "step_temps": "step tmp", "gathered": "gathered"}
 
 
 def size(n: float) -> str:
     """Bytes to 3 significant digits in binary units: '442 KiB', '1.84 MiB', '29.7 GiB'."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} B"
+    return human(n, ".3g")
+
+
+def _compact(n: float) -> str:
+    """size() for a crowded cell: '29.7G'."""
+    return human(n, ".3g", compact=True)
 
 
 def _table(title: str, caption: str, columns: list[str]) -> Table:
@@ -56,13 +59,6 @@ def _parts(at_peak: dict[str, int], n: int = 2) -> str:
     return ", ".join(f"{_SHORT.get(k, k)} {_compact(v)}" for v, k in top)
 
 
-def _compact(n: float) -> str:
-    for unit, size in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{int(n)}B"
-
-
 # ---- memory per rank ----------------------------------------------------------------------------
 def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
     psi = model.num_params()
@@ -70,7 +66,7 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
                 "none": "estimated"}[args.measure]
     batch = (f"micro-batch {args.micro_batch} x {args.seq} tokens" if model.shape() is not None
              else "the factory's inputs")
-    title = (f"{model.describe()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
+    title = (f"{model.title()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
              f"{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
                                            "at the peak"])
@@ -183,7 +179,7 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     """The largest micro-batch for `model`, and the largest of its family at --micro-batch, per (N, stage)."""
     members = family(model)
     psi = model.num_params()
-    title = (f"Within {size(args.fit)} per rank: {model.describe()}, Ψ = {psi:,}, {args.dtype}, "
+    title = (f"Within {size(args.fit)} per rank: {model.title()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
     caption = ("estimated, not measured: formula + reduce buckets + activation estimate; family: width and depth "
                "of the model scaled together (heads keep their size).")

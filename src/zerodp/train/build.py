@@ -29,11 +29,17 @@ def build_corpus(model: str, data: str | None) -> Corpus:
                   source=f"{corpus.source}, tokenized by {model}'s tokenizer")
 
 
-def build_optimizer(model: nn.Module, opts: argparse.Namespace) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings (2-D) only, not on biases and norms."""
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The job's two param groups: weight decay on matrices and embeddings (2-D and up) only, not on
+    biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, opts: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW on decay_groups."""
+    groups = decay_groups(model, opts.weight_decay)
     # fused: one kernel per flat master shard, on CPU and GPU (see zerodp.config's optimizer build)
     return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), fused=True)
 

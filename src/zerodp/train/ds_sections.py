@@ -20,7 +20,7 @@ from torch import nn
 from zerodp.config import load_config, read_config_file
 from zerodp.config.auto import resolve_auto
 from zerodp.models.sizes import SIZES
-from zerodp.train.build import build_optimizer, warmup_cosine
+from zerodp.train.build import build_optimizer, decay_groups, warmup_cosine
 
 SCHEDULE_FLAGS = ("warmup", "min_lr")  # the built-in schedule's own flags
 
@@ -58,9 +58,7 @@ def optimizer_and_schedule(model: nn.Module, opts: argparse.Namespace
         section = {**raw["optimizer"]}
         section["params"] = {**section.get("params", {}), "lr": opts.lr, "weight_decay": opts.weight_decay}
         cfg = load_config({"optimizer": section}).optimizer
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = cfg.build([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
-                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
+        optimizer = cfg.build(decay_groups(model, opts.weight_decay))
         what = f"optimizer {cfg.type} (--ds-config)"
     else:
         optimizer, what = build_optimizer(model, opts), "optimizer AdamW (built in)"

@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> None:
 
     require("zerodp train", "tqdm", "matplotlib", *(["transformers"] if opts.model.startswith("hf-") else []))
     from zerodp.train.loop import run_rank
-    from zerodp.train.resume import plan_resume
+    from zerodp.train.resume import choose_resume
 
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
-    plan_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
+    choose_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
         code = run_rank(opts)
         if code:

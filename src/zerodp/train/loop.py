@@ -16,14 +16,19 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.checkpoint.files import LATEST
+from zerodp.distributed.device import accelerator_type, current
+from zerodp.engine.engine import Engine
 from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description, weights_of
+from zerodp.models.gpt import GPTConfig
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
@@ -45,7 +50,7 @@ def run_rank(opts: argparse.Namespace) -> int:
     """One rank of the job: threads, process group, then train. Returns the exit code: 0, or
     128 + the signal number when a SIGTERM/SIGINT stopped it."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if not torch.cuda.is_available():  # ranks sharing a CPU must not oversubscribe its cores
+    if accelerator_type() is None:  # ranks sharing a CPU must not oversubscribe its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     zerodp.init_distributed(timeout_s=opts.timeout)
     try:
@@ -110,119 +115,187 @@ class StepBatches:
 
 
 # ---- training -----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One rank's job, built once by set_up: the engine, its data, where it writes, what it reports."""
+    opts: argparse.Namespace
+    engine: Engine
+    data: StepBatches
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    log: Metrics
+    shape: GPTConfig
+    hf: dict | None  # kept in every checkpoint: `zerodp consolidate --hf` needs it
+    device: torch.device | None
+    rank: int
+    world: int
+
+    @property
+    def out(self) -> Path:
+        return Path(self.opts.out)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.world * self.opts.grad_accum * self.opts.micro_batch * self.shape.block_size
+
+
 def train(opts: argparse.Namespace) -> int:
     """Train to opts.steps; returns 0, or 128 + the signal number when SIGTERM/SIGINT stopped it."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = Path(opts.out)
-    ckpt_dir = out / "checkpoints"
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    job = set_up(opts)
+    engine = job.engine
+    val_loss = evaluate(job) if engine.global_steps == 0 else math.nan
+    memory = log_memory(job)
+    bar = progress_bar(job.rank, engine.global_steps, opts.steps)
+    stop = StopSignal()
+    while engine.global_steps < opts.steps:
+        loss, stopping, dt = train_step(job, stop)
+        step = engine.global_steps
+        job.log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0],
+                      tokens_per_s=job.tokens_per_step / dt, grad_norm=engine.grad_norm,
+                      loss_scale=engine.loss_scale)
+        if step % opts.eval_every == 0 or step == opts.steps:
+            val_loss = evaluate(job)
+            memory = log_memory(job)
+        if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
+                or (stopping and opts.save_on_signal)):
+            save(job)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} "
+                                f"{job.tokens_per_step / dt:,.0f} tok/s "
+                                f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
+                                f"mem/rank {memory_text(memory)}")
+        if stopping:
+            return stopped(job, bar, stopping)
+        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, job.rank):
+            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+    if bar is not None:
+        bar.close()
+    if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
+        val_loss = evaluate(job)
+    finish(job, val_loss)
+    return 0
 
+
+def set_up(opts: argparse.Namespace) -> Job:
+    """The corpus, the model on this rank's device, the engine, the data order; a resume restores them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = current()
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
-    block = shape.block_size
     if device is not None:
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    hf = hf_description(model, opts.model)  # kept in every checkpoint: `zerodp consolidate --hf` needs it
+    hf = hf_description(model, opts.model)
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
     engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
                                weights=weights_of(opts.model))
-    data = StepBatches(corpus.train, block, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
-    val = val_batches(corpus.val, block, opts.micro_batch, opts.eval_batches, rank, world)
+    data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
+    val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
 
-    # main's plan_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
+    # main's choose_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
     # DeepSpeed checkpoint; one this job did not write has no data order: go on from its step).
     resumed = opts.resume_path is not None
     if resumed:
         client = engine.load_checkpoint(opts.resume_path)
         data.load_state_dict(client.get("data") or {"step": engine.global_steps, "seed": opts.seed})
-    log = Metrics(out / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
+    log = Metrics(Path(opts.out) / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if resumed:  # report.png marks where the run picked up
         log.write(kind="resume", step=engine.global_steps)
+    job = Job(opts, engine, data, val, log, shape, hf, device, rank, world)
     if rank == 0:
-        where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
-        if not resumed and (ckpt_dir / "latest").exists():
-            where += f" (its checkpoints in {ckpt_dir} will be replaced; --resume continues them)"
-        print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
-              f"{opts.stage}, {world} rank(s), {opts.dtype}, global batch "
-              f"{world * opts.grad_accum * opts.micro_batch} x {block} tokens, {opts.steps} steps "
-              f"{where}\n  {recipe}\n  data: {corpus.source}\n  out: {out}", flush=True)
+        announce(job, n_params, recipe, corpus.source, resumed)
+    return job
 
-    def evaluate() -> float:
-        loss = validation_loss(engine, val, device)
-        log.write(kind="eval", step=engine.global_steps, val_loss=loss)
-        return loss
 
-    val_loss = evaluate() if engine.global_steps == 0 else math.nan
-    memory = gather_memory(engine, shape, opts)
-    log.write(kind="memory", step=engine.global_steps, ranks=memory)
-    tokens_per_step = world * opts.grad_accum * opts.micro_batch * block
-    bar = progress_bar(rank, engine.global_steps, opts.steps)
-    stop = StopSignal()
-    while engine.global_steps < opts.steps:
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for x, y in data.next_step():
-            if device is not None:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()
-        # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
-        # SIGTERM / SIGINT, so that every rank stops after the same step.
-        sums = torch.stack([loss_sum, *torch.tensor(stop.flags(), device=device)])
-        with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
-            dist.all_reduce(sums)
-        loss = sums[0].item() / (world * opts.grad_accum)
-        stopping = signal.SIGINT if sums[2] > 0 else signal.SIGTERM if sums[1] > 0 else 0
-        step, dt = engine.global_steps, time.perf_counter() - t0
-        log.write(kind="train", step=step, loss=loss, lr=engine.get_lr()[0], tokens_per_s=tokens_per_step / dt,
-                  grad_norm=engine.grad_norm, loss_scale=engine.loss_scale)
-        if step % opts.eval_every == 0 or step == opts.steps:
-            val_loss = evaluate()
-            memory = gather_memory(engine, shape, opts)
-            log.write(kind="memory", step=step, ranks=memory)
-        if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
-                or (stopping and opts.save_on_signal)):
-            engine.save_checkpoint(str(ckpt_dir), client_state={"data": data.state_dict(), "options": vars(opts),
-                                                                  "hf": hf},
-                                   keep_last=opts.keep_last)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} {tokens_per_step / dt:,.0f} tok/s "
-                                f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
-                                f"mem/rank {memory_text(memory)}")
-        if stopping:
-            if bar is not None:
-                bar.close()
-            if rank == 0:
-                saved = (f"checkpoint {ckpt_dir / f'global_step{step}'} written" if opts.save_on_signal
-                         else "no checkpoint written (--no-save-on-signal)")
-                print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
-                      "--resume continues", flush=True)
-            return 128 + stopping
-        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, rank):
-            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -> None:
+    """Rank 0's first lines: the model, the run, the recipe, the data and where it all goes."""
+    opts, engine = job.opts, job.engine
+    where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
+    if not resumed and (job.ckpt_dir / LATEST).exists():
+        where += f" (its checkpoints in {job.ckpt_dir} will be replaced; --resume continues them)"
+    print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
+          f"{opts.stage}, {job.world} rank(s), {opts.dtype}, global batch "
+          f"{job.world * opts.grad_accum * opts.micro_batch} x {job.shape.block_size} tokens, {opts.steps} steps "
+          f"{where}\n  {recipe}\n  data: {source}\n  out: {job.out}", flush=True)
+
+
+def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
+    """One optimizer step; returns the mean loss over the global batch, the signal every rank stops on
+    (0: none) and the seconds it took."""
+    engine, device = job.engine, job.device
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    for x, y in job.data.next_step():
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach().float()
+    # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
+    # SIGTERM / SIGINT, so that every rank stops after the same step.
+    sums = torch.stack([loss_sum, *torch.tensor(stop.flags(), device=device)])
+    with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
+        dist.all_reduce(sums)
+    loss = sums[0].item() / (job.world * job.opts.grad_accum)
+    stopping = signal.SIGINT if sums[2] > 0 else signal.SIGTERM if sums[1] > 0 else 0
+    return loss, stopping, time.perf_counter() - t0
+
+
+def evaluate(job: Job) -> float:
+    loss = validation_loss(job.engine, job.val, job.device)
+    job.log.write(kind="eval", step=job.engine.global_steps, val_loss=loss)
+    return loss
+
+
+def log_memory(job: Job) -> list:
+    """Every rank's memory figures, written to the metrics (collective); returns them for the bar."""
+    memory = gather_memory(job.engine, job.shape, job.opts)
+    job.log.write(kind="memory", step=job.engine.global_steps, ranks=memory)
+    return memory
+
+
+def save(job: Job) -> None:
+    job.engine.save_checkpoint(str(job.ckpt_dir),
+                               client_state={"data": job.data.state_dict(), "options": vars(job.opts), "hf": job.hf},
+                               keep_last=job.opts.keep_last)
+
+
+def stopped(job: Job, bar, stopping: int) -> int:
+    """Every rank got the same signal after the same step: say so (rank 0) and return 128 + its number."""
     if bar is not None:
         bar.close()
-    if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
-        val_loss = evaluate()
+    if job.rank == 0:
+        step = job.engine.global_steps
+        saved = (f"checkpoint {job.ckpt_dir / f'global_step{step}'} written" if job.opts.save_on_signal
+                 else "no checkpoint written (--no-save-on-signal)")
+        print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
+              "--resume continues", flush=True)
+    return 128 + stopping
 
-    final = engine.full_state_dict()  # collective: every rank takes part, rank 0 writes
-    if rank == 0:
-        torch.save(final, out / "final.pt")
-        report = make_report(out)
-        written = f"  weights {out / 'final.pt'}"
-        if hf is not None:  # an HF model: also as a folder that AutoModelForCausalLM.from_pretrained loads
-            for note in hf_folder.write_folder(out / "hf", final, hf):
-                print(f"zerodp train: {note}", file=sys.stderr, flush=True)
-            written += f"\n  HF folder {out / 'hf'}"
-        print(f"zerodp train: final validation loss {val_loss:.4f} after {engine.global_steps} steps\n"
-              f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {ckpt_dir}\n"
-              f"{written}", flush=True)
-    return 0
+
+def finish(job: Job, val_loss: float) -> None:
+    """The final weights (collective: every rank takes part, rank 0 writes), report.png, and the HF
+    folder for an HF model."""
+    final = job.engine.full_state_dict()
+    if job.rank != 0:
+        return
+    out = job.out
+    torch.save(final, out / "final.pt")
+    report = make_report(out)
+    written = f"  weights {out / 'final.pt'}"
+    if job.hf is not None:  # an HF model: also as a folder that AutoModelForCausalLM.from_pretrained loads
+        for note in hf_folder.write_folder(out / "hf", final, job.hf):
+            print(f"zerodp train: {note}", file=sys.stderr, flush=True)
+        written += f"\n  HF folder {out / 'hf'}"
+    print(f"zerodp train: final validation loss {val_loss:.4f} after {job.engine.global_steps} steps\n"
+          f"  metrics {out / 'metrics.jsonl'}\n  report {report}\n  checkpoints {job.ckpt_dir}\n"
+          f"{written}", flush=True)
 
 
 @torch.no_grad()

@@ -98,17 +98,17 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
     from_file = _read_options_file(args.config) if args.config else {}
-    import torch  # after argparse: --help and a bad flag answer without it
+    from zerodp.distributed.device import device_count  # after argparse: --help and a bad flag answer without torch
 
-    cuda = torch.cuda.is_available()
-    nproc = given.get("nproc", from_file.get("nproc")) or (torch.cuda.device_count() if cuda else 2)
+    accelerators = device_count()
+    nproc = given.get("nproc", from_file.get("nproc")) or accelerators or 2
     world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
     ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), {**DEFAULTS, **from_file, **given}, world)
     opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
     opts["explicit"] = sorted({*ds, *from_file, *given})  # what a resume must not change (resume.py)
     opts["user_set"] = sorted({*from_file, *given})  # these win over the --ds-config's sections (ds_sections.py)
     if opts["dtype"] is None:
-        opts["dtype"] = "bf16" if cuda else "fp32"
+        opts["dtype"] = "bf16" if accelerators else "fp32"
     if opts["out"] is None:
         name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
         opts["out"] = os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}")

@@ -21,20 +21,20 @@ from zerodp.checkpoint import CheckpointError, newest_intact, resolve
 from zerodp.checkpoint.files import LATEST
 
 
-def plan_resume(opts: argparse.Namespace, world: int) -> None:
+def choose_resume(opts: argparse.Namespace, world: int) -> None:
     """Set opts.resume_path (a checkpoint directory, or None) and adjust opts.grad_accum to it.
 
     --resume (this run's checkpoints) comes first; --resume-from DIR is taken when it finds none."""
     opts.resume_path = None
     if not opts.resume:
-        _plan_resume_from(opts, world)
+        _choose_resume_from(opts, world)
         return
     ckpt_dir = Path(opts.out) / "checkpoints"
     try:
         if opts.resume is not True:
             path, meta = resolve(ckpt_dir, opts.resume)
         elif not (ckpt_dir / LATEST).exists() and not _any_checkpoint(ckpt_dir):
-            _plan_resume_from(opts, world)  # nothing of this run's to continue
+            _choose_resume_from(opts, world)  # nothing of this run's to continue
             return
         else:
             path, meta = _latest_or_newest_intact(ckpt_dir)
@@ -44,7 +44,7 @@ def plan_resume(opts: argparse.Namespace, world: int) -> None:
     keep_global_batch(opts, meta, world)
 
 
-def _plan_resume_from(opts: argparse.Namespace, world: int) -> None:
+def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
     """--resume-from DIR: another run's checkpoint. A zerodp one keeps its global batch as --resume
     does; a DeepSpeed one (checkpoint/deepspeed.py) is checked when the engine loads it."""
     if not opts.resume_from:
@@ -81,19 +81,19 @@ def keep_global_batch(opts: argparse.Namespace, meta: dict, world: int) -> None:
     if _product(saved) == _product(now):
         return
     if "grad_accum" in opts.explicit:
-        warn(f"the global batch changes from {_describe(saved)} in the checkpoint to {_describe(now)}: "
+        warn(f"the global batch changes from {_batch_text(saved)} in the checkpoint to {_batch_text(now)}: "
              "--grad-accum was given; steps from here on see other data than the saved run would have")
         return
     accum, rest = divmod(_product(saved), world * opts.micro_batch)
     if rest == 0:
         note(f"resuming on {world} rank(s): --grad-accum {opts.grad_accum} -> {accum} keeps the "
-             f"checkpoint's global batch of {_describe(saved)}")
+             f"checkpoint's global batch of {_batch_text(saved)}")
         opts.grad_accum = accum
         return
     fits = [m for m in range(1, _product(saved) + 1) if _product(saved) % (world * m) == 0]
     hint = (f"--micro-batch {', '.join(map(str, fits))} would keep it" if fits else
             f"no --micro-batch keeps it on {world} rank(s); use a number of ranks that divides {_product(saved)}")
-    raise SystemExit(f"zerodp train: --resume: the checkpoint's global batch is {_describe(saved)}, "
+    raise SystemExit(f"zerodp train: --resume: the checkpoint's global batch is {_batch_text(saved)}, "
                      f"which {world} rank(s) x --micro-batch {opts.micro_batch} cannot split into whole "
                      f"accumulation steps; {hint}, or pass --grad-accum to change the global batch")
 
@@ -102,7 +102,7 @@ def _product(t: tuple[int, int, int]) -> int:
     return t[0] * t[1] * t[2]
 
 
-def _describe(t: tuple[int, int, int]) -> str:
+def _batch_text(t: tuple[int, int, int]) -> str:
     return f"{_product(t)} ({t[0]} rank(s) x {t[1]} accumulation x {t[2]} micro-batch)"
 
 

@@ -10,7 +10,7 @@ that is not the one the tests run in (the tests must pass without DeepSpeed):
     DS_ACCELERATOR=cpu /work/dsenv/bin/python tests/data/deepspeed/make_fixtures.py [NAME ...]
 
 With names, only those fixtures are (re)written and their entries in fixtures.json replaced; the others'
-files and entries stay as they are (stage3_bf16 was added that way, after the others).
+files and entries stay as they are.
 
 For each fixture (ZeRO stage 1, 2, 3 in fp32; stages 2 and 3 in bf16; stage 1 in bf16 with fp32 gradient
 accumulation, DeepSpeed's BF16_Optimizer; stages 2 and 3 of the Toy with tied and frozen parameters, in

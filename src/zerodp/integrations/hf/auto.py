@@ -19,6 +19,7 @@ from torch import nn
 
 from zerodp.config import ConfigError, read_config_file
 from zerodp.config.auto import bucket_sizes
+from zerodp.models.hf_folder import hidden_size
 
 _ABSENT = object()
 
@@ -116,7 +117,7 @@ def _fill_bucket_sizes(config: dict[str, Any], model: nn.Module | None) -> None:
     auto = [k for k in bucket_sizes(1) if zero.get(k) == "auto"]
     if not auto:
         return
-    hidden = _hidden_size(model)
+    hidden = hidden_size(getattr(model, "config", None))
     if hidden is None:
         raise ConfigError(f"config keys {', '.join('zero_optimization.' + k for k in auto)} are \"auto\", which "
                           "needs the model's config.hidden_size (or hidden_sizes), and the model has none; "
@@ -124,15 +125,3 @@ def _fill_bucket_sizes(config: dict[str, Any], model: nn.Module | None) -> None:
     sizes = bucket_sizes(hidden)
     for k in auto:
         zero[k] = sizes[k]
-
-
-def _hidden_size(model: nn.Module | None) -> int | None:
-    config = getattr(model, "config", None)
-    for c in (config, getattr(config, "text_config", None)):
-        if c is None:
-            continue
-        if getattr(c, "hidden_size", None) is not None:
-            return int(c.hidden_size)
-        if getattr(c, "hidden_sizes", None):
-            return int(max(c.hidden_sizes))
-    return None

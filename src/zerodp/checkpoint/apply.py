@@ -1,0 +1,102 @@
+"""Writing a staged checkpoint into an engine, the second phase of every load (load.py for zerodp's
+own checkpoints, deepspeed.py for DeepSpeed's): masters, untrained tensors, optimizer state, scheduler,
+counters, loss scaler and RNG. It runs only after every rank agreed that staging succeeded.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.checkpoint.pieces import untrained
+from zerodp.distributed.device import seed_everything, set_rng_state
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a load restores besides the weights (which it always does)."""
+
+    optimizer: bool = True
+    lr_scheduler: bool = True
+    training_state: bool = True  # counters, loss scale, RNG
+
+
+@dataclass
+class Staged:
+    masters: list[torch.Tensor]                  # fp32, this rank's shard of each bucket
+    states: dict[str, list[torch.Tensor]]        # optimizer key -> per-bucket shard
+    scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim tensor
+    untrained: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+
+
+def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
+    """Write what was staged into the engine; parts says what besides the weights."""
+    part = engine.partitioned_optimizer
+    with torch.no_grad():
+        for m, new in zip(part.masters, staged.masters):
+            m.copy_(new.view(m.shape))
+        for name, t in untrained(engine).items():
+            if name in staged.untrained:
+                t.data.copy_(staged.untrained[name])
+    if parts.optimizer:
+        _apply_optimizer(engine, meta, staged)
+    part.all_gather()  # working params from the masters, on every rank
+    if getattr(engine, "gatherer", None) is not None:
+        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+    engine.drop_gradients()
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None and parts.lr_scheduler:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if not parts.training_state:
+        return
+    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
+        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
+    engine.resume_counters(meta["counters"]["global_steps"], meta["counters"]["skipped_steps"])
+    _restore_rng(engine, meta, staged.rng)
+
+
+def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
+    # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
+    # dtype (and `step` where the optimizer wants it), so it continues exactly.
+    part, opt = engine.partitioned_optimizer, engine.optimizer
+    sd = opt.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {}
+    for i, (b, m) in enumerate(zip(part.buckets, part.masters)):
+        entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
+        entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
+                      if k.split("/", 1)[0] == str(b.group)})
+        entry.update(meta.get("optim_scalars", {}).get(str(b.group), {}))
+        if entry:
+            state[index[id(m)]] = entry
+    sd["state"] = state
+    for group, saved in zip(sd["param_groups"], meta["param_groups"]):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+    opt.load_state_dict(sd)
+    if engine.used_only is not None:
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        engine.used_only.after_load(opt, part.masters, names, meta.get("step_counts"))
+
+
+def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
+    rank = engine.comm.rank
+    host = meta.get("rng", {}).get(str(rank))
+    if host is None or "torch" not in rng:
+        # More ranks than were saved: a deterministic, distinct stream per rank.
+        seed_everything((meta["config"].get("seed") or 0) + rank)
+        return
+    torch.set_rng_state(rng["torch"])
+    if engine.device.type in rng:
+        set_rng_state(rng[engine.device.type], engine.device)
+    version, internal, gauss = host["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in host:
+        try:
+            import numpy as np
+            kind, keys, pos, has_gauss, cached = host["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass

@@ -1,0 +1,279 @@
+"""The house rules of src/zerodp, read from the source with `ast` (no zerodp module is imported):
+no import circle between files or between the top-level packages, no function over 60 lines.
+(`--help` importing no torch is test_first_hour.py's first test.)
+
+Every import counts, at module level and inside functions, except under `if TYPE_CHECKING:`. A lazy
+PEP 562 name map is not an import by itself, but `from package import name` counts as an import of the
+module the package's `_LAZY` map names for it. The package of a file is its top-level entry in
+src/zerodp (`engine`, `cli`, ...), and zerodp/__init__.py is the package "zerodp".
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_FUNCTION_LINES = 60
+
+
+# ---- reading the tree ---------------------------------------------------------------------------
+def module_files(src: Path, root: str = "zerodp") -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under src/root (a package is its __init__)."""
+    out = {}
+    for path in sorted((src / root).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(node: ast.AST):
+    """Every Import / ImportFrom under node, skipping the bodies of `if TYPE_CHECKING:`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _imports_in(stmt)
+            continue
+        yield from _imports_in(child)
+
+
+def _imports_in(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    yield from _imports(node)
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The module `name` loads, or its nearest enclosing package that exists; None outside the tree."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def lazy_maps(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """package -> {name: module} from a literal `_LAZY = {name: submodule}` in its __init__ (PEP 562):
+    `from package import name` loads that module when it runs."""
+    out = {}
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                    and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)):
+                try:
+                    out[name] = {k: f"{name}.{v}" for k, v in ast.literal_eval(node.value).items()}
+                except ValueError:  # not a literal: its names are not followed
+                    pass
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, here: str, is_package: bool, modules: dict[str, Path],
+             lazy: dict[str, dict[str, str]]):
+    if isinstance(node, ast.Import):
+        return [_resolve(a.name, modules) for a in node.names]
+    base = node.module or ""
+    if node.level:  # relative: from the package of `here`
+        package = here if is_package else here.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    # `from pkg import mod` loads pkg.mod when it is a module, else takes a name from pkg (from the
+    # module its lazy map names, when it has one: that module is what the import runs).
+    return [_resolve(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else lazy.get(base, {}).get(a.name, base),
+                     modules) for a in node.names]
+
+
+def import_graph(src: Path, root: str = "zerodp") -> dict[str, set[str]]:
+    """Module -> the modules of the tree it imports (itself excluded)."""
+    modules = module_files(src, root)
+    lazy = lazy_maps(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        is_package = path.name == "__init__.py"
+        found = {t for node in _imports(tree) for t in _targets(node, name, is_package, modules, lazy)}
+        graph[name] = {t for t in found if t is not None and t != name}
+    return graph
+
+
+def package_graph(graph: dict[str, set[str]], root: str = "zerodp") -> dict[str, set[str]]:
+    """The same graph between top-level entries: `zerodp.engine.flat` -> `engine`, `zerodp` -> `zerodp`."""
+    def top(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else root
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        out.setdefault(top(module), set()).update(top(t) for t in targets if top(t) != top(module))
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one node (Tarjan), as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_path_in(c, graph) for c in components]
+
+
+def _path_in(component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A closed path a -> ... -> a through the component, found by breadth-first search from its first node."""
+    start = min(component)
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ()) & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")
+
+
+def long_functions(src: Path, root: str = "zerodp", limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'file:line name (n lines)' for every function or method longer than limit lines."""
+    out = []
+    for path in sorted((src / root).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                n = node.end_lineno - first + 1
+                if n > limit:
+                    out.append(f"{path.relative_to(src)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def _describe(found: list[list[str]]) -> str:
+    return "; ".join(" -> ".join(c) for c in found)
+
+
+# ---- the rules ----------------------------------------------------------------------------------
+def test_no_import_circle_between_files():
+    found = cycles(import_graph(SRC))
+    assert not found, f"import circle(s) between files: {_describe(found)}"
+
+
+def test_no_import_circle_between_packages():
+    found = cycles(package_graph(import_graph(SRC)))
+    assert not found, f"import circle(s) between the top-level packages of src/zerodp: {_describe(found)}"
+
+
+# DESIGN.md's layers: commands -> compatibility layers -> checkpoint / plan / models -> engine -> config,
+# distributed. The engine reaches what sits above it only through what it is handed (checkpoint_io).
+ABOVE_THE_ENGINE = {"zerodp", "checkpoint", "plan", "models", "train", "bench", "deepspeed", "integrations", "cli"}
+
+
+def test_the_engine_imports_nothing_above_it():
+    above = package_graph(import_graph(SRC))["engine"] & ABOVE_THE_ENGINE
+    assert not above, f"the engine package imports {sorted(above)}, which sit above it (DESIGN.md's layers)"
+
+
+def test_no_function_over_60_lines():
+    found = long_functions(SRC)
+    assert not found, "functions over 60 lines: " + ", ".join(found)
+
+
+# ---- the checker finds what it is there to find --------------------------------------------------
+def _write(src: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = src / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_checker_reports_a_circle_added_back(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a/__init__.py": "",
+        "pkg/a/x.py": "from pkg.b.y import f\n",
+        "pkg/b/__init__.py": "",
+        # inside a function, as a late import that dodges a circle would be
+        "pkg/b/y.py": "def f():\n    from pkg.a import x\n    return x\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a.x\n",
+    })
+    graph = import_graph(tmp_path, "pkg")
+    assert cycles(graph) == [["pkg.a.x", "pkg.b.y", "pkg.a.x"]]
+    assert cycles(package_graph(graph, "pkg")) == [["a", "b", "a"]]
+    assert graph["pkg.c"] == set()  # under TYPE_CHECKING: not an import
+
+
+def test_checker_reports_a_package_circle_through_the_root(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "def initialize():\n    from pkg.engine.core import Engine\n",
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/core.py": "from pkg.hf.trainer import T\n",
+        "pkg/hf/__init__.py": "",
+        "pkg/hf/trainer.py": "from pkg import initialize\nT = 1\n",
+    })
+    graph = import_graph(tmp_path, "pkg")
+    assert cycles(package_graph(graph, "pkg")) == [["engine", "hf", "pkg", "engine"]]
+
+
+def test_checker_follows_a_name_through_a_lazy_map(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": '_LAZY = {"Engine": "engine.core"}\n',
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/core.py": "from pkg.ckpt.save import save\n",
+        "pkg/ckpt/__init__.py": "",
+        "pkg/ckpt/save.py": "from pkg import Engine\n",
+    })
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.ckpt.save"] == {"pkg.engine.core"}
+    assert cycles(graph) == [["pkg.ckpt.save", "pkg.engine.core", "pkg.ckpt.save"]]
+
+
+def test_checker_reports_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/m.py": f"def short():\n    pass\n\n\ndef long():\n{body}"})
+    assert long_functions(tmp_path, "pkg") == [f"pkg/m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+@pytest.mark.parametrize("rule", ["circle", "long"])
+def test_the_rules_hold_on_a_clean_tree(tmp_path, rule):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "def f():\n    return 1\n"})
+    if rule == "circle":
+        assert cycles(import_graph(tmp_path, "pkg")) == []
+    else:
+        assert long_functions(tmp_path, "pkg") == []
