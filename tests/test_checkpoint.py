@@ -574,10 +574,22 @@ def _evil_metadata(p):
     json.dump(meta, open(os.path.join(p, "zerodp.json"), "w"))
 
 
+def _pickle_distcp(p):
+    """A pickle where the tensor file should be, with a matching size and checksum."""
+    import pickle
+    from pathlib import Path
+    f, meta_file = Path(p) / "__0_0.distcp", Path(p) / "zerodp.json"
+    f.write_bytes(pickle.dumps({"weights": [1.0, 2.0, 3.0]}))
+    meta = json.loads(meta_file.read_text())
+    meta["files"]["__0_0.distcp"] = ck_files.record(str(f))
+    meta_file.write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize("edit,expected", [
     (_truncate, "__0_0.distcp has"), (_flip, "__0_0.distcp does not match its checksum"),
     (_garbage_json, "zerodp.json cannot be read"), (_evil_metadata, "refusing to load posix.system"),
-], ids=["truncated", "flipped_byte", "bad_json", "malicious_metadata"])
+    (_pickle_distcp, "__0_0.distcp cannot be read"),
+], ids=["truncated", "flipped_byte", "bad_json", "malicious_metadata", "pickle_as_distcp"])
 def test_error_corrupt_checkpoint_names_the_file(tmp_path, edit, expected):
     msg = load_error(corrupted_copy(tmp_path, edit))
     assert "is corrupt" in msg and expected in msg, msg
@@ -720,3 +732,24 @@ def test_newest_intact_skips_a_corrupt_latest(tmp_path):
     assert path == os.path.join(d, "global_step1") and meta["counters"]["global_steps"] == 1
     open(os.path.join(d, "latest"), "w").write("??")
     assert ck.newest_intact(d)[0] == path
+
+
+def test_resume_falls_back_past_a_latest_whose_file_fails_its_checksum(tmp_path, capsys):
+    import argparse
+
+    from zerodp.train.resume import choose_resume
+    d = tmp_path / "run" / "checkpoints"
+    with world_of_one():
+        engine = make_engine(1, 2)
+        for step in range(2):
+            train(engine, 0, 1, range(step, step + 1))
+            engine.save_checkpoint(str(d))
+    _flip(str(d / "global_step2"))  # same size: only the checksum tells
+    with pytest.raises(ck.CheckpointError, match="global_step2.*does not match its checksum"):
+        ck.resolve(str(d), checksums=True)
+    assert ck.newest_intact(str(d))[0] == str(d / "global_step1")
+    opts = argparse.Namespace(resume=True, resume_from=None, out=str(tmp_path / "run"), grad_accum=1,
+                              micro_batch=2, explicit=set())
+    choose_resume(opts, 1)
+    assert opts.resume_path == str(d / "global_step1")
+    assert "does not match its checksum; resuming from the newest intact checkpoint" in capsys.readouterr().err

@@ -85,7 +85,8 @@ def gradient_bytes(run: dict) -> int:
     b.pop("broadcast", None)
     if b.get("reduce_scatter"):  # stages 1-2: the only all_reduce is the norm, once per step
         return b["reduce_scatter"] + b["all_gather"]
-    return b["all_reduce"] - STEPS * int(2 * _ring(run["world"], 8 * run["slots"]))  # stage 0: less the used bits
+    # stage 0: less the non-finite flags and the used bits
+    return b["all_reduce"] - STEPS * int(2 * _ring(run["world"], 16 + 8 * run["slots"]))
 
 
 WORLDS = pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"world={w}")
@@ -98,10 +99,10 @@ def test_stage0_all_reduces_every_padded_bucket_once_per_step(world, dtype, buck
     run = runs(world)[(0, dtype, bucket)]
     padded = sum(run["bucket_numels"])
     assert set(run["bytes"]) == {"all_reduce"}, "stage 0 uses all_reduce only (the norm is local)"
-    # Every bucket, and the used bits in an all_reduce of their own.
+    # Every bucket, and the two non-finite flags with the used bits in an all_reduce of their own.
     assert run["calls"]["all_reduce"] == STEPS * (len(run["bucket_numels"]) + 1)
     assert run["bytes"]["all_reduce"] == STEPS * (2 * _ring(world, padded * run["element_size"])
-                                                  + int(2 * _ring(world, 8 * run["slots"])))
+                                                  + int(2 * _ring(world, 16 + 8 * run["slots"])))
 
 
 @WORLDS

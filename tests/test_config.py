@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -149,8 +150,8 @@ def test_whole_floats_are_integers_and_integers_are_numbers_in_every_section():
     assert config.scheduler._parsed_params().total_num_steps == 10_000
 
 
-def test_optimizer_params_of_the_wrong_type_are_rejected_by_torch():
-    assert "'optimizer.params' rejected by torch.optim.AdamW" in error_of(
+def test_optimizer_params_of_the_wrong_type_are_rejected_naming_the_key():
+    assert "config key 'optimizer.params.lr' = \"1e-3\": expected a finite number" in error_of(
         {"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}})
 
 
@@ -322,7 +323,7 @@ def test_unknown_optimizer_param_names_it_and_the_optimizer():
 
 def test_optimizer_param_value_is_checked_by_torch_at_load():
     message = error_of({"optimizer": {"type": "Adam", "params": {"lr": -1.0}}})
-    assert "optimizer.params" in message and "learning rate" in message
+    assert "'optimizer.params.lr' = -1.0 rejected by torch.optim.AdamW" in message and "learning rate" in message
 
 
 def test_max_grad_norm_points_to_gradient_clipping():
@@ -412,3 +413,38 @@ def test_auto_scheduler_param_is_explained():
 def test_optimizer_and_scheduler_sections_validate_standalone():
     assert OptimizerConfig(type="sgd").type == "SGD"
     assert SchedulerConfig(type="warmuplr").type == "WarmupLR"
+
+
+INF = float("inf")
+_OPT = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+_SCHED = {**_OPT, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}
+
+
+def _with_opt(**params):
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, **params}}}
+
+
+@pytest.mark.parametrize("config,key", [
+    (_with_opt(weight_decay=INF), "optimizer.params.weight_decay"),
+    (_with_opt(lr=INF), "optimizer.params.lr"),
+    (_with_opt(eps=INF), "optimizer.params.eps"),
+    (_with_opt(lr=True), "optimizer.params.lr"),
+    (_with_opt(betas=[0.9]), "optimizer.params.betas"),
+    (_with_opt(betas={"beta1": 0.9, "beta2": 0.99}), "optimizer.params.betas"),
+    (_with_opt(amsgrad=1), "optimizer.params.amsgrad"),
+    ({"optimizer": {"type": "AdamW", "params": [1e-3]}}, "optimizer.params"),
+    ({**_SCHED, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": INF}}}, "scheduler.params.warmup_max_lr"),
+    ({**_SCHED, "scheduler": {"type": "WarmupLR", "params": [1e-3]}}, "scheduler.params"),
+    ({"gradient_clipping": INF}, "gradient_clipping"),
+    ({"fp16": {"enabled": True, "loss_scale": INF}}, "fp16.loss_scale"),
+    ({"fp16": {"enabled": True, "min_loss_scale": INF}}, "fp16.min_loss_scale"),
+    ({"comm_timeout_s": 1e30}, "comm_timeout_s"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_hyperparameters_that_cannot_be_right_are_refused_naming_the_key(config, key):
+    with pytest.raises(ConfigError, match=f"config key '{re.escape(key)}' = "):
+        load_config(config)
+
+
+def test_torch_rejecting_one_optimizer_value_names_its_key():
+    message = error_of(_with_opt(betas=[0.9, 1.5], eps=1e-8))
+    assert "'optimizer.params.betas' = [0.9, 1.5] rejected by torch.optim.AdamW" in message

@@ -335,3 +335,41 @@ def test_train_resume_from_reads_a_deepspeed_checkpoint(tmp_path):
                             "--out", str(tmp_path / "run"), "--resume-from", fixture_dir("stage2_fp32"), check=False)
     assert proc.returncode != 0
     assert "DeepSpeed checkpoint" in proc.stderr and "different model" in proc.stderr, proc.stderr[-2000:]
+
+
+def _corrupt_record(file: str, record: str) -> None:
+    """Overwrite the middle of one tensor record of a torch.save zip with 0x67 bytes (floats of ~1e24),
+    leaving the file's size and the zip's directory as they were."""
+    import zipfile
+    with zipfile.ZipFile(file) as z:
+        name = next(n for n in z.namelist() if n.endswith(record))
+        payload = z.read(name)
+    from pathlib import Path
+    raw = bytearray(Path(file).read_bytes())
+    at = raw.find(payload)
+    assert at > 0 and len(payload) >= 64
+    raw[at + len(payload) // 2:at + len(payload) // 2 + 32] = b"\x67" * 32
+    Path(file).write_bytes(bytes(raw))
+
+
+def test_error_deepspeed_checkpoint_with_a_corrupted_tensor_record_names_the_file(tmp_path):
+    d = str(tmp_path / "flipped")
+    shutil.copytree(fixture_dir("stage2_fp32"), d)
+    bad = os.path.join(d, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    _corrupt_record(bad, "data/1")
+    expected = r"zero_pp_rank_1_mp_rank_00_optim_states\.pt.*fails its CRC-32 check"
+    with pytest.raises(ck.CheckpointError, match=expected):
+        ck.consolidate(d)
+    with world_of_one():
+        engine = make_engine("stage2_fp32", 1, 2)
+        with pytest.raises(ck.CheckpointError, match=expected):
+            engine.load_checkpoint(d)
+
+
+def test_error_deepspeed_model_states_of_another_shape_than_param_shapes_names_the_file(tmp_path):
+    def transpose(model):
+        model["module"]["inp.weight"] = model["module"]["inp.weight"].t().contiguous()
+    d = _edited_copy(tmp_path, lambda o: None, transpose, ranks=())
+    with pytest.raises(ck.CheckpointError, match=r"mp_rank_00_model_states\.pt.*'inp\.weight' has shape \(13, 37\) "
+                                                 r"where its param_shapes say \(37, 13\)"):
+        ck.consolidate(d)

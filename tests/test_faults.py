@@ -179,15 +179,28 @@ def _seconds_after_step(proc: subprocess.Popen, out: Path, step: int, send=None)
 TIMEOUT_S = 4
 
 
-def test_stalled_rank_ends_the_job_within_the_timeout_naming_the_collective(tmp_path):
+# Where rank 1 stalls (SIGSTOP at step 3: after it, or just before its evaluation or its checkpoint
+# save) -> what rank 0's one line names: the collective and where.
+STALLS = {"step": (r"\w+ in engine\.\w+\(\) .* at step 4", ()),
+          "eval": (r"all_reduce of the validation loss at step 3", ("--eval-every", "3")),
+          "save": (r"all_gather_object in engine\.save_checkpoint\(\) after step 3", ("--save-every", "3"))}
+
+
+@pytest.mark.parametrize("where", list(STALLS))
+def test_stalled_rank_ends_the_job_within_the_timeout_naming_the_collective(tmp_path, where):
     out = tmp_path / "run"
+    named, extra = STALLS[where]
     proc = _job(out, corpus(tmp_path), "--timeout", str(TIMEOUT_S), "--crash-after", "3", "--crash-rank", "1",
-                "--crash-signal", "SIGSTOP")
+                "--crash-signal", "SIGSTOP", "--crash-where", where, *extra)
     seconds, _, stderr = _seconds_after_step(proc, out, 3)
-    print(f"SIGSTOP of rank 1 after step 3: the job exited {seconds:.1f} s later")
+    print(f"SIGSTOP of rank 1 at step 3 ({where}): the job exited {seconds:.1f} s later")
     assert proc.returncode != 0
-    assert re.search(rf"rank 0: \w+ in engine\.\w+\(\) .* at step 4 timed out after {TIMEOUT_S} s: a peer rank "
-                     r"stopped responding", stderr), stderr[-3000:]
+    assert re.search(rf"rank 0: {named} timed out after {TIMEOUT_S} s: a peer rank stopped responding",
+                     stderr), stderr[-3000:]
+    # The launcher blames the rank that stalled, not the one that gave up waiting for it.
+    assert ("zerodp train: rank 1 stopped responding (stalled or died): rank 0 gave up waiting for it"
+            in stderr), stderr[-3000:]
+    assert "rank 0 failed" not in stderr
     assert seconds < TIMEOUT_S + 15, seconds  # the timeout, plus the launcher's shutdown and teardown
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import tempfile
 
@@ -237,3 +238,64 @@ def test_training_arguments_that_would_bypass_the_engine_are_refused():
         with pytest.raises(ValueError, match="TrainingArguments.auto_find_batch_size is not supported by "
                                              "ZeroTrainer: the engine is built once per run"):
             ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
+@contextlib.contextmanager
+def trainer_log():
+    """(level, message) of what the Trainer's own logger emits in the block."""
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda r: lines.append((r.levelname, r.getMessage()))
+    log = logging.getLogger("transformers.trainer")
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+
+
+@pytest.mark.parametrize("zero_config", [None, {"zero_optimization": {"stage": 2}}], ids=["none", "stage2"])
+def test_zero_trainer_says_which_stage_runs_and_warns_when_none_was_chosen(zero_config):
+    from zerodp.integrations.hf import ZeroTrainer
+    with world_of_one(), tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
+                                              use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no")
+        trainer = ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8), zero_config=zero_config)
+        with trainer_log() as lines:
+            trainer.train()
+    ours = [(level, m) for level, m in lines if "ZeRO stage" in m]
+    assert len(ours) == 1, lines
+    level, line = ours[0]
+    if zero_config is None:
+        assert level == "WARNING" and "no ZeRO stage" in line and "zerodp: ZeRO stage 0 (nothing sharded: plain " \
+            "data parallelism, 1 rank(s)); offload: none; dtype fp32" in line
+    else:
+        assert level == "INFO" and line.startswith("zerodp: ZeRO stage 2 (optimizer state and gradients sharded "
+                                                   "over 1 of 1 ranks); offload: none; dtype fp32")
+
+
+def _trainer_without_launcher(rank: int, world: int) -> tuple[str, str]:
+    """Two gloo ranks that accelerate does not know of (no torchrun environment): it sees one process."""
+    from zerodp.integrations.hf import ZeroTrainer
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
+                                              use_cpu=True, report_to=[], disable_tqdm=True)
+        trainer = ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8))
+        try:
+            trainer.train()
+        except Exception as e:  # noqa: BLE001 - which error comes first is the point
+            return type(e).__name__, str(e)
+    return "trained", ""
+
+
+def test_a_world_the_trainer_does_not_see_is_named_before_the_batch_arithmetic():
+    from accelerate.state import AcceleratorState
+
+    from zerodp.integrations.hf import ZeroTrainer  # noqa: F401 - imported once here, not in each forked rank
+    AcceleratorState._reset_state(True)
+    for kind, message in run_ranks(_trainer_without_launcher, 2, timeout_s=60,
+                                   start_method="fork" if not dist.is_initialized() else "spawn"):
+        assert kind == "ValueError" and "process group has 2 ranks but the Trainer (accelerate) sees 1" in message

@@ -97,6 +97,20 @@ def test_loss_backward_outside_engine_is_an_error():
         engine(torch.randn(2, 13), torch.randn(2, 5)).backward()
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_users_own_optimizer_step_is_an_error_naming_engine_step(stage):
+    model = Toy()
+    opt = one_group(model)
+    engine = zerodp.initialize(model, opt, {**CFG, "zero_optimization": {"stage": stage}})
+    engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+    with pytest.raises(RuntimeError, match=r"call engine.step\(\)"):
+        opt.step()  # the usual port of a PyTorch loop: it would step nothing
+    before = engine.full_state_dict()
+    engine.step()  # the engine's own step still runs the same optimizer
+    assert engine.global_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+
+
 def test_step_between_accumulation_boundaries_does_nothing():
     model = Toy()
     engine = zerodp.initialize(model, one_group(model), {**CFG, "gradient_accumulation_steps": 2,
@@ -120,3 +134,57 @@ def test_bf16_engine_casts_inputs_and_keeps_fp32_masters():
     engine.step()
     assert all(m.dtype == torch.float32 for m in engine.partitioned_optimizer.masters)
     assert all(v.dtype == torch.float32 for v in engine.full_state_dict().values())
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _same_rng_states(a: tuple, b: tuple) -> bool:
+    import numpy as np
+    (ta, pa, na), (tb, pb, nb) = a, b
+    return (torch.equal(ta, tb) and pa == pb and na[0] == nb[0] and np.array_equal(na[1], nb[1])
+            and na[2:] == nb[2:])
+
+
+def _set_up_leaves_rng(rank: int, world: int) -> dict[str, bool]:
+    """Every RNG as initialize() found it, for each working precision, and the bf16 probe itself."""
+    from zerodp.engine.cpu_bf16 import bf16_slowdown
+    out = {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        torch.manual_seed(1234)
+        model = Toy()
+        before = _rng_states()
+        cfg = {**CFG, "zero_optimization": {"stage": 3 if dtype == "fp16" else 2}}
+        if dtype != "fp32":
+            cfg[dtype] = {"enabled": True}
+        zerodp.initialize(model, one_group(model), cfg)
+        out[dtype] = _same_rng_states(before, _rng_states())
+    before = _rng_states()
+    bf16_slowdown()  # the probe rank 0 runs once per process: whether it ran above depends on the order
+    out["probe"] = _same_rng_states(before, _rng_states())
+    return out
+
+
+def test_set_up_leaves_every_random_generator_as_it_found_it_on_every_rank():
+    from spawn import run_ranks
+    for rank, result in enumerate(run_ranks(_set_up_leaves_rng, 2)):  # rank 0 alone ran the bf16 probe
+        assert all(result.values()), f"rank {rank}: generators changed by set-up: {result}"
+
+
+@pytest.mark.parametrize("api", ["zerodp", "zerodp.deepspeed"])
+def test_set_up_says_stage_offload_and_dtype_at_info(api, caplog):
+    import zerodp.deepspeed
+    model = Toy()
+    cfg = {**CFG, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    with caplog.at_level("INFO", logger="zerodp"):
+        if api == "zerodp":
+            zerodp.initialize(model, one_group(model), cfg)
+        else:
+            zerodp.deepspeed.initialize(model=model, optimizer=one_group(model), config=cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "zerodp" and r.levelname == "INFO"]
+    assert lines == [("zerodp: ZeRO stage 2 (optimizer state and gradients sharded over 1 of 1 ranks); offload: "
+                      "optimizer to cpu; dtype bf16; batch 2 per rank x 1 accumulation x 1 ranks = 2")]

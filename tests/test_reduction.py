@@ -7,9 +7,11 @@ data_types.grad_accum_dtype, seed, and checkpoint.tag_validation (tags differing
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import oracle
@@ -107,6 +109,21 @@ def _different_tags(rank: int, world: int, directory: str) -> str:
     return "saved"
 
 
+def _different_save_dirs(rank: int, world: int, directory: str) -> tuple[str, list[str]]:
+    """Each rank saves into a folder of its own name (as a clock-named folder would be)."""
+    model = nn.Linear(2, 2)
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"train_micro_batch_size_per_gpu": 1})
+    os.makedirs(directory, exist_ok=True)
+    mine = os.path.join(directory, f"run_{rank}")
+    try:
+        engine.save_checkpoint(mine)
+        error = "saved"
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        error = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return error, sorted(os.listdir(directory))
+
+
 def _all(rank: int, world: int, directory: str) -> dict:
     return {
         "oracle": {(tuple(k.items()), s): _oracle_run(rank, world, k, s) for k, s in ORACLE_KEYS},
@@ -116,6 +133,7 @@ def _all(rank: int, world: int, directory: str) -> dict:
         "accum": _accum_dtypes(rank, world),
         "seed": _seeded(rank, world),
         "tags": _different_tags(rank, world, directory),
+        "dirs": _different_save_dirs(rank, world, os.path.join(directory, "dirs")),
     }
 
 
@@ -174,6 +192,12 @@ def test_seed_seeds_every_rank_with_seed_plus_rank():
 def test_checkpoint_tags_differing_between_ranks_fail_on_every_rank():
     messages = [r["tags"] for r in ranks()]
     assert all("different checkpoint tags" in m and "tag_of_rank1" in m for m in messages), messages
+
+
+def test_save_dirs_differing_between_ranks_fail_on_every_rank_before_anything_is_written():
+    for error, listing in (r["dirs"] for r in ranks()):
+        assert error.startswith("CheckpointError: ranks passed different save_dir") and "run_1" in error, error
+        assert listing == [], listing
 
 
 def test_tag_validation_ignore_is_refused_and_modes_are_case_insensitive():

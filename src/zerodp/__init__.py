@@ -75,6 +75,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     from zerodp.config import load_config
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
+    from zerodp.engine.summary import log_set_up
 
     try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
         cfg, error = load_config(config), None
@@ -86,7 +87,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    return Engine(model, optimizer, cfg, comm, lr_scheduler, checkpoint_io=checkpoint_io, source=source)
+    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, checkpoint_io=checkpoint_io, source=source)
+    log_set_up(cfg, comm.world_size, engine.shard_size, comm.rank)
+    return engine
 
 
 def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, Exception | None]:

@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import re
+import zipfile
 from dataclasses import dataclass, field
 
 import torch
@@ -163,11 +164,30 @@ class DeepSpeedCheckpoint:
         return out
 
 
+def verify_records(path: str, rank: int = 0, world_size: int = 1) -> None:
+    """Check the CRC-32 of every record of the checkpoint's files (torch.save writes zip archives, whose
+    records carry one; torch.load does not check them, so a damaged byte would load as a wrong value).
+    Rank r of world_size checks every world_size-th file, so that N ranks read the files once between
+    them; the load agrees on the result. A file in torch's legacy (non-zip) format has nothing to check."""
+    for file in sorted(glob.glob(os.path.join(path, "*.pt")))[rank::world_size]:
+        if not zipfile.is_zipfile(file):
+            continue
+        try:
+            with zipfile.ZipFile(file) as z:
+                bad = z.testzip()  # reads every record in chunks, comparing its CRC-32
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise CheckpointError(f"DeepSpeed checkpoint file '{file}' is corrupt: {e}") from None
+        if bad is not None:
+            raise CheckpointError(f"DeepSpeed checkpoint file '{file}' is corrupt: its record '{bad}' fails its "
+                                  "CRC-32 check (a changed or damaged byte); refusing to load it")
+
+
 def read(path: str) -> DeepSpeedCheckpoint:
     """Read the DeepSpeed checkpoint in tag directory `path`; one process, no group.
 
     The optimizer files are memory-mapped: a rank that copies out only the pieces it owns reads
-    only those pages (about 1/N of the optimizer state), not every rank's file whole.
+    only those pages (about 1/N of the optimizer state), not every rank's file whole. Their records'
+    checksums are checked by `verify_records`, which the caller runs first.
     """
     try:
         return _read(path)
@@ -192,6 +212,7 @@ def _read(path: str) -> DeepSpeedCheckpoint:
     stage = int(optim[0].get("zero_stage", 1))  # BF16_Optimizer (bf16 stage 1, fp32 accumulation) has none
     groups = [list(g) for g in model["param_shapes"]]
     shapes = {n: torch.Size(s) for g in model["param_shapes"] for n, s in g.items()}
+    _check_module_shapes(model_file, model.get("module") or {}, shapes)
     if stage == 3:
         flats, base = "fp32_flat_groups", [o["optimizer_state_dict"] for o in optim]
     elif stage in (1, 2):
@@ -221,6 +242,15 @@ def _read(path: str) -> DeepSpeedCheckpoint:
     return DeepSpeedCheckpoint(path, stage, world, groups, shapes, parts, segments, scalars,
                                base[0]["param_groups"], model, _untrained(path, model, shapes, world, stage),
                                dict(vars(scaler)) if isinstance(scaler, _Record) else {})
+
+
+def _check_module_shapes(file: str, module: dict, shapes: dict[str, torch.Size]) -> None:
+    """The model states' weights (stages 1-2 hold them whole; stage 3 empty) against param_shapes."""
+    for name, shape in shapes.items():
+        t = module.get(name)
+        if torch.is_tensor(t) and t.numel() > 0 and t.shape != shape:
+            raise CheckpointError(f"DeepSpeed checkpoint file '{file}' is corrupt: its weight '{name}' has shape "
+                                  f"{tuple(t.shape)} where its param_shapes say {tuple(shape)}")
 
 
 def _optim_file(path: str, rank: int) -> dict:
@@ -290,6 +320,7 @@ def load(engine, path: str, parts=None) -> dict:
     """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then apply.py."""
     err = meta = staged = None
     try:
+        verify_records(path, engine.comm.rank, engine.comm.world_size)
         ckpt = read(path)
         _check_model(engine, ckpt)
         meta = _meta(engine, ckpt)
@@ -424,6 +455,7 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
 # ---- consolidating one ---------------------------------------------------------------------------
 def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag dir."""
+    verify_records(path)
     ckpt = read(path)
     ties = dict(ckpt.model.get("shared_params") or {})
     order = list(ckpt.model.get("module") or {}) or list(ckpt.shapes)

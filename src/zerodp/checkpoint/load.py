@@ -27,6 +27,12 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
+    with engine.comm.names_peer_failure("in engine.load_checkpoint()"):
+        return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
+
+
+def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_scheduler_states: bool,
+          module_only: bool) -> dict:
     parts = Parts(optimizer_states and not module_only, lr_scheduler_states and not module_only, not module_only)
     ds_path = deepspeed.find(load_dir, tag)
     if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, apply.py loads it

@@ -20,12 +20,12 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from zerodp.checkpoint import files
 from zerodp.checkpoint.deepspeed import directory_contents
-from zerodp.checkpoint.errors import CheckpointError
+from zerodp.checkpoint.errors import CheckpointError, failure_text
 from zerodp.checkpoint.files import LATEST, META, TAG
 from zerodp.checkpoint.meta import validate
 
@@ -33,8 +33,10 @@ from zerodp.checkpoint.meta import validate
 LOAD_CHUNK_NUMEL = 1 << 28
 
 
-def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-    """(path of the tag directory, its zerodp.json), checked; `load_dir` may be the tag dir itself."""
+def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> tuple[str, dict]:
+    """(path of the tag directory, its zerodp.json), checked; `load_dir` may be the tag dir itself.
+    Every file's size is checked; with `checksums` its crc32 too (a read of every byte, in chunks:
+    what an unattended resume does once, so that a flipped bit sends it to an older checkpoint)."""
     load_dir = os.fspath(load_dir)
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"no checkpoint at '{load_dir}': the directory does not exist")
@@ -79,13 +81,15 @@ def resolve(load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         if size != rec["size"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} has {size} bytes, "
                                   f"{rec['size']} were written (truncated?)")
+    if checksums:
+        _verify_files(path, meta, set(meta["files"]))
     return path, meta
 
 
 def newest_intact(save_dir: str) -> tuple[str, dict]:
     """(path, zerodp.json) of the newest checkpoint in save_dir (by global step, then time) that
-    `resolve` accepts: what a resume falls back on when `latest` is corrupt or names a broken one.
-    Its crc32s are checked when it is read."""
+    `resolve` accepts with every checksum: what a resume falls back on when `latest` is corrupt or
+    names a broken one. Checkpoints are checked newest first, and the first intact one is taken."""
     save_dir = os.fspath(save_dir)
     found, broken = [], []
     for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
@@ -97,11 +101,14 @@ def newest_intact(save_dir: str) -> tuple[str, dict]:
             broken.append(str(e))
             continue
         found.append((meta["counters"]["global_steps"], os.path.getmtime(os.path.join(path, META)), path, meta))
-    if not found:
-        why = f": {'; '.join(broken)}" if broken else ""
-        raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
-    _, _, path, meta = max(found, key=lambda f: f[:2])
-    return path, meta
+    for _, _, path, meta in sorted(found, key=lambda f: f[:2], reverse=True):
+        try:  # the checksums, newest first: reading every byte of the older ones is not needed
+            _verify_files(path, meta, set(meta["files"]))
+            return path, meta
+        except CheckpointError as e:
+            broken.append(str(e))
+    why = f": {'; '.join(broken)}" if broken else ""
+    raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
 
 
 def _inside(path: str, name: str, named_in: str) -> None:
@@ -184,12 +191,37 @@ def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Call
         chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
         size += chunk[key].numel()
         if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
-            try:
-                with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
-            except Exception as e:  # noqa: BLE001 - DCP wraps file errors in its own types
-                raise CheckpointError(f"checkpoint '{path}' is corrupt: reading its tensors failed "
-                                      f"({type(e).__name__}: {e})") from None
+            error = _load(path, chunk)
+            if error is not None:
+                file = _failing_file(path, metadata, chunk)
+                where = f"file {os.path.join(path, file)} cannot be read" if file else "reading its tensors failed"
+                raise CheckpointError(f"checkpoint '{path}' is corrupt: {where} ({error})")
             consume(chunk)
             chunk, size = {}, 0
+
+
+def _load(path: str, chunk: dict[str, torch.Tensor]) -> str | None:
+    """dcp.load of `chunk` from checkpoint `path`, in this process alone; what failed, or None."""
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(chunk, storage_reader=SafeReader(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps file errors in its own types
+        # One process reads here: "on rank 0" (DCP's wrapping) would name no real rank.
+        return failure_text(e).replace(" on rank 0:", ":").rstrip(": ")
+    return None
+
+
+def _failing_file(path: str, metadata, chunk: dict[str, torch.Tensor]) -> str | None:
+    """The one file whose tensors of `chunk` fail to load on their own (the error path only: each
+    file's tensors are read again, one file at a time); None when no single file is to blame."""
+    by_file: dict[str, set[str]] = {}
+    for idx, info in metadata.storage_data.items():
+        if idx.fqn in chunk:
+            by_file.setdefault(os.fspath(info.relative_path), set()).add(idx.fqn)
+    for file, fqns in sorted(by_file.items()):
+        alone = [k for k in fqns if all(os.fspath(i.relative_path) == file for x, i in metadata.storage_data.items()
+                                        if x.fqn == k)]
+        if alone and _load(path, {k: torch.empty_like(chunk[k]) for k in alone}) is not None:
+            return file
+    return None

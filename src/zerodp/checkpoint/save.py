@@ -38,8 +38,14 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
     keep_last=N then removes all but the N newest checkpoints of save_dir (by global step; never
-    the new one); None keeps them all. Returns the tag.
+    the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
+    raises PeerFailure naming the save, as one in a step names the step.
     """
+    with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
+        return _save(engine, save_dir, tag, client_state, keep_last)
+
+
+def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:
     comm = engine.comm
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)
@@ -54,12 +60,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
         err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-    first = agree(comm, err, (mine, tag))
-    needed = sum(m for m, _ in first)  # the bytes this save writes, for a "no space" message
-    tags = [t for _, t in first]
-    if len(set(tags)) > 1:  # every rank sees the same list, so every rank raises (checkpoint.tag_validation)
-        raise CheckpointError(f"ranks passed different checkpoint tags to save_checkpoint ({tags}, by rank); "
-                              "every rank must save under the same tag")
+    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir)))
+    needed = sum(m for m, _, _ in first)  # the bytes this save writes, for a "no space" message
+    _check_same_everywhere([t for _, t, _ in first], [d for _, _, d in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     agree(comm, on_rank0(comm, files.prepare, save_dir, tmp))  # also clears killed saves' leftovers
     try:
@@ -79,6 +82,20 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
         meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
     agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta, keep_last))
     return tag
+
+
+def _check_same_everywhere(tags: list[str], dirs: list[str]) -> None:
+    """Every rank sees the same lists, so every rank raises, before anything is written: ranks saving
+    under different tags (checkpoint.tag_validation) or into different directories (a folder named
+    after each rank's clock) would each write a part of a checkpoint that nobody can read back."""
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"ranks passed different checkpoint tags to save_checkpoint ({tags}, by rank); "
+                              "every rank must save under the same tag")
+    if len(set(dirs)) > 1:
+        raise CheckpointError(f"ranks passed different save_dir to save_checkpoint ({dirs}, by rank): each would "
+                              "write a part of one checkpoint; pass every rank the same directory (a name made "
+                              "from the time or the host differs between ranks: make it on rank 0 and broadcast "
+                              "it, e.g. with torch.distributed.broadcast_object_list)")
 
 
 def _write_error(e: BaseException, save_dir: str, tmp: str, needed: int) -> str:

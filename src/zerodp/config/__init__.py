@@ -303,7 +303,8 @@ class Config(_Section):
     broadcast_buffers: bool = True
     # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
     # when zerodp creates the group).
-    comm_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
+    comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
     cuda_visible_devices: int | str | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)

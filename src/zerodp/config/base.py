@@ -30,8 +30,9 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     # A misspelt key must be an error, not a silently ignored setting; so must a value of the wrong
     # JSON type (strict): "yes" is not a boolean, true is not a batch size, "2" is not a stage, the
-    # string "1e-3" is not a number. An integer is still a number where a float is expected.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # string "1e-3" is not a number. An integer is still a number where a float is expected. No
+    # key means anything by inf or nan (an inf loss scale or clip would be trained with, not refused).
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod

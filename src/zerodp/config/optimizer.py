@@ -9,6 +9,8 @@ with the reason and what to use instead, as are torch classes that cannot step o
 from __future__ import annotations
 
 import inspect
+import json
+import math
 from typing import Any, Iterable
 
 import torch
@@ -88,16 +90,20 @@ class OptimizerConfig(_Section):
         for key, value in kwargs.items():
             if isinstance(value, str) and value == "auto":
                 raise ConfigError(f"config key 'optimizer.params.{key}' = \"auto\": {_AUTO} a number")
-        known = [p for p in inspect.signature(cls).parameters if p != "params"]
+        signature = {k: v.default for k, v in inspect.signature(cls).parameters.items() if k != "params"}
+        known = list(signature)
         unknown = [_unknown_key(f"optimizer.params.{k}", known) + f" (optimizer {self.type}, "
                    f"torch.optim.{cls.__name__})" for k in kwargs if k not in known]
-        if unknown:
-            raise ConfigError("\n".join(unknown))
-        try:  # values are checked by torch itself, on a one-element dummy, so errors come at load
-            cls([torch.zeros(1, requires_grad=True)], **kwargs)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"config key 'optimizer.params' rejected by torch.optim."
-                              f"{cls.__name__}: {e}") from None
+        problems = unknown or [p for k, v in kwargs.items() if (p := _value_problem(k, v, signature[k]))]
+        if problems:
+            raise ConfigError("\n".join(problems))
+        error = _torch_rejects(cls, kwargs)  # ranges are torch's own checks, run at load
+        if error is not None:
+            # Name the key when torch rejects it alone (torch's message says "learning rate", not "lr").
+            key = next((k for k in kwargs if _torch_rejects(cls, {k: kwargs[k]}) is not None), None)
+            where = ("'optimizer.params'" if key is None else
+                     f"'optimizer.params.{key}' = {json.dumps(kwargs[key], default=repr)}")
+            raise ConfigError(f"config key {where} rejected by torch.optim.{cls.__name__}: {error}")
         return cls, kwargs
 
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -112,3 +118,37 @@ class OptimizerConfig(_Section):
                 and tensors and all(t.device.type in ("cuda", "cpu") for t in tensors)):
             kwargs["fused"] = True
         return cls(groups, **kwargs)
+
+
+def _torch_rejects(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Exception | None:
+    """torch's own error for these arguments, built on a one-element dummy; None when it accepts them."""
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return e
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _value_problem(key: str, value: Any, default: Any) -> str | None:
+    """What is wrong with `value` for a torch.optim argument whose default is `default`, typed as JSON
+    would write that default (torch checks ranges itself, but takes inf, True for 1, and fails on a
+    tuple of the wrong length with an IndexError of its own); None when it has the right form."""
+    if isinstance(default, bool):
+        ok, form = isinstance(value, bool), "true or false"
+    elif isinstance(default, (int, float)):
+        ok, form = _is_number(value), "a finite number (not a string or a boolean)"
+    elif isinstance(default, tuple):
+        ok = (isinstance(value, (list, tuple)) and len(value) == len(default)
+              and all(_is_number(v) or (d is None and v is None) for v, d in zip(value, default)))
+        form = f"a list of {len(default)} finite numbers, like {json.dumps(list(default))}"
+    elif default is None:
+        ok, form = value is None or isinstance(value, bool), "true, false or null"
+    else:
+        return None
+    if ok:
+        return None
+    return f"config key 'optimizer.params.{key}' = {json.dumps(value, default=repr)}: expected {form}"

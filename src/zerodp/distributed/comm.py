@@ -235,6 +235,7 @@ class Comm:
             results = [(report, payload)]
         else:
             results = [None] * self.world_size
+            self.last_op = "all_gather_object"  # what a PeerFailure names if a peer never joins it
             dist.all_gather_object(results, (report, payload), group=self.group)
         failures = [Failure(r, *rep) for r, (rep, _) in enumerate(results) if rep is not None]
         if failures:

@@ -25,7 +25,9 @@ class SlowBF16Warning(UserWarning):
 def bf16_slowdown() -> float:
     """Time of a matmul in bf16 over the same in fp32 on this CPU (best of a few)."""
     def best(dtype: torch.dtype) -> float:
-        a = torch.randn(_SIZE, _SIZE).to(dtype)
+        # Its own generator: drawing from the global one on rank 0 alone would leave rank 0's random
+        # stream (dropout) different from every other rank's, and from a run without zerodp.
+        a = torch.randn(_SIZE, _SIZE, generator=torch.Generator().manual_seed(0)).to(dtype)
         a @ a  # first call: kernel choice and allocation, not timed
         times = []
         for _ in range(_REPEATS):

@@ -21,7 +21,7 @@ from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.memory import memory_report
-from zerodp.engine.non_finite import NonFinitePolicy, norm_is_finite, step_flags
+from zerodp.engine.non_finite import NonFinitePolicy, step_flags, step_is_finite
 from zerodp.engine.optimizer import (
     OptimizerLike,
     PartitionedOptimizer,
@@ -243,9 +243,9 @@ class Engine:
         else:  # the used bits ride in the same all-reduce
             norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
-        # The one host sync of the step, in every precision, on a value every rank agrees on: a
-        # non-finite norm (fp16 overflow, or a nan/inf loss or gradient anywhere) skips the step.
-        skip = not norm_is_finite(norm_sq)
+        # The one host sync of the step, in every precision, on values every rank agrees on: a
+        # non-finite norm (fp16 overflow, a nan/inf gradient) or loss anywhere skips the step.
+        skip = not step_is_finite(norm_sq, flags)
         if skip:
             self.skipped_steps += 1
         else:

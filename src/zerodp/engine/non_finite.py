@@ -3,9 +3,10 @@
 
 Every rank decides from values all ranks already share, so all skip (and all raise) together:
 the global squared norm (all-reduced in stages 1-3; in stage 0 computed from all-reduced
-gradients), the loss scale, and two numbers that ride in the same all-reduce as the norm: how many
-ranks had a non-finite loss in the step, and the sum of their (rank + 1), which names the rank when
-there is one. Stage 0 over several ranks has no norm all-reduce, so there no rank is named.
+gradients), the loss scale, and two numbers that ride in the same all-reduce as the norm (stage 0:
+a small all-reduce of their own): how many ranks had a non-finite loss in the step, and the sum of
+their (rank + 1), which names the rank when there is one. A non-finite loss skips the step even when
+every gradient is finite (a detached inf term adds nothing to the gradients but is no good step).
 
 What counts toward `max_consecutive_skips`: every skipped step in fp32 and bf16, and in fp16 with a
 static loss scale; in fp16 with dynamic loss scaling an overflow is the scaler's routine signal to
@@ -46,11 +47,15 @@ def step_flags(loss: torch.Tensor | None, rank: int) -> torch.Tensor:
     return torch.stack([bad, bad * (rank + 1)])
 
 
-def norm_is_finite(norm_sq: torch.Tensor) -> bool:
-    """The step's one host sync: whether the agreed global squared norm is finite."""
+def step_is_finite(norm_sq: torch.Tensor, flags: torch.Tensor | None) -> bool:
+    """The step's one host sync: whether the agreed global squared norm is finite and no rank's loss
+    was non-finite (the agreed `flags`; None where they are unknown)."""
     if torch._subclasses.fake_tensor.is_fake(norm_sq):  # peak.py measures memory on fake tensors
         return True
-    return bool(torch.isfinite(norm_sq))
+    finite = torch.isfinite(norm_sq)
+    if flags is not None and flags.numel():
+        finite = finite & (flags[0] == 0)
+    return bool(finite)
 
 
 class NonFinitePolicy:

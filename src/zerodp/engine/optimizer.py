@@ -69,19 +69,33 @@ class PartitionedOptimizer:
             if not isinstance(self.optimizer, Optimizer):
                 raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
                                 "expected a torch.optim.Optimizer")
+        # The user's optimizer object now steps on master shards whose gradients only the engine sets:
+        # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
+        # torch's step pre-hook lets it say so instead.
+        self._stepping = False
+        self.optimizer.register_step_pre_hook(self._only_from_engine)
+
+    def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._stepping:
+            raise RuntimeError(f"{type(optimizer).__name__}.step() was called directly, on an optimizer that "
+                               "zerodp.initialize rewired to the engine's parameter shards, where it would "
+                               "change nothing: call engine.step() instead (it reduces the gradients, clips, "
+                               "steps this optimizer and gathers the new weights)")
 
     def grad_norm_squared(self, grads: list[torch.Tensor], flags: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum of squares of the full gradient, on every rank (inf/nan if any rank overflowed), and
         `flags` (non_finite.step_flags) summed over ranks in the same one all-reduce. Stage 0's
-        gradients are already identical on every rank, so it reduces nothing: its flags are known
-        only in a world of one (None otherwise)."""
+        gradients are already identical on every rank, so its norm needs no reduction; its flags
+        (a loss may be non-finite on one rank with every gradient finite) get a small one of their own."""
         local = self._local_norm_squared(grads)
         if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
             local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
         if self.stage == 0:
-            return local, flags if self.comm.world_size == 1 else None
+            if self.comm.world_size > 1 and flags.numel():
+                self.comm.all_reduce(flags)
+            return local, flags
         both = torch.cat([local.reshape(1), flags])
         self.comm.all_reduce(both)
         return both[0], both[1:]
@@ -111,6 +125,17 @@ class PartitionedOptimizer:
         fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         if fold:
             self.optimizer.grad_scale = coef.reciprocal()
+        self._stepping = True
+        try:
+            self._step_sub_groups(grads, coef, fold)
+        finally:
+            self._stepping = False
+        if fold:
+            del self.optimizer.grad_scale
+        self.all_gather(defer=defer_gather)
+
+    def _step_sub_groups(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
+        """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
             masters = [self.masters[k] for k in part]
             if not self.offload:
@@ -125,9 +150,6 @@ class PartitionedOptimizer:
                     self.optimizer.step()
             for m in masters:
                 m.grad = None
-        if fold:
-            del self.optimizer.grad_scale
-        self.all_gather(defer=defer_gather)
 
     def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken

@@ -7,10 +7,9 @@ stepped with a zero gradient (DeepSpeed's behaviour), which AdamW turns into wei
 moments. `zero_optimization.step_unused_parameters: true` keeps that behaviour (and skips all this).
 
   used bits     one per trained parameter: did it get a gradient on this rank in the window (any
-                micro-step)? They ride in the all-reduce of the gradient norm (stages 1-3, and any
-                stage on one rank); stage 0 on several ranks has no such all-reduce and makes one small
-                all-reduce of its own (as DDP does for its used-parameter map). A parameter is used if
-                any rank used it.
+                micro-step)? They ride in the all-reduce of the gradient norm (stages 1-3), or in
+                stage 0's small all-reduce of the non-finite flags (as DDP has one for its
+                used-parameter map). A parameter is used if any rank used it.
   fast path     a shard whose parameters are all used and all stepped as often as the shard is stepped
                 whole, as usual: the normal case costs no host work beyond reading the bits when this
                 rank itself saw an unused parameter.
@@ -73,16 +72,10 @@ class UsedParameters:
         sets `self.used` (None when every parameter was used somewhere)."""
         local_all = self.window == self.all_used
         bits = torch.tensor(list(self.window.to_bytes(self.total, "little")), dtype=torch.float64)
-        rides = not (self.stage == 0 and self.comm.world_size > 1)
-        if rides:
-            flags = torch.cat([flags, bits.to(flags.device)])
+        flags = torch.cat([flags, bits.to(flags.device)])
         norm_sq, flags = partitioned.grad_norm_squared(grads, flags)
-        if rides:
-            n = flags.numel() - bits.numel()
-            flags, agreed = flags[:n], flags[n:]
-        else:
-            agreed = bits.to(partitioned.buckets[0].data.device)
-            self.comm.all_reduce(agreed)
+        n = flags.numel() - bits.numel()
+        flags, agreed = flags[:n], flags[n:]
         if local_all or torch._subclasses.fake_tensor.is_fake(agreed):
             self.used = None  # this rank used everything, so every rank did: nothing to read back
         else:

@@ -4,7 +4,7 @@ timings, monitor events (TensorBoard, CSV, W&B) and the comms logger's totals.
 Costs nothing it does not need: no collective, and no host sync of its own. On the CPU values are
 read as they come. On a GPU a step's values (loss, grad norm, CUDA timing events) are copied to the
 host without blocking and read during the next step, after that step's own sync (engine.step's
-`norm_is_finite`) has made them complete; lines and events therefore trail by one step there, and
+`step_is_finite`) has made them complete; lines and events therefore trail by one step there, and
 `flush()` (engine.timings(), or the end of training) reads the last one.
 
 What each field is:

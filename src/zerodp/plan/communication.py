@@ -14,7 +14,7 @@ all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hi
               stage3_param_persistence_threshold stay gathered);
   stages 1-3  one all_reduce of the squared gradient norm and two flags (24 bytes) over the world, with
               one fp64 "used" bit per trainable parameter tensor (8 bytes each, unused.py); stage 0
-              sends those bits in an all_reduce of their own.
+              sends the flags (16 bytes) and those bits in an all_reduce of their own.
 Links: ranks r, r+1, ... fill a node of `gpus_per_node`; a group whose ranks all sit in one node uses
 the intra-node link (NVLink), any other group the inter-node one (InfiniBand): a ring runs at its
 slowest hop. Time of a collective kind: calls x hops x latency + bytes / bandwidth, hops being n-1 for
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # torch-free at import: estimate's --help answers before torc
     from torch import nn
 
 NORM_BYTES = 24  # the fp64 squared norm and the two non-finite flags (optimizer.grad_norm_squared)
+FLAG_BYTES = 16  # the two flags alone: stage 0's norm is local, its flags still need every rank
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ def transfers(job: Job) -> list[Transfer]:
     if n == 1:
         return []
     bits = 8 * job.params
-    if job.stage == 0:  # the used bits in an all_reduce of their own
-        return [t("all_reduce", "world", n, job.buckets + (1 if bits else 0), 2 * _ring(n, grads) + 2 * _ring(n, bits))]
+    if job.stage == 0:  # the flags and used bits in an all_reduce of their own
+        return [t("all_reduce", "world", n, job.buckets + 1, 2 * _ring(n, grads) + 2 * _ring(n, FLAG_BYTES + bits))]
     passes = 1 if job.stage == 1 else job.gas
     shard = "shard" if hier else "world"
     out = [t("reduce_scatter", shard, s, passes * job.buckets, passes * _ring(s, grads))]

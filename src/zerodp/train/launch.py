@@ -25,6 +25,9 @@ from pathlib import Path
 from zerodp.train.options import parse_options
 
 PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
+# A rank that stopped because a peer stalled or died (zerodp.PeerFailure) exits with this: the
+# launcher then blames the peer, not the rank that only noticed it.
+EXIT_PEER_FAILURE = 4
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +77,7 @@ def launch(opts: argparse.Namespace) -> None:
             if codes <= {128 + signal.SIGTERM, 128 + signal.SIGINT} or codes == {EXIT_NON_FINITE}:
                 raise SystemExit(max(codes))
             found = first.rank_and_code or min((r, f.exitcode) for r, f in e.failures.items())
-            raise SystemExit(f"zerodp train: {describe_exit(*found)}")
+            raise SystemExit(f"zerodp train: {describe_exit(*found, world=opts.nproc)}")
 
 
 class FirstExit:
@@ -124,8 +127,15 @@ class FirstExit:
                 return
 
 
-def describe_exit(rank: int, code: int) -> str:
-    """'rank 1 was killed by SIGKILL (exit code -9)' or 'rank 0 failed (exit code 1)'."""
+def describe_exit(rank: int, code: int, world: int | None = None) -> str:
+    """'rank 1 was killed by SIGKILL (exit code -9)' or 'rank 0 failed (exit code 1)'; a rank that
+    stopped on a peer's stall names the other ranks (it cannot tell which of them stalled)."""
+    if code == EXIT_PEER_FAILURE:
+        others = [str(r) for r in range(world or 0) if r != rank]
+        suspect = (f"rank {others[0]}" if len(others) == 1 else
+                   f"one of ranks {', '.join(others)}" if others else "another rank")
+        return (f"{suspect} stopped responding (stalled or died): rank {rank} gave up waiting for it "
+                "(its line above names the collective and where)")
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -146,7 +156,7 @@ def _launched_rank(opts: argparse.Namespace) -> None:
         code = run_rank(opts)
     except zerodp.PeerFailure as e:  # one line says it all: which collective, and why
         print(f"zerodp train: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
+        os._exit(EXIT_PEER_FAILURE)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

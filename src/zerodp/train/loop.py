@@ -157,10 +157,12 @@ def train(opts: argparse.Namespace) -> int:
                       tokens_per_s=job.tokens_per_step / dt, grad_norm=engine.grad_norm,
                       loss_scale=engine.loss_scale)
         if step % opts.eval_every == 0 or step == opts.steps:
+            crash_point(opts, step, job.rank, "eval")
             val_loss = evaluate(job)
             memory = log_memory(job)
         if ((opts.save_every and step % opts.save_every == 0) or step == opts.steps
                 or (stopping and opts.save_on_signal)):
+            crash_point(opts, step, job.rank, "save")
             save(job)
         if bar is not None:
             bar.update(1)
@@ -170,8 +172,7 @@ def train(opts: argparse.Namespace) -> int:
                                 f"mem/rank {memory_text(memory)}")
         if stopping:
             return stopped(job, bar, stopping)
-        if opts.crash_after is not None and step == opts.crash_after and opts.crash_rank in (None, job.rank):
-            os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+        crash_point(opts, step, job.rank, "step")
     if bar is not None:
         bar.close()
     if math.isnan(val_loss):  # resumed from the last step's checkpoint: nothing was left to train
@@ -298,6 +299,13 @@ def finish(job: Job, val_loss: float) -> None:
           f"{written}", flush=True)
 
 
+def crash_point(opts: argparse.Namespace, step: int, rank: int, where: str) -> None:
+    """The fault tests' --crash-after / --crash-rank / --crash-signal / --crash-where: a signal to this
+    rank's own process at the point named."""
+    if opts.crash_after == step and opts.crash_rank in (None, rank) and opts.crash_where == where:
+        os.kill(os.getpid(), getattr(signal, opts.crash_signal))
+
+
 @torch.no_grad()
 def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device) -> float:
     """Mean loss over the fixed validation batches of every rank."""
@@ -308,5 +316,6 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
             x, y = x.to(device), y.to(device)
         total += engine(x, y).float()
     engine.train()
-    dist.all_reduce(total)
+    with engine.comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
+        dist.all_reduce(total)
     return total.item() / (len(val) * dist.get_world_size())

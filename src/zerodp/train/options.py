@@ -26,9 +26,10 @@ DEFAULTS: dict[str, Any] = dict(
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
     resume_from=None, seed=1337, nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
-    on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL",
+    on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
-HIDDEN = ("crash_after", "crash_rank", "crash_signal")  # fault injection for the tests, not for --config
+# Fault injection for the tests, not for --config.
+HIDDEN = ("crash_after", "crash_rank", "crash_signal", "crash_where")
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
 
 
@@ -85,12 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-non-finite", choices=["raise", "skip"], help="a step whose gradient norm is "
                    "nan/inf is skipped on every rank; raise: stop the job after 3 such steps in a row "
                    "(the default), skip: go on (the config's non_finite section)")
-    # For the fault tests: after step K (and its checkpoint, if any) send SIGNAL (default SIGKILL)
-    # to every rank's own process, or to rank R's only.
+    add_fault_options(p)
+    return p
+
+
+def add_fault_options(p: argparse.ArgumentParser) -> None:
+    """For the fault tests, hidden: after step K (and its checkpoint, if any) send SIGNAL (default
+    SIGKILL) to every rank's own process, or to rank R's only; --crash-where eval / save: at step K,
+    just before its evaluation / its checkpoint save instead."""
     p.add_argument("--crash-after", type=int, help=argparse.SUPPRESS)
     p.add_argument("--crash-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--crash-signal", help=argparse.SUPPRESS)
-    return p
+    p.add_argument("--crash-where", choices=["step", "eval", "save"], help=argparse.SUPPRESS)
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """What `--resume` continues, settled once before any rank starts: the checkpoint, and the batch.
 
-`--resume` alone takes OUT/checkpoints' `latest`; when that is corrupt or names a broken checkpoint,
+`--resume` alone takes OUT/checkpoints' `latest`; when that is corrupt or names a broken checkpoint
+(a file missing, of the wrong size, or failing its crc32),
 the newest intact one (zerodp.checkpoint.newest_intact), with a warning that names the bad one and
 why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch.
 
@@ -58,8 +59,8 @@ def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
 
 
 def _latest_or_newest_intact(ckpt_dir: Path) -> tuple[str, dict]:
-    try:
-        return resolve(ckpt_dir)
+    try:  # every checksum, once, here: a flipped bit would otherwise fail every restart at the load
+        return resolve(ckpt_dir, checksums=True)
     except CheckpointError as bad:
         path, meta = newest_intact(ckpt_dir)
         warn(f"{bad}; resuming from the newest intact checkpoint '{path}' (step "

@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 from transformers import Trainer
@@ -31,7 +32,12 @@ from transformers.trainer_utils import has_length
 from zerodp import initialize
 from zerodp.config import ConfigError
 from zerodp.engine.engine import Engine
+from zerodp.engine.summary import no_stage_chosen, set_up_line
 from zerodp.integrations.hf.auto import fill_from_training_args
+
+# The Trainer's own logger: ZeroTrainer's set-up line shows wherever the Trainer's own set-up lines do
+# (Hugging Face's example scripts set it to INFO on the main process).
+_trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
 
 # TrainingArguments that would take the data-parallel part away from zerodp, or act on a model the
 # engine owns behind the Trainer's back.
@@ -97,15 +103,17 @@ class ZeroTrainer(Trainer):
         if self.engine is not None:
             raise RuntimeError("ZeroTrainer.train() builds its zerodp engine once; make a new ZeroTrainer "
                                "(on a fresh model) for another run, resuming from a checkpoint if needed")
+        # Before the batch sizes, which are computed for the Trainer's world size and would otherwise
+        # fail on the group's with an arithmetic error that hides the cause.
+        _check_same_world(_group_world_size(), self.args.world_size)
         config = fill_from_training_args(self.zero_config, self.args, self.args.world_size, max_steps, self.model)
         _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
         optimizer = self._optimizer_for(config)
         scheduler = self._scheduler_for(config, max_steps)
         self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights)
-        if self.engine.comm.world_size != self.args.world_size:
-            raise ValueError(f"zerodp's process group has {self.engine.comm.world_size} ranks but the Trainer "
-                             f"(accelerate) sees {self.args.world_size} processes; launch every rank with "
-                             "torchrun or accelerate launch so both agree")
+        _check_same_world(self.engine.comm.world_size, self.args.world_size)
+        if self.engine.comm.rank == 0:
+            self._say_set_up()
         self.optimizer = EngineOptimizer(self.engine)
         self.lr_scheduler = EngineScheduler(self.optimizer)
         self.model_wrapped = EngineModule(self.engine)
@@ -115,6 +123,18 @@ class ZeroTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model_wrapped, train_dataloader
+
+    def _say_set_up(self) -> None:
+        """One line on rank 0: the stage, offload and dtype that run, among the Trainer's own set-up lines
+        (its logger, at INFO), or as a warning when no stage was chosen (plain data parallelism)."""
+        line = set_up_line(self.engine.config, self.engine.comm.world_size, self.engine.shard_size)
+        if no_stage_chosen(self.engine.config):
+            _trainer_log.warning("ZeroTrainer was given no ZeRO stage (no zero_config, or one without "
+                                 "zero_optimization.stage), so it trains plain data parallelism: %s. Pass e.g. "
+                                 "zero_config={\"zero_optimization\": {\"stage\": 2}} to shard the model states",
+                                 line)
+        else:
+            _trainer_log.info("%s", line)
 
     def _optimizer_for(self, config: dict[str, Any]) -> torch.optim.Optimizer | None:
         """The config's optimizer section (built by the engine), or the Trainer's own."""
@@ -251,6 +271,17 @@ class EngineScheduler:
 
     def get_last_lr(self) -> list[float]:
         return self.optimizer.last_lr
+
+
+def _group_world_size() -> int:
+    """The ranks of the process group zerodp.initialize will use: the existing one, or torchrun's."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_same_world(group: int, trainer: int) -> None:
+    if group != trainer:
+        raise ValueError(f"zerodp's process group has {group} ranks but the Trainer (accelerate) sees {trainer} "
+                         "processes; launch every rank with torchrun or accelerate launch so both agree")
 
 
 def _check_full_windows(train_dataloader, gas: int, max_steps: int) -> None:

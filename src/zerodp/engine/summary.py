@@ -1,0 +1,44 @@
+"""The set-up line: which ZeRO stage, offload and dtype a job runs, said once on rank 0.
+
+A job configured by defaults (no config, or a config without `zero_optimization.stage`) trains plain
+data parallelism, stage 0: every rank holds the whole model, its gradients and its optimizer state.
+Saying so at set-up is what keeps that from going unnoticed; `no_stage_chosen` tells a caller (the
+Hugging Face Trainer, whose users expect ZeRO) when to turn the line into a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from zerodp.config import Config
+
+logger = logging.getLogger("zerodp")
+
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
+def set_up_line(config: Config, world_size: int, shard_size: int) -> str:
+    """One line: stage (what it shards, over how many ranks), offload, dtype, batch sizes."""
+    zero = config.zero_optimization
+    sharded = {0: "nothing sharded: plain data parallelism", 1: "optimizer state sharded",
+               2: "optimizer state and gradients sharded", 3: "optimizer state, gradients and parameters sharded"}
+    over = f" over {shard_size} of {world_size} ranks" if zero.stage > 0 else f", {world_size} rank(s)"
+    offload = [name for name, section in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param))
+               if section.device == "cpu"]
+    batch = config.batch(world_size)
+    return (f"zerodp: ZeRO stage {zero.stage} ({sharded[zero.stage]}{over}); offload: "
+            f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype "
+            f"{_DTYPE_NAMES[str(config.dtype)]}; batch {batch.micro_batch_size} per rank x "
+            f"{batch.gradient_accumulation_steps} accumulation x {world_size} ranks = {batch.train_batch_size}")
+
+
+def no_stage_chosen(config: Config) -> bool:
+    """True when the stage is the default one (0) because the config never set it."""
+    zero = config.zero_optimization
+    return "zero_optimization" not in config.model_fields_set or "stage" not in zero.model_fields_set
+
+
+def log_set_up(config: Config, world_size: int, shard_size: int, rank: int) -> None:
+    """The set-up line at INFO, on rank 0 only (one line per job, not one per rank)."""
+    if rank == 0:
+        logger.info("%s", set_up_line(config, world_size, shard_size))
