@@ -1,70 +1,115 @@
-"""Consolidation: a sharded checkpoint as one full fp32 state dict, in one process, no process group.
+"""Consolidation: a sharded checkpoint as full fp32 tensors, in one process, no process group.
 
 `zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
 `--hf` as a Hugging Face model folder (zerodp.models.hf_folder) that from_pretrained loads, from the HF config
-a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none).
+a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none). The writers
+read the checkpoint a chunk at a time and write each tensor as soon as it is whole (checkpoint_weights,
+models.weight_files): the whole model is never in memory (a DeepSpeed checkpoint's still is).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import torch
 
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.pieces import saved_pieces
-from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
+from zerodp.checkpoint.read import iter_tensors, read_metadata, resolve
+from zerodp.engine.weights import Weights
 from zerodp.models import hf_folder
+from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
+
+# Elements read from the checkpoint at once while exporting (zero_optimization.reduce_bucket_size's
+# default): the exporter holds one such chunk and the tensor being assembled, never the whole model.
+EXPORT_CHUNK_NUMEL = 50_000_000
 
 
 def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}); one process."""
+    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}); one process.
+    It holds the whole model: the writers below stream `checkpoint_weights` instead."""
+    weights = checkpoint_weights(load_dir, tag)
+    values = dict(weights.stream)
+    out = {n: values[weights.ties.get(n, n)] for n in weights.shapes}
+    return out, weights.ties
+
+
+def checkpoint_weights(load_dir: str, tag: str | None = None, chunk_numel: int = EXPORT_CHUNK_NUMEL) -> Weights:
+    """A checkpoint's weights as consolidate() gives them (trained parameters from their fp32 master
+    pieces, the rest as saved, floating ones in fp32), read `chunk_numel` elements at a time.
+    Everything missing is found before the first value is read. A DeepSpeed checkpoint is read whole."""
     ds_path = deepspeed.find(load_dir, tag)
-    if ds_path is not None:  # a DeepSpeed ZeRO checkpoint
-        return deepspeed.consolidate(ds_path)
+    if ds_path is not None:  # DeepSpeed's files hold each rank's flat partition: read whole
+        return Weights.of(deepspeed.consolidate(ds_path)[0])  # aliases hold their source's tensor
     path, meta = resolve(load_dir, tag)
     metadata = read_metadata(path)
     md = metadata.state_dict_metadata
-    requests: dict[str, torch.Tensor] = {}
-    read_tensors(path, metadata, [k for k in md if k.startswith(("master/", "model/"))], meta, requests.update)
     pieces = saved_pieces(metadata, "master/")
-    out: dict[str, torch.Tensor] = {}
-    ties: dict[str, str] = {}
+    shapes, ties, keys, owner = {}, {}, [], {}
     for e in meta["model"]:
         name, shape = e["name"], torch.Size(e["shape"])
         if e["alias_of"] is not None:
             ties[name] = e["alias_of"]
-            out[name] = out[e["alias_of"]]
-        elif e["kind"] == "trained":
-            full, covered = torch.zeros(shape.numel(), dtype=torch.float32), 0
-            for start, numel, key in pieces.get(name, []):
-                full[start:start + numel] = requests[key]
-                covered += numel
+            shapes[name] = shapes[e["alias_of"]]
+            continue
+        if e["kind"] == "trained":
+            found = sorted(pieces.get(name, []))
+            covered = sum(numel for _, numel, _ in found)
             if covered != shape.numel():
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: parameter '{name}' has "
                                       f"{covered} of {shape.numel()} elements saved")
-            out[name] = full.view(shape)
+            shapes[name] = (shape, torch.float32)
+            owner.update({key: (name, start) for start, _, key in found})
+            keys += [key for _, _, key in found]
         else:
-            t = requests.get(f"model/{name}")
-            if t is None:
+            key = f"model/{name}"
+            if key not in md:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: '{name}' is not saved")
-            out[name] = t.float() if t.is_floating_point() else t
-    return out, ties
+            dtype = md[key].properties.dtype
+            shapes[name] = (shape, torch.float32 if dtype.is_floating_point else dtype)
+            owner[key] = (name, None)
+            keys.append(key)
+    return Weights(shapes, ties, _assemble(iter_tensors(path, metadata, keys, meta, chunk_numel), owner, shapes))
+
+
+def _assemble(chunks: Iterator[dict[str, torch.Tensor]], owner: dict[str, tuple[str, int | None]],
+              shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors from the saved keys (a parameter's pieces come in order, one after another):
+    each given as soon as its last piece is read."""
+    name, full, filled = None, None, 0
+    for chunk in chunks:
+        for key, t in chunk.items():
+            n, start = owner[key]
+            if start is None:  # saved whole
+                yield n, t.float() if t.is_floating_point() else t
+                continue
+            if n != name:
+                name, full, filled = n, torch.zeros(shapes[n][0].numel(), dtype=torch.float32), 0
+            full[start:start + t.numel()] = t
+            filled += t.numel()
+            if filled == full.numel():
+                yield name, full.view(shapes[name][0])
+                name, full = None, None
 
 
 def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
-    """Write the full fp32 state dict as `.safetensors` (ties in its metadata) or `.pt`."""
-    state, ties = consolidate(load_dir, tag)
-    if out.endswith(".safetensors"):
-        from safetensors.torch import save_file
-        # safetensors stores no shared tensors: a tied name gets an equal copy, the tie goes in metadata.
-        plain = {k: (v.clone() if k in ties else v).contiguous() for k, v in state.items()}
-        save_file(plain, out, metadata={"format": "pt", "zerodp_tied": json.dumps(ties)})
-    elif out.endswith(".pt"):
-        torch.save(state, out)  # tied names share one tensor, as in the module
-    else:
+    """Write the full fp32 state dict as `.safetensors` (ties in its metadata) or `.pt`, tensor by tensor."""
+    if not out.endswith((".safetensors", ".pt")):
         raise CheckpointError(f"output '{out}' must end in .safetensors or .pt")
+    weights = checkpoint_weights(load_dir, tag)
+    plain = [n for n in weights.shapes if n not in weights.ties]
+    if out.endswith(".safetensors"):
+        # safetensors stores no shared tensors: a tied name gets an equal copy, the tie goes in metadata.
+        file = SafetensorsFile(out, weights.shapes, {"format": "pt", "zerodp_tied": json.dumps(weights.ties)})
+        routes = {n: [(file, n)] for n in plain}
+        for alias, name in weights.ties.items():
+            routes[name].append((file, alias))
+    else:
+        file = TorchSaveFile(out, weights.shapes, weights.ties)  # tied names share one tensor, as in the module
+        routes = {n: [(file, n)] for n in plain}
+    write_all(weights.stream, routes)
 
 
 def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: str | None = None) -> list[str]:
@@ -73,8 +118,7 @@ def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: 
     hf_config: an HF folder or config.json to take the config from instead of the checkpoint's record."""
     try:
         description = hf_folder.read_description(hf_config) if hf_config else _recorded_hf(load_dir, tag)
-        state, _ = consolidate(load_dir, tag)
-        return hf_folder.write_folder(out, state, description)
+        return hf_folder.write_folder(out, checkpoint_weights(load_dir, tag), description)
     except ValueError as e:
         raise CheckpointError(f"--hf: {e}") from None
 

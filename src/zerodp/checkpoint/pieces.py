@@ -56,7 +56,7 @@ def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]
 def signature(engine) -> list[dict]:
     """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
     trained = {id(s.param): b.group for b in engine.partitioned_optimizer.buckets for s in b.slots}
-    # A stage-3 parameter released after use has an empty placeholder: its slot keeps the real shape.
+    # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
     shapes = {id(s.param): s.shape for b in engine.partitioned_optimizer.buckets for s in b.slots}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}

@@ -16,7 +16,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -126,6 +126,8 @@ def _verify_files(path: str, meta: dict, names: set[str], verified: set[str] | N
         if name not in meta["files"] or files.record(file)["crc32"] != meta["files"][name]["crc32"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} does not match its "
                                   "checksum")
+        if verified is not None:
+            verified.add(name)
 
 
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
@@ -177,8 +179,16 @@ def read_metadata(path: str):
 
 def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None],
                  verified: set[str] | None = None) -> None:
-    """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk.
-    verified: the files whose crc32 a reader of many small requests has checked already (kept up to date)."""
+    """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
+    for chunk in iter_tensors(path, metadata, keys, meta, verified=verified):
+        consume(chunk)
+
+
+def iter_tensors(path: str, metadata, keys: list[str], meta: dict, chunk_numel: int = LOAD_CHUNK_NUMEL,
+                 verified: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The saved tensors `keys`, whole, in chunks of about `chunk_numel` elements, in key order
+    (the files checked once, before the first). verified: the files whose crc32 a reader of many
+    small requests has checked already (kept up to date)."""
     md = metadata.state_dict_metadata
     for key in keys:
         if not isinstance(md.get(key), TensorStorageMetadata):
@@ -190,13 +200,13 @@ def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Call
     for i, key in enumerate(keys):
         chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)
         size += chunk[key].numel()
-        if size >= LOAD_CHUNK_NUMEL or i == len(keys) - 1:
+        if size >= chunk_numel or i == len(keys) - 1:
             error = _load(path, chunk)
             if error is not None:
                 file = _failing_file(path, metadata, chunk)
                 where = f"file {os.path.join(path, file)} cannot be read" if file else "reading its tensors failed"
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {where} ({error})")
-            consume(chunk)
+            yield chunk
             chunk, size = {}, 0
 
 

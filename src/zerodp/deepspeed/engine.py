@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerodp.checkpoint.export_engine import save_weights
 from zerodp.checkpoint.files import LATEST
 from zerodp.engine.engine import Engine
 
@@ -204,13 +205,11 @@ class DeepSpeedEngine:
             warnings.warn("did not save the model: stage 3 needs "
                           "zero_optimization.stage3_gather_16bit_weights_on_model_save: true", stacklevel=2)
             return False
-        state = self.engine.full_state_dict()
-        trained = {n for n, p in self.engine.module.named_parameters() if p.requires_grad}
+        names = None
         if exclude_frozen_parameters:
-            state = {k: v for k, v in state.items() if k in trained}
+            names = {n for n, p in self.engine.module.named_parameters() if p.requires_grad}
         if self.global_rank == 0:
-            dtype = self.engine.dtype
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             os.makedirs(save_dir, exist_ok=True)
-            torch.save(state, os.path.join(save_dir, save_filename))
+        # Rank 0 writes each tensor as its bucket arrives: the model is never whole on any rank.
+        save_weights(self.engine, os.path.join(save_dir, save_filename), self.engine.dtype, names)
         return True

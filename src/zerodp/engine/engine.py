@@ -329,7 +329,9 @@ class Engine:
                 self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights of every rank, keyed like module.state_dict() (collective)."""
+        """fp32 master weights of every rank, keyed like module.state_dict() (collective). It gathers
+        the whole model on every rank: files are written without that (zerodp.checkpoint.export_engine,
+        from engine.weights.engine_weights, one bucket at a time)."""
         self.wait_for_parameters()
         values: dict[int, torch.Tensor] = {}
         for b, m in zip(self.partitioned_optimizer.buckets, self.partitioned_optimizer.masters):

@@ -4,10 +4,12 @@ trained weights. The one place that knows the folder format; transformers is imp
 In: `model_from_config` (the folder's AutoModelForCausalLM in fp32, its weights left to
 `zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the
 folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
-model of a recorded config on the meta device, assigns the trained fp32 tensors to it (a wrapper's
-`model.` prefix stripped) and lets `save_pretrained` write config.json, generation_config.json and
-model.safetensors with HF's own key names and tied weights (GPT-2's lm_head is not stored: HF re-ties
-it on load); the tokenizer is copied through `AutoTokenizer`. What a checkpoint records to make this
+model of a recorded config on the meta device, lets `save_pretrained` write config.json and
+generation_config.json, and asks HF which weights it would store under which keys in which shards
+(`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load).
+The weights themselves are written tensor by tensor as they arrive (models.weight_files), so neither
+the writer nor a rank sending them ever holds the whole model; the tokenizer is copied through
+`AutoTokenizer`. What a checkpoint records to make this
 possible later (`zerodp consolidate --hf`) is `description(model, tokenizer_from)`.
 """
 
@@ -15,15 +17,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from zerodp.engine.weights import Weights
+
 CONFIG = "config.json"
+WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+# save_pretrained's default (transformers 5): a model under 50 GB is one model.safetensors, as before.
+MAX_SHARD_SIZE = "50GB"
 # Any of these makes a folder's tokenizer loadable by AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prefixes a trained state dict may carry before HF's own names: zerodp's HFCausalLM (`model.`),
@@ -134,35 +144,33 @@ def read_description(path: str) -> dict[str, Any]:
             "tokenizer": os.path.abspath(folder) if has_tokenizer(folder) else None}
 
 
-def write_folder(out: str | os.PathLike, state: dict, description: dict[str, Any]) -> list[str]:
-    """Write `state` (full fp32 tensors, HF names with or without a wrapper prefix) as an HF folder
-    at `out`, replacing what is there; returns notes for the user (a tokenizer not copied)."""
-    import torch
-    import transformers
+def write_folder(out: str | os.PathLike, weights: Weights | Mapping[str, Any], description: dict[str, Any],
+                 writer: bool = True, max_shard_size: int | str = MAX_SHARD_SIZE) -> list[str]:
+    """Write `weights` (full tensors, HF names with or without a wrapper prefix: a state dict, or a
+    Weights stream) as an HF folder at `out`, replacing what is there; returns notes for the user (a
+    tokenizer not copied). The layout is checked against the config's model first, on every caller;
+    then the writer writes each tensor as it arrives and the others (writer=False) only iterate the
+    stream, which for an engine's weights is a collective: call it on every rank then."""
     from transformers.utils import logging
 
-    info = dict(description["config"])
-    config = transformers.AutoConfig.for_model(info.pop("model_type"), **info)
-    config.dtype = torch.float32  # what is stored: the fp32 master weights
-    with torch.device("meta"):  # no memory, no init: every tensor comes from `state`
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    _assign(model, state)
-    if description.get("generation_config"):
-        model.generation_config = transformers.GenerationConfig.from_dict(description["generation_config"])
+    from zerodp.engine.weights import Weights
+
+    if not isinstance(weights, Weights):
+        weights = Weights.of(dict(weights))
+    model = meta_model(description)
+    files, routes, index = layout(model, weights, max_shard_size)  # checked on every caller
+    if not writer:
+        weights.drain()
+        return []
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    notes = []
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))  # renamed into place when whole
     bar = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()  # "Writing model shards" of a one-file model is noise
+    logging.disable_progress_bar()  # save_pretrained's "Writing model shards" of no shard is noise
     try:
-        model.save_pretrained(tmp)
-        source = description.get("tokenizer")
-        if source and has_tokenizer(source):
-            transformers.AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-        elif source:
-            notes.append(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER "
-                         "of the model it came from)")
+        model.save_pretrained(tmp, state_dict={})  # config.json and generation_config.json, as HF writes them
+        _write_files(tmp, files, routes, index, weights)
+        notes = _copy_tokenizer(description.get("tokenizer"), tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -175,21 +183,114 @@ def write_folder(out: str | os.PathLike, state: dict, description: dict[str, Any
     return notes
 
 
-def _assign(model, state: dict) -> None:
-    """Give the meta-device `model` the tensors of `state`; every weight it stores must come from
-    there (tied ones excepted), and nothing else may be there."""
-    expected = set(model.state_dict())
-    prefix = _prefix(state, expected)
-    named = {k[len(prefix):]: v for k, v in state.items()}
-    try:
-        model.load_state_dict(named, strict=False, assign=True)
-    except RuntimeError as e:  # a shape that differs: another size of the same architecture
-        raise ValueError(f"the weights do not fit this HF config's model: {e}") from None
-    model.tie_weights()  # a tied head (GPT-2's lm_head) shares the embedding, stored once
-    missing = sorted(k for k, v in model.state_dict().items() if v.is_meta)
+def write_weights(folder: str | os.PathLike, weights: Weights, model, writer: bool = True,
+                  max_shard_size: int | str = MAX_SHARD_SIZE) -> None:
+    """Only the weight files of `model` (an HF model, e.g. `meta_like`'s), and their index when
+    sharded, into `folder`, replacing the weight files there (save_pretrained writes the rest).
+    As write_folder: checked on every caller, written by the writer, the stream iterated by all."""
+    files, routes, index = layout(model, weights, max_shard_size)
+    if not writer:
+        weights.drain()
+        return
+    folder = Path(folder)
+    for old in folder.glob("model*.safetensors*"):  # a previous save's shards that this one may not replace
+        if old.name == WEIGHTS_INDEX or _SHARD.fullmatch(old.name):
+            old.unlink()
+    _write_files(folder, files, routes, index, weights)
+
+
+def _write_files(folder: Path, files: dict[str, dict], routes: dict[str, list[tuple[str, str]]],
+                 index: dict | None, weights: Weights) -> None:
+    """The safetensors files of `layout` (and their index when sharded) in `folder`, each tensor
+    written as the stream gives it: one tensor in memory at a time, besides the stream's own."""
+    from zerodp.models.weight_files import SafetensorsFile, write_all
+
+    opened = {f: SafetensorsFile(folder / f, entries, {"format": "pt"}) for f, entries in files.items()}
+    write_all(weights.stream, {src: [(opened[f], key) for f, key in targets] for src, targets in routes.items()})
+    if index is not None:
+        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def meta_model(description: dict[str, Any]):
+    """The model of a recorded config (description()'s), on meta, in fp32 (what is stored: the fp32
+    master weights)."""
+    import torch
+    import transformers
+
+    info = dict(description["config"])
+    config = transformers.AutoConfig.for_model(info.pop("model_type"), **info)
+    config.dtype = torch.float32
+    with torch.device("meta"):  # no memory, no init: every value comes from the weights
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    if description.get("generation_config"):
+        model.generation_config = transformers.GenerationConfig.from_dict(description["generation_config"])
+    return model
+
+
+def meta_like(model):
+    """A copy of HF model `model`'s architecture on meta (its config, no memory, no values)."""
+    import copy
+
+    import torch
+
+    with torch.device("meta"):
+        return type(model)(copy.deepcopy(model.config))
+
+
+def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
+           ) -> tuple[dict[str, dict], dict[str, list[tuple[str, str]]], dict | None]:
+    """What save_pretrained would write for `model` (an HF model, on meta) from `weights`: {file:
+    {HF key: (shape, dtype)}}, {name in weights: [(file, HF key)]} and the index (None: one file).
+    HF's own choices are taken from HF: the keys it skips, the tied copies it drops, its renames
+    back to the original names, its shards. Every mismatch is a ValueError, before any value is read."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    prefix = _prefix(weights.shapes, set(state))
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    saved = revert_weight_conversion(model, dict(kept))
+    name_of = {id(t): n for n, t in kept.items()}
+    converted = [k for k, t in saved.items() if id(t) not in name_of]
+    if converted:
+        raise ValueError(f"{type(model).__name__}'s save_pretrained converts weights ({', '.join(converted[:3])}) "
+                         "rather than renaming them, which zerodp's export does not do")
+    missing = sorted(name_of[id(t)] for t in saved.values() if prefix + name_of[id(t)] not in weights.shapes)
     if missing:
         raise ValueError(f"the weights miss {len(missing)} tensor(s) of this HF config's model, e.g. "
                          f"{', '.join(missing[:3])}: is the config the one this model was trained with?")
+    stored = {}
+    for key, t in saved.items():
+        shape, dtype = weights.shapes[prefix + name_of[id(t)]]
+        if tuple(shape) != tuple(t.shape):
+            raise ValueError(f"the weights do not fit this HF config's model: '{name_of[id(t)]}' is "
+                             f"{tuple(shape)}, the model's is {tuple(t.shape)}")
+        stored[key] = torch.empty(shape, dtype=dtype, device="meta")
+    split = split_torch_state_dict_into_shards(stored, filename_pattern=WEIGHTS.replace(".safetensors",
+                                               "{suffix}.safetensors"), max_shard_size=max_shard_size)
+    files = {f: {k: (stored[k].shape, stored[k].dtype) for k in keys} for f, keys in split.filename_to_tensors.items()}
+    routes: dict[str, list[tuple[str, str]]] = {}
+    for key, t in saved.items():
+        ours = prefix + name_of[id(t)]
+        routes.setdefault(weights.ties.get(ours, ours), []).append((split.tensor_to_filename[key], key))
+    index = ({"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+              "weight_map": split.tensor_to_filename} if split.is_sharded else None)
+    return files, routes, index
+
+
+def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:
+    import transformers
+
+    if source and has_tokenizer(source):
+        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    elif source:
+        return [(f"tokenizer not copied: {source} has none any more (pass --hf-config FOLDER of the model it "
+                 "came from)")]
+    return []
 
 
 def _prefix(state: dict, expected: set[str]) -> str:

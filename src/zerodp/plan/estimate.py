@@ -9,8 +9,11 @@
                 which allocate nothing, so a 13B model runs on a laptop in seconds; peak.py), or
                 measured on real tensors of this machine (--measure real; measure.py), or estimated
                 from the formula, the buckets and an activation estimate (--measure none)
---fit BUDGET answers from estimates: the largest micro-batch for the model, and the largest model of
-its family (width and depth scaled together, PlanModel.scaled) at --micro-batch.
+A second table gives the set-up peak (build, load, zerodp.initialize) of the meta and the whole-model
+paths beside the step's peak (setup.py).
+--fit BUDGET answers from estimates (the larger of the step and the --setup path's set-up): the largest
+micro-batch for the model, and the largest model of its family (width and depth scaled together,
+PlanModel.scaled) at --micro-batch.
 
 Nothing heavy is imported before the arguments parse (`--help` answers at once). Other reports add
 their sections after the memory table through SECTION_MODULES (see there).
@@ -64,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plain", action="store_true", help="GPT, --measure fake: also plain PyTorch AMP")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--fit", type=parse_bytes, metavar="BUDGET", help="per-rank device budget, e.g. 80GiB")
+    ap.add_argument("--setup", choices=["meta", "whole"], default="meta", help="the set-up --fit and 'plan with' "
+                    "count: meta (built on meta, each rank materialising its part; default) or whole (every rank "
+                    "builds the whole model first)")
     for name in SECTION_MODULES:
         importlib.import_module(name).add_arguments(ap)
     return ap
@@ -83,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     _check(ap, args, model)
     console = Console(width=WIDTH)
-    from zerodp.plan.tables import fit_table, memory_table
+    from zerodp.plan.tables import fit_table, memory_tables
     try:
-        console.print(fit_table(args, model) if args.fit is not None else memory_table(args, model, console))
+        for table in [fit_table(args, model)] if args.fit is not None else memory_tables(args, model, console):
+            console.print(table)
     except PlanModelError as e:  # e.g. a factory that is not there: found when the model is built
         ap.error(str(e))
     for name in SECTION_MODULES:

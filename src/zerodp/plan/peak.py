@@ -218,14 +218,7 @@ def _zerodp_engine(spec: dict[str, Any], device: torch.device):
     else:
         model = _gpt(spec, device)
         batch = _batch(spec, model.config.vocab_size, device)
-    zero = {"stage": spec["stage"], **spec.get("zero_optimization", {})}
-    if spec.get("reduce_bucket_size"):
-        zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
-    config = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_clipping": 1.0,
-              "zero_optimization": zero}
-    if spec["dtype"] != "fp32":
-        config[spec["dtype"]] = {"enabled": True}
-    engine = zerodp.initialize(model, _adamw(model.parameters()), config)
+    engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec))
     if spec["checkpointing"]:
         checkpoint_blocks(engine.module, (Block,))
     return engine, batch
@@ -248,6 +241,40 @@ def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
     # gradient and reduce buffers are made on first use in each window
     engine.reducer.on_new_buffer.append(
         lambda t, kind: tracker.label(t, Ref.GRAD if kind == "grad" else Ref.BUCKET))
+    return tracker
+
+
+def _config(spec: dict[str, Any]) -> dict[str, Any]:
+    zero = {"stage": spec["stage"], **spec.get("zero_optimization", {})}
+    if spec.get("reduce_bucket_size"):
+        zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
+    config = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_clipping": 1.0,
+              "zero_optimization": zero}
+    if spec["dtype"] != "fp32":
+        config[spec["dtype"]] = {"enabled": True}
+    return config
+
+
+def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None:
+    """The set-up as a user runs it, every tensor counted from the first: the model built (on the
+    device, spec["setup"] "whole"; on meta, "meta") and zerodp.initialize called. None when the
+    engine refuses the meta-built model (the caller then uses the formula)."""
+    import zerodp
+    from zerodp.plan.models import PlanModel
+
+    tracker = ZeroTracker()
+    with tracker:
+        torch.manual_seed(0)
+        with torch.device("meta" if spec["setup"] == "meta" else device):
+            model = PlanModel(**spec["source"]).build()[0]
+        try:
+            engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec))
+        except ValueError as e:
+            if spec["setup"] == "meta" and "'meta' device" in str(e):
+                return None
+            raise
+        tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
+        del engine
     return tracker
 
 
@@ -332,8 +359,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         with FakeTensorMode() if spec.get("fake", True) else nullcontext():
             run = {"fsdp2": lambda: _run_fsdp2(spec, device, mesh), "plain": lambda: _run_plain(spec, device),
-                   "zerodp": lambda: _run_zerodp(spec, device)}[spec["mode"]]
-            tracker = run()
+                   "zerodp": lambda: _run_zerodp(spec, device), "setup": lambda: _run_setup(spec, device)}
+            tracker = run[spec["mode"]]()
     finally:
         dist.destroy_process_group()
     if "source" in spec:
@@ -342,6 +369,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         with torch.device("meta"):
             psi = GPT(GPTConfig(**spec["model"])).num_params()
+    if tracker is None:
+        return {"spec": spec, "num_params": psi, "peak": None, "seconds": time.perf_counter() - start}
     at_peak = _snapshot(tracker, "peak")
     return {"spec": spec, "num_params": psi, "peak": sum(at_peak.values()), "at_peak": at_peak,
             "peak_at": tracker.peak_at, "after_step": tracker.after_step,
@@ -351,7 +380,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
 def measure_peaks(specs: list[dict[str, Any]], timeout: float | None = None) -> list[dict[str, Any]]:
     """Each spec's peak in one fresh Python process (a process group is created per spec).
 
-    spec: mode ("zerodp" | "fsdp2" | "plain": one process, PyTorch AMP), stage (zerodp), world, model (GPTConfig fields)
+    spec: mode ("zerodp" | "fsdp2" | "plain": one process, PyTorch AMP | "setup": zerodp's set-up, with
+    setup "whole" or "meta", the model built on the device or on meta), stage (zerodp, setup), world, model (GPTConfig fields)
     or source (zerodp: a PlanModel's fields, any model), micro_batch,
     seq, dtype ("bf16" | "fp32"; fp16's overflow check reads a value), checkpointing,
     reduce_bucket_size (zerodp; None: the engine's default), zero_optimization (zerodp: more config

@@ -16,6 +16,12 @@ from rich.table import Table
 
 from zerodp.engine.memory import activation_estimate, bucket_estimate, placed
 from zerodp.plan.models import PlanModel
+from zerodp.plan.setup import PATHS as SETUP_PATHS
+from zerodp.plan.setup import formula as setup_formula
+from zerodp.plan.setup import largest_bucket
+from zerodp.plan.setup import measure as setup_measure
+from zerodp.plan.setup import measure_specs as setup_measure_specs
+from zerodp.plan.setup import results as setup_results
 from zerodp.plan.units import human
 
 _SHORT = {"activations": "act", "optimizer": "optim", "step_temps": "step tmp", "gathered": "gathered"}
@@ -60,7 +66,15 @@ def _parts(at_peak: dict[str, int], n: int = 2) -> str:
 
 
 # ---- memory per rank ----------------------------------------------------------------------------
-def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
+def memory_tables(args: argparse.Namespace, model: PlanModel, console) -> list[Table]:
+    """The memory table, then the set-up table (plan/setup.py) beside its step peaks."""
+    table, peaks, setup = _memory_table(args, model, console)
+    return [table, setup_table(args, model, peaks, setup)]
+
+
+def _memory_table(args: argparse.Namespace, model: PlanModel, console) -> tuple[Table, dict, dict]:
+    """The table; per (N, stage) the step's peak (measured, or the estimate; None: neither); the set-up
+    peaks measured on fake tensors, by (path, N, stage) (setup.measure)."""
     psi = model.num_params()
     measured = {"fake": "measured on fake tensors", "real": "measured on this machine",
                 "none": "estimated"}[args.measure]
@@ -74,6 +88,7 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
     results = _measure(args, model, cells, console)
     act = _activations(args, model)
     largest = model.largest_module() if 3 in args.stage else None
+    peaks = {}
     for (world, stage), r in zip(cells, results["zerodp"]):
         f = _formula(args, psi, world, stage, largest)
         total = f["device"] + f["buckets"]
@@ -82,12 +97,45 @@ def memory_table(args: argparse.Namespace, model: PlanModel, console) -> Table:
         if isinstance(r, str):  # not measured: why
             peak = "-" if act is None else "≈ " + size(total + act)
             row += [peak, r if act is None or r != "" else f"act ≈ {_compact(act)} (estimate)"]
+            peaks[(world, stage)] = None if act is None else total + act
         else:
             row += [size(r["peak"]), r["parts"]]
+            peaks[(world, stage)] = r["peak"]
         table.add_row(*row)
     for r in results["torch"]:
         table.add_row(str(r["spec"]["world"]), r["mode"], size(r["formula"]), "-", "-", size(r["formula"]),
                       size(r["peak"]), _parts(r["at_peak"]))
+    return table, peaks, results["setup"]
+
+
+def setup_table(args: argparse.Namespace, model: PlanModel, step_peaks: dict[tuple[int, int], int | None],
+                measured: dict[tuple[str, int, int], int | None]) -> Table:
+    """Per (N, stage): the set-up peak of each path (measured on fake tensors where `measured` has it,
+    else the formula) beside the step's peak, and the larger of the step and the --setup path's
+    set-up, which a plan must fit."""
+    psi = model.num_params()
+    cells = [(w, s) for w in args.world for s in args.stage]
+    title = (f"Set-up peak per rank (build, load, zerodp.initialize) beside the step's: {model.title()}, "
+             f"{args.dtype}")
+    how = {True: "measured on fake tensors", False: "formula"}
+    caption = ("meta: built on meta, each rank materialising its part bucket by bucket; whole: every rank "
+               "builds the whole model in fp32 first (plan/setup.py). plan with: the larger of the step "
+               f"and the {args.setup} set-up (--setup).")
+    table = _table(title, caption, ["N", "stage", "set-up, meta", "set-up, whole", "step peak", "plan with"])
+    for world, stage in cells:
+        bucket = largest_bucket(model, psi, stage, args.reduce_bucket_size)
+        cell = {}
+        for path in SETUP_PATHS:
+            got = measured.get((path, world, stage))
+            cell[path] = (got, how[True]) if got is not None else (setup_formula(path, psi, world, stage, args.dtype,
+                                                                           bucket), how[False])
+        step = step_peaks.get((world, stage))
+        row = [str(world), str(stage)] + [f"{size(v)} ({'fake' if h == how[True] else 'formula'})"
+                                          for v, h in cell.values()]
+        row.append(size(step) if step is not None else "-")
+        need = max(cell[args.setup][0], step or 0)
+        row.append(f"{size(need)} ({'set-up' if cell[args.setup][0] > (step or 0) else 'step'})")
+        table.add_row(*row)
     return table
 
 
@@ -109,7 +157,8 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
     """Per cell a measured {"peak", "parts"} or a string saying why there is none; FSDP2/plain rows."""
     if args.measure == "none" or (model.kind == "factory" and not _has_inputs(model)):
         why = "" if args.measure == "none" else "no inputs: not measured"
-        return {"zerodp": [why] * len(cells), "torch": []}
+        setup = setup_measure(args, model, cells, console) if args.measure == "fake" else {}
+        return {"zerodp": [why] * len(cells), "torch": [], "setup": setup}
     base = {"source": dataclasses.asdict(model), "micro_batch": args.micro_batch, "seq": args.seq,
             "dtype": args.dtype, "checkpointing": args.checkpointing}
     zero = {"offload_optimizer": {"device": "cpu"}} if args.offload_optimizer else {}
@@ -127,7 +176,7 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
             rep = r["report"]
             parts = {"states": rep["model_states"], "buckets": rep["reduce_buckets"], "step": rep["step_transient"]}
             out.append({"peak": rep.get("cuda_peak_allocated", r["peak_rss"]), "parts": _parts(parts)})
-        return {"zerodp": out, "torch": []}
+        return {"zerodp": out, "torch": [], "setup": {}}
     from zerodp.plan.peak import measure_peaks
     specs = [{**base, "mode": "zerodp", "stage": s, "world": w, "reduce_bucket_size": args.reduce_bucket_size,
               "zero_optimization": zero} for w, s in cells]
@@ -135,8 +184,11 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
     specs += [{**gpt, "mode": "fsdp2", "world": w, "reshard_after_forward": r}
               for w in args.world for r in (True, False)] if args.fsdp2 else []
     specs += [{**gpt, "mode": "plain", "world": 1}] if args.plain else []
-    with console.status(f"measuring {len(specs)} configurations on fake tensors ..."):
-        results = measure_peaks(specs)
+    setup_specs = setup_measure_specs(args, model, cells)
+    with console.status(f"measuring {len(specs)} configurations and their set-up on fake tensors ..."):
+        results = measure_peaks(specs + setup_specs)
+    setup = setup_results(results[len(specs):])
+    results = results[:len(specs)]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     psi = results[0]["num_params"]
@@ -149,7 +201,7 @@ def _measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, 
         r["formula"] = placed(psi, spec["world"], 3, args.dtype, "adamw")["device"] if fsdp2 else 16 * psi
         torch_rows.append(r)
     return {"zerodp": [{"peak": r["peak"], "parts": _parts(r["at_peak"])} for r in results[:len(cells)]],
-            "torch": torch_rows}
+            "torch": torch_rows, "setup": setup}
 
 
 def _has_inputs(model: PlanModel) -> bool:
@@ -181,8 +233,9 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
     psi = model.num_params()
     title = (f"Within {size(args.fit)} per rank: {model.title()}, Ψ = {psi:,}, {args.dtype}, "
              f"seq {args.seq}{', checkpointing' if args.checkpointing else ''}")
-    caption = ("estimated, not measured: formula + reduce buckets + activation estimate; family: width and depth "
-               "of the model scaled together (heads keep their size).")
+    caption = ("estimated, not measured: formula + reduce buckets + activation estimate, or the set-up peak of "
+               f"the {args.setup} path (--setup) where it is larger; family: width and depth of the model scaled "
+               "together (heads keep their size).")
     table = _table(title, caption, ["N", "stage", "largest micro-batch",
                                     f"largest of the family at micro-batch {args.micro_batch}"])
     for world in args.world:
@@ -196,9 +249,11 @@ def fit_table(args: argparse.Namespace, model: PlanModel) -> Table:
 
 
 def _need(args, model: PlanModel, psi: int, world: int, stage: int, micro_batch: int) -> int:
+    """The larger of the step's estimate and the --setup path's set-up peak (plan/setup.py)."""
     f = _formula(args, psi, world, stage)
     act = activation_estimate(model.shape(), micro_batch, args.seq, args.dtype, args.checkpointing)
-    return f["device"] + f["buckets"] + act
+    bucket = largest_bucket(model, psi, stage, args.reduce_bucket_size)
+    return max(f["device"] + f["buckets"] + act, setup_formula(args.setup, psi, world, stage, args.dtype, bucket))
 
 
 def _largest_batch(fits) -> int:

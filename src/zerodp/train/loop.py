@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
-from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig
 from zerodp.train.build import build_corpus
@@ -281,17 +281,16 @@ def stopped(job: Job, bar, stopping: int) -> int:
 
 
 def finish(job: Job, val_loss: float) -> None:
-    """The final weights (collective: every rank takes part, rank 0 writes), report.png, and the HF
-    folder for an HF model."""
-    final = job.engine.full_state_dict()
+    """The final weights (collective: every rank sends one bucket at a time, rank 0 writes each tensor
+    as it arrives), report.png, and the HF folder for an HF model."""
+    notes = save_final(job.engine, job.out, job.hf)
     if job.rank != 0:
         return
     out = job.out
-    torch.save(final, out / "final.pt")
     report = make_report(out)
     written = f"  weights {out / 'final.pt'}"
     if job.hf is not None:  # an HF model: also as a folder that AutoModelForCausalLM.from_pretrained loads
-        for note in hf_folder.write_folder(out / "hf", final, job.hf):
+        for note in notes:
             print(f"zerodp train: {note}", file=sys.stderr, flush=True)
         written += f"\n  HF folder {out / 'hf'}"
     print(f"zerodp train: final validation loss {val_loss:.4f} after {job.engine.global_steps} steps\n"

@@ -13,7 +13,8 @@ DeepSpeed (`deepspeed_init`, `accelerator.prepare`, `deepspeed_load_checkpoint`)
   optimizer.step()        the Trainer's loop calls it at each accumulation boundary: `engine.step()`
   _clip_grad_norm /       no norm before the step (gradients live in the engine's buckets); the engine
   _get_grad_norm          clips inside step() at max_grad_norm and reports the norm, which is logged
-  save_model /            the full fp32 weights gathered from the engine into the HF folder; the
+  save_model /            the HF folder: config, tokenizer and arguments as Trainer._save writes them,
+                          the fp32 weights streamed from the engine bucket by bucket; the
   _save_optimizer_and_... sharded zerodp checkpoint (`global_stepN/`, `latest`) beside it
 """
 
@@ -33,7 +34,9 @@ from zerodp import initialize
 from zerodp.config import ConfigError
 from zerodp.engine.engine import Engine
 from zerodp.engine.summary import no_stage_chosen, set_up_line
+from zerodp.engine.weights import engine_weights
 from zerodp.integrations.hf.auto import fill_from_training_args
+from zerodp.models import hf_folder
 
 # The Trainer's own logger: ZeroTrainer's set-up line shows wherever the Trainer's own set-up lines do
 # (Hugging Face's example scripts set it to INFO on the main process).
@@ -205,8 +208,15 @@ class ZeroTrainer(Trainer):
         Collective once the engine exists: call it on every rank."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.engine.full_state_dict()
-        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if isinstance(self.model, transformers.PreTrainedModel):
+            # Trainer._save with no weights writes the config, tokenizer and training arguments (the
+            # writing rank); the weights follow bucket by bucket from every rank, never gathered whole.
+            super()._save(output_dir, state_dict={})
+            hf_folder.write_weights(output_dir, engine_weights(self.engine), hf_folder.meta_like(self.model),
+                                    writer=self.args.should_save)
+        else:
+            self._save(output_dir, state_dict=self.engine.full_state_dict())
         if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model does
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

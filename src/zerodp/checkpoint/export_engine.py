@@ -1,0 +1,95 @@
+"""A trained engine's weights written as files without gathering the model: every rank sends one
+bucket at a time (engine.weights.engine_weights) and rank 0 writes each tensor where it goes as it
+arrives, so no rank, the writer included, holds more than its shard and one bucket. Collective:
+call these on every rank.
+
+  save_weights   one torch.save file of the state dict ({name: tensor}; `zerodp train`'s final.pt,
+                 zerodp.deepspeed's save_16bit_model), optionally cast and filtered
+  save_final     final.pt and, for a Hugging Face model, the HF folder, from one pass over the buckets
+  save_hf        an HF folder (ZeroTrainer's model files)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerodp.engine.weights import Weights, engine_weights
+from zerodp.models import hf_folder
+from zerodp.models.weight_files import TorchSaveFile, write_all
+
+if TYPE_CHECKING:
+    from zerodp.engine.engine import Engine
+
+
+def save_weights(engine: Engine, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                 names: set[str] | None = None) -> None:
+    """The weights as one torch.save'd state dict at `path`, written by rank 0; floating tensors cast
+    to `dtype` when given; only `names` when given."""
+    weights = _select(engine_weights(engine), dtype, names)
+    if engine.comm.rank != 0:
+        weights.drain()
+        return
+    file = TorchSaveFile(path, weights.shapes, weights.ties)
+    write_all(weights.stream, {n: [(file, n)] for n in weights.shapes if n not in weights.ties})
+
+
+def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str]:
+    """`out/final.pt` (fp32, keyed like module.state_dict()) and, when `hf` describes a Hugging Face
+    model (hf_folder.description), the folder `out/hf` that from_pretrained loads; returns the HF
+    writer's notes (rank 0)."""
+    weights = engine_weights(engine)
+    writer = engine.comm.rank == 0
+    file = TorchSaveFile(out / "final.pt", weights.shapes, weights.ties) if writer else None
+    errors: list[Exception] = []
+    teed = Weights(weights.shapes, weights.ties, _tee(weights.stream, file, errors))
+    if hf is not None:
+        notes = hf_folder.write_folder(out / "hf", teed, hf, writer=writer)
+    else:
+        teed.drain()
+        notes = []
+    if file is not None:
+        file.close()
+    if errors:
+        raise errors[0]
+    return notes
+
+
+def save_hf(engine: Engine, out: str | os.PathLike, description: dict[str, Any]) -> list[str]:
+    """The HF folder of `description`'s model at `out`, written by rank 0; returns its notes."""
+    return hf_folder.write_folder(out, engine_weights(engine), description, writer=engine.comm.rank == 0)
+
+
+def _tee(stream: Iterable[tuple[str, torch.Tensor]], file: TorchSaveFile | None, errors: list[Exception]
+         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, each tensor also written to `file` (when there is one). A failed write is kept in
+    `errors` and the stream goes on, so that no rank is left waiting in a collective."""
+    for name, tensor in stream:
+        if file is not None and not errors:
+            try:
+                file.put(name, tensor)
+            except (OSError, ValueError) as e:
+                errors.append(e)
+        yield name, tensor
+        del tensor  # before the stream makes its next bucket
+
+
+def _select(weights: Weights, dtype: torch.dtype | None, names: set[str] | None) -> Weights:
+    """Only `names` (an alias kept only with its tensor's name), floating tensors cast to `dtype`."""
+    keep = set(weights.shapes) if names is None else names
+    renamed: dict[str, str] = {}  # a name left out whose alias is kept: its values go by the alias
+    for alias, name in weights.ties.items():
+        if alias in keep and name not in keep:
+            renamed.setdefault(name, alias)
+    ties = {a: renamed.get(n, n) for a, n in weights.ties.items() if a in keep and a != renamed.get(n)}
+
+    def cast(d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    shapes = {n: (s, cast(d)) for n, (s, d) in weights.shapes.items() if n in keep}
+    stream = ((renamed.get(n, n), t.to(cast(t.dtype))) for n, t in weights.stream if n in keep or n in renamed)
+    return Weights(shapes, ties, stream)
