@@ -14,14 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerodp
+
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
+from test_checkpoint import world_of_one  # noqa: E402
 from test_train import corpus, train  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from zerodp.models import hf_folder  # noqa: E402
 from zerodp.checkpoint import CheckpointError, main as consolidate_main, write_hf_folder  # noqa: E402
-from zerodp.models.build import build_model, hf_description  # noqa: E402
+from zerodp.models.build import HFCausalLM, build_model, hf_description, weights_of  # noqa: E402
 from zerodp.train.build import build_corpus  # noqa: E402
 from zerodp.train.data import load_corpus  # noqa: E402
 from zerodp.models.gpt import gpt_config  # noqa: E402
@@ -93,15 +96,20 @@ def test_llama_folder_is_trained_from_its_weights_on_data_read_by_its_tokenizer(
     text = load_corpus(data).train.tobytes().decode()  # the bytes a GPT would read
     assert len(tokens.train) < 0.9 * len(text)  # BPE tokens, not bytes
     assert AutoTokenizer.from_pretrained(folder).decode(tokens.train.tolist()) == text
-    model, shape = build_model(folder, tokens.vocab_size, None)
+    model, shape = build_model(folder, tokens.vocab_size, None)  # built from config.json, weights not read
+    with world_of_one():  # the job's initialize reads them: the engine starts from from_pretrained's exactly
+        assert all(p.is_meta for p in model.parameters())  # no rank holds the whole model
+        engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), {"train_batch_size": 1},
+                                   weights=weights_of(folder), param_init_fn=hf_folder.init_fn(model))
+        state = engine.full_state_dict()
     source = AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    assert all(torch.equal(model.model.state_dict()[k], v) for k, v in source.items())
+    assert all(torch.equal(state[f"model.{k}"], v) for k, v in source.items())
     assert (shape.block_size, shape.n_layer, shape.n_embd) == (64, 2, 32)  # max_position_embeddings
 
 
 def test_write_folder_from_a_wrapped_untied_llama_state(hf_folders, tmp_path):
     folder = str(hf_folders["llama"])
-    model, _ = build_model(folder, 300, None)
+    model = HFCausalLM(AutoModelForCausalLM.from_pretrained(folder))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

@@ -57,14 +57,14 @@ class Record(transformers.TrainerCallback):
 
 
 def train(trainer_cls, out: str, per_device: int, save: bool = False, resume: str | None = None,
-          evaluate: bool = False, **kwargs) -> tuple[list, dict[str, torch.Tensor], float | None]:
+          evaluate: bool = False, model=None, **kwargs) -> tuple[list, dict[str, torch.Tensor], float | None]:
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=GAS,
         max_steps=STEPS, learning_rate=1e-2, warmup_steps=1, max_grad_norm=0.5, logging_steps=1,
         save_strategy="steps" if save else "no", save_steps=SAVE_AT, report_to=[], use_cpu=True, seed=0,
         disable_tqdm=True, log_level="error")
     record = Record()
-    trainer = trainer_cls(model=tiny_llama(), args=args, train_dataset=dataset(), callbacks=[record], **kwargs)
+    trainer = trainer_cls(model=model or tiny_llama(), args=args, train_dataset=dataset(), callbacks=[record], **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     engine = getattr(trainer, "engine", None)
     weights = engine.full_state_dict() if engine is not None else {k: v.detach().clone()
@@ -170,6 +170,19 @@ def test_zero_trainer_resumes_from_its_checkpoint_to_the_same_losses():
     assert [s[0] for s in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
     assert resumed == uninterrupted[SAVE_AT:]
     assert max_diff(resumed_weights, weights) == 0.0
+
+
+def test_zero_trainer_reads_weights_from_a_folder_into_a_model_built_from_its_config(tmp_path):
+    from zerodp.integrations.hf import ZeroTrainer
+    want_steps, want_weights, _ = oracle()
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    torch.manual_seed(5)  # other values than the folder's: they must all be replaced
+    blank = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "llama"))
+    with world_of_one(), tempfile.TemporaryDirectory() as out:
+        steps, weights, _ = train(ZeroTrainer, out, per_device=2 * MICRO, model=blank, weights=tmp_path / "llama",
+                                  zero_config=RUNS["stage3"])
+    assert_steps_close(steps, want_steps, 1e-6)
+    assert max_diff(weights, want_weights) <= 1e-6
 
 
 def test_auto_values_come_from_the_training_arguments():

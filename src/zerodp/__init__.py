@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from zerodp.lazy import lazy_names
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
     from zerodp.engine.optimizer import OptimizerLike
+    from zerodp.engine.source import ParameterSource
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
@@ -48,7 +50,8 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                process_group: dist.ProcessGroup | None = None,
                lr_scheduler: Callable | None = None, device_mesh=None,
                stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None,
-               param_init_fn: Callable[[nn.Module], None] | None = None) -> Engine:
+               param_init_fn: Callable[[nn.Module], None] | None = None,
+               weights: str | os.PathLike | ParameterSource | None = None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -69,6 +72,11 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       module's reset_parameters() does. Each rank then materialises only what its stage keeps, one
       bucket at a time, running the initialisers module by module from rank 0's random state: the
       same values, bit for bit, as building the model whole with that seed.
+    weights: where the parameters' values come from instead of the model's own: a Hugging Face folder
+      (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
+      file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
+      zerodp.engine.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
+      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -83,11 +91,29 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
         cfg, error = load_config(config), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         cfg, error = None, e
+    source, weights_error = _weights_source(weights, model) if error is None else (None, None)
+    error = error or weights_error
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
     engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
-                    param_init_fn=param_init_fn)
+                    source=source, param_init_fn=param_init_fn)
     log_set_up(cfg, comm.world_size, engine.shard_size, comm.rank)
     return engine
+
+
+def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, Exception | None]:
+    """(the ParameterSource `weights` names, or the error to agree on): headers and metadata only."""
+    if weights is None:
+        return None, None
+    if not isinstance(weights, (str, os.PathLike)):
+        if all(callable(getattr(weights, m, None)) for m in ("check", "read")):
+            return weights, None
+        return None, TypeError(f"weights must be a path (an HF folder, a .safetensors file, a zerodp or DeepSpeed "
+                               f"checkpoint) or a ParameterSource, got {type(weights).__name__}")
+    from zerodp.checkpoint.weights import open_weights
+    try:
+        return open_weights(weights, model), None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        return None, e

@@ -119,12 +119,15 @@ def _inside(path: str, name: str, named_in: str) -> None:
                               "directory; refusing to read it")
 
 
-def _verify_files(path: str, meta: dict, names: set[str]) -> None:
-    for name in sorted(names):
+def _verify_files(path: str, meta: dict, names: set[str], verified: set[str] | None = None) -> None:
+    """The crc32 of each file in `names`; those in `verified` were checked already, and are added to it."""
+    for name in sorted(names - (verified or set())):
         file = os.path.join(path, name)
         if name not in meta["files"] or files.record(file)["crc32"] != meta["files"][name]["crc32"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} does not match its "
                                   "checksum")
+        if verified is not None:
+            verified.add(name)
 
 
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
@@ -174,23 +177,25 @@ def read_metadata(path: str):
                               f"cannot be read ({type(e).__name__}: {e})") from None
 
 
-def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None]) -> None:
+def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None],
+                 verified: set[str] | None = None) -> None:
     """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
-    for chunk in iter_tensors(path, metadata, keys, meta):
+    for chunk in iter_tensors(path, metadata, keys, meta, verified=verified):
         consume(chunk)
 
 
-def iter_tensors(path: str, metadata, keys: list[str], meta: dict,
-                 chunk_numel: int = LOAD_CHUNK_NUMEL) -> Iterator[dict[str, torch.Tensor]]:
+def iter_tensors(path: str, metadata, keys: list[str], meta: dict, chunk_numel: int = LOAD_CHUNK_NUMEL,
+                 verified: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The saved tensors `keys`, whole, in chunks of about `chunk_numel` elements, in key order
-    (the files checked once, before the first)."""
+    (the files checked once, before the first). verified: the files whose crc32 a reader of many
+    small requests has checked already (kept up to date)."""
     md = metadata.state_dict_metadata
     for key in keys:
         if not isinstance(md.get(key), TensorStorageMetadata):
             raise CheckpointError(f"checkpoint '{path}' is corrupt: tensor {key} is missing from its .metadata")
     wanted = set(keys)
     _verify_files(path, meta, {info.relative_path for idx, info in metadata.storage_data.items()
-                               if idx.fqn in wanted} | {".metadata"})
+                               if idx.fqn in wanted} | {".metadata"}, verified)
     chunk, size = {}, 0
     for i, key in enumerate(keys):
         chunk[key] = torch.empty(tuple(md[key].size), dtype=md[key].properties.dtype)

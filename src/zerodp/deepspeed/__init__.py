@@ -15,6 +15,7 @@ What maps to what, and what is refused, is in docs/DEEPSPEED.md.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -49,13 +50,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
                config: dict | str | None = None, mesh_param: Any = None,
-               config_params: dict | str | None = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+               config_params: dict | str | None = None,
+               weights: str | os.PathLike | None = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
     """DeepSpeed's initialize: (engine, optimizer, training_dataloader, lr_scheduler).
 
     optimizer: a torch optimizer, a callable params -> optimizer, or None for the config's 'optimizer'
     section (built on model_parameters: tensors or param-group dicts; default the model's).
     lr_scheduler: a scheduler built on that optimizer, a callable optimizer -> scheduler, or None for the
     config's 'scheduler' section. training_data: a dataset, served per rank by a DistributedSampler.
+    weights (zerodp's, not DeepSpeed's): the parameters' values from files, each rank reading its share
+    (zerodp.initialize's `weights`: an HF folder, a .safetensors file, a zerodp or DeepSpeed checkpoint).
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
@@ -74,7 +78,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
     elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
         optimizer = optimizer(model_parameters)  # DeepSpeed calls the factory on model_parameters
-    engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler))
+    engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler), weights=weights)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.comm.world_size, rank=engine.comm.rank)

@@ -24,3 +24,4 @@ class ParameterSource(Protocol):
         """Elements [start, stop) of parameter `name` flattened, as a 1-D CPU tensor of any floating
         dtype (the caller casts). Reads no more of the file than those elements need."""
         ...
+

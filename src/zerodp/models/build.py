@@ -31,7 +31,7 @@ class HFCausalLM(nn.Module):
 
 def build_model(name: str, vocab_size: int, block_size: int | None) -> tuple[nn.Module, GPTConfig]:
     """The model to train and its shape: a GPT size, an HF model of that size's shape, or an HF
-    model folder's model with its weights."""
+    model folder's model (its weights read by zerodp.initialize: `weights_of(name)`)."""
     if hf_folder.is_model_folder(name):
         return _pretrained(name, vocab_size, block_size)
     family, _, size = name.partition(":")
@@ -62,8 +62,14 @@ def build_model(name: str, vocab_size: int, block_size: int | None) -> tuple[nn.
     return HFCausalLM(model), shape
 
 
+def weights_of(name: str) -> str | None:
+    """Where the values of build_model(name)'s parameters come from, for zerodp.initialize(weights=):
+    the model folder, or None when the model is initialised as built."""
+    return name if hf_folder.is_model_folder(name) else None
+
+
 def _pretrained(path: str, vocab_size: int, block_size: int | None) -> tuple[nn.Module, GPTConfig]:
-    model = hf_folder.load_model(path)
+    model = hf_folder.model_from_config(path)
     cfg = model.config
     if vocab_size > cfg.vocab_size:
         raise ValueError(f"--model {path!r} has {cfg.vocab_size} token embeddings, fewer than the data's "

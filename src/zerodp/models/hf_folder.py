@@ -1,8 +1,9 @@
 """Hugging Face model folders (what `save_pretrained` writes): read one to fine-tune, write one from
 trained weights. The one place that knows the folder format; transformers is imported on use only.
 
-In: `load_model` (AutoModelForCausalLM, fp32), `load_tokenizer` (the folder's, when it has one) and
-`tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
+In: `model_from_config` (the folder's AutoModelForCausalLM in fp32, its weights left to
+`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the
+folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, lets `save_pretrained` write config.json and
 generation_config.json, and asks HF which weights it would store under which keys in which shards
 (`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load).
@@ -37,7 +38,7 @@ MAX_SHARD_SIZE = "50GB"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prefixes a trained state dict may carry before HF's own names: zerodp's HFCausalLM (`model.`),
 # a DDP/DeepSpeed-style wrapper (`module.`).
-_PREFIXES = ("", "model.", "module.", "module.model.")
+PREFIXES = ("", "model.", "module.", "module.model.")
 # The names families give a model's width in config.json; a config object answers to `hidden_size`
 # under any of them (transformers' attribute_map), a config.json dict does not.
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -80,16 +81,29 @@ def quiet_other_ranks() -> None:
         logging.disable_progress_bar()
 
 
-def load_model(path: str):
-    """The folder's causal LM with its weights, in fp32 (the engine keeps fp32 master weights)."""
+def model_from_config(path: str):
+    """The folder's causal LM built from its config.json in fp32 (the engine keeps fp32 master weights),
+    without reading its weights: `zerodp.initialize(..., weights=path)` reads each rank's share."""
     import torch
     import transformers
 
     quiet_other_ranks()
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):  # no values, no memory: zerodp.initialize fills each rank's share
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--model {path!r}: cannot load a causal LM from this folder: {e}") from None
+        raise ValueError(f"--model {path!r}: cannot build a causal LM from this folder: {e}") from None
+
+
+
+def init_fn(model):
+    """Hugging Face's own per-module initialiser (`_init_weights`) of a model built on meta, as
+    zerodp.initialize's param_init_fn: HF layers (Conv1D, RMSNorm) and rotary tables have no
+    reset_parameters(). None when nothing is on meta or the model is not a Hugging Face one."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return None
+    return next((m._init_weights for m in model.modules() if hasattr(m, "_init_weights")), None)
 
 
 def load_tokenizer(path: str):
@@ -296,10 +310,10 @@ def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:
 
 
 def _prefix(state: dict, expected: set[str]) -> str:
-    for prefix in _PREFIXES:
+    for prefix in PREFIXES:
         if all(k.startswith(prefix) and k[len(prefix):] in expected for k in state):
             return prefix
-    unknown = sorted(k for k in state if not any(k.startswith(p) and k[len(p):] in expected for p in _PREFIXES))
+    unknown = sorted(k for k in state if not any(k.startswith(p) and k[len(p):] in expected for p in PREFIXES))
     raise ValueError(f"the weights do not fit this HF config's model: {len(unknown or state)} name(s) such as "
                      f"{', '.join((unknown or sorted(state))[:3])} are not among its "
                      f"{len(expected)} (e.g. {', '.join(sorted(expected)[:2])}): is the config the one "

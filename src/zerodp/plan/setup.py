@@ -14,9 +14,9 @@ stage 3's largest unit or coalesced bucket, else min(reduce_bucket_size, Ψ)):
          stage 3     max(4Ψ + 4Ψ + wΨ/N, 4Ψ + wΨ + (4 + w)Ψ/N + wB): the shard buffer first, then each
                      bucket's gathered buffer, filled before the user's tensors it replaces are freed.
 `formula` gives these; `measure` runs the whole path itself on fake tensors (rank 0 of N, peak.py):
-the model built and `zerodp.initialize` called under PyTorch's MemTracker. The meta path is measured
-the same way once `zerodp.initialize` accepts a model on meta; until then it is the formula, and the
-table says which.
+the model built and `zerodp.initialize` called under PyTorch's MemTracker. The meta path is the
+formula, and the table says so: its initialisers draw from rank 0's real random state, which the
+fake-tensor mode refuses to mix with fake tensors (benchmarks/setup_memory.py measures it for real).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
-from zerodp.models.build import build_model, hf_description
+from zerodp.models import hf_folder
+from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
@@ -188,12 +189,13 @@ def set_up(opts: argparse.Namespace) -> Job:
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
-    if device is not None:
-        model.to(device)
+    if device is not None and not any(p.is_meta for p in model.parameters()):
+        model.to(device)  # a model built on meta holds nothing to move: initialize fills it on the device
     n_params = sum(p.numel() for p in model.parameters())
     hf = hf_description(model, opts.model)
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
-    engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler)
+    engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
+                               weights=weights_of(opts.model), param_init_fn=hf_folder.init_fn(model))
     data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
 

@@ -174,7 +174,7 @@ def _check(o: dict[str, Any]) -> None:
     """Bad options fail here, before any rank starts, with the flag that is wrong."""
     family, colon, size = o["model"].partition(":")
     if is_model_folder(o["model"]):
-        pass  # a save_pretrained folder; its weights and tokenizer are read by each rank (build.py)
+        pass  # a save_pretrained folder: each rank reads its tokenizer (build.py) and its share of its weights
     elif os.path.isdir(o["model"]):
         raise SystemExit(f"zerodp train: --model {o['model']!r} is a directory without config.json; "
                          "expected a Hugging Face model folder as save_pretrained writes it")

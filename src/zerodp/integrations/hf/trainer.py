@@ -6,6 +6,7 @@ RNG files and checkpoint rotation. zerodp owns the model's parameters, gradients
 clipping, precision and lr schedule. The seams, the same places where the Trainer branches for
 DeepSpeed (`deepspeed_init`, `accelerator.prepare`, `deepspeed_load_checkpoint`):
 
+  _move_model_to_device   a model built on meta is left there: initialize materialises each rank's share
   _prepare_for_training   builds the engine instead of `accelerator.prepare(model, optimizer)` (no
                           DDP wrapper), and loads a zerodp checkpoint on resume
   training_step           the Trainer's own loss, then `engine.backward` instead of `accelerator.backward`
@@ -62,8 +63,8 @@ CONFIG_ENV = "ZERODP_CONFIG"
 
 # The Trainer methods ZeroTrainer overrides or relies on; a transformers without them would silently
 # train without the engine (present since transformers 5.3; tested with 5.23).
-_SEAMS = ("_prepare_for_training", "_wrap_model", "training_step", "_clip_grad_norm", "_get_grad_norm",
-          "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
+_SEAMS = ("_prepare_for_training", "_wrap_model", "_move_model_to_device", "training_step", "_clip_grad_norm",
+          "_get_grad_norm", "_maybe_log_save_evaluate", "save_model", "_save", "_save_optimizer_and_scheduler")
 
 
 class ZeroTrainer(Trainer):
@@ -78,12 +79,16 @@ class ZeroTrainer(Trainer):
     sizes, gradient_clipping and fp16/bf16 where absent, come from the TrainingArguments as Hugging Face
     does for DeepSpeed (`zerodp.integrations.hf.fill_from_training_args`). Without an `optimizer` or
     `scheduler` section the Trainer's own (from TrainingArguments, or `optimizers=`) are used.
+    weights: where the model's parameter values come from (`zerodp.initialize(..., weights=)`): a Hugging
+    Face folder, a .safetensors file, a zerodp or DeepSpeed checkpoint; each rank reads only its share,
+    so the model can be built from its config alone (`AutoModelForCausalLM.from_config`) instead of
+    `from_pretrained` loading it whole on every rank.
     Launch with torchrun (or accelerate launch); checkpoints hold the HF model files plus a sharded zerodp
     checkpoint, from which `train(resume_from_checkpoint=...)` resumes.
     """
 
     def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
+                 weights: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         missing = [m for m in _SEAMS if not hasattr(Trainer, m)]
         if missing:
             raise ImportError(f"ZeroTrainer needs a transformers whose Trainer has {', '.join(missing)} (the "
@@ -94,7 +99,13 @@ class ZeroTrainer(Trainer):
         if refused:
             raise ValueError("\n".join(refused))
         self.zero_config = zero_config if zero_config is not None else os.environ.get(CONFIG_ENV) or None
+        self.weights = weights
         self.engine: Engine | None = None
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """A model built on meta has nothing to move: initialize materialises this rank's share on the device."""
+        if not any(t.is_meta for t in model.parameters()):
+            super()._move_model_to_device(model, device)
 
     # ---- building the engine ----------------------------------------------------------------------
     def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
@@ -109,7 +120,8 @@ class ZeroTrainer(Trainer):
         _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
         optimizer = self._optimizer_for(config)
         scheduler = self._scheduler_for(config, max_steps)
-        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler)
+        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights,
+                                 param_init_fn=hf_folder.init_fn(self.model))
         _check_same_world(self.engine.comm.world_size, self.args.world_size)
         if self.engine.comm.rank == 0:
             self._say_set_up()
