@@ -163,10 +163,12 @@ def test_resume_from_a_wrong_path_is_one_line_before_any_rank_starts(tmp_path, w
 def test_exported_folders_and_files_get_the_usual_modes_not_0700_0600(hf_folders, tmp_path):
     from zerodp.checkpoint import write_consolidated
     from zerodp.models import hf_folder
-    from zerodp.models.build import build_model, hf_description
+    from transformers import AutoModelForCausalLM
+
+    from zerodp.models.build import HFCausalLM, hf_description
 
     folder = str(hf_folders["gpt2"])
-    model, _ = build_model(folder, 300, None)
+    model = HFCausalLM(AutoModelForCausalLM.from_pretrained(folder))
     hf_folder.write_folder(tmp_path / "hf", model.state_dict(), hf_description(model, folder))
     small = torch.nn.Linear(3, 2)
     engine = zerodp.initialize(small, torch.optim.SGD(small.parameters(), lr=0.1), {"train_micro_batch_size_per_gpu": 1})

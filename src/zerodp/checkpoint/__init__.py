@@ -26,6 +26,8 @@ One concept per file, read in this order:
   load.py     load_checkpoint: stage everything, agree, then apply
   apply.py    the second phase of every load: what was staged, written into the engine
   export.py   consolidate / write_consolidated / write_hf_folder / `zerodp consolidate` (main)
+  export_engine.py  a live engine's weights written bucket by bucket (final.pt, OUT/hf, save_16bit_model)
+  weights.py  weights read from files a range at a time: zerodp.initialize(..., weights=PATH)
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
 """
 
