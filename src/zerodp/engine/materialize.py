@@ -56,7 +56,7 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
         raise ValueError("param_init_fn initialises a model built on the 'meta' device, and this model has no "
                          "tensor on meta; build it under torch.device('meta'), or leave param_init_fn out")
     inits = None
-    if params or buffers:
+    if buffers or (params and source is None):  # weights from files need no initialiser for parameters
         inits = ModuleInit(module, param_init_fn)
         missing = inits.uninitialisable(buffers + ([] if source is not None else params))
         if missing:
@@ -71,16 +71,15 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
 def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int]) -> None:
     """Collective (one broadcast of rank 0's random state, when something is initialised): then every
     tensor outside the flat buffers that is on meta gets its value, whole, on `device`."""
-    if filling.inits is None:
-        return
-    state = filling.inits.initial_state.to(device)
-    comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
-    filling.inits.start(state.cpu())
+    if filling.inits is not None:
+        state = filling.inits.initial_state.to(device)
+        comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
+        filling.inits.start(state.cpu())
     for name, p in filling.module.named_parameters():
         if p.is_meta and id(p) not in trained:
             value = filling.source.read(name, 0, p.numel()).view(p.shape)
             swap_tensors(p, nn.Parameter(value.to(device, p.dtype, copy=True), requires_grad=p.requires_grad))
-    for m, name, value in list(filling.inits.buffers()):
+    for m, name, value in list(filling.inits.buffers()) if filling.inits is not None else []:
         setattr(m, name, value.to(device, copy=True))
 
 
