@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ GB = 1024 ** 3
 BUCKET = 50_000_000  # zerodp's default reduce_bucket_size
 
 
-def _status(field: str) -> int:
+def status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -85,24 +87,31 @@ def _rank(rank: int, world: int, store_path: str, out_dir: str, job: dict) -> No
     import zerodp.engine.engine  # imported before the baseline
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from here
-    t0 = time.perf_counter()
-    _build(job["mode"], job["model"], job["stage"], job["dtype"], world)
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - base
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"base": base, "peak": peak, "seconds": seconds}, f)
+    measure(lambda: _build(job["mode"], job["model"], job["stage"], job["dtype"], world), out_dir, rank)
     dist.barrier()
     dist.destroy_process_group()
     assert job["mode"] != "main" or zerodp.engine.engine.__file__.startswith(job["main_src"])
 
 
-def run(job: dict) -> dict:
+def measure(set_up: Callable[[], None], out_dir: str, rank: int) -> None:
+    """This rank's peak RSS above what it holds now, while set_up() runs, written to out_dir/{rank}.json."""
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from here
+    t0 = time.perf_counter()
+    set_up()
+    seconds = time.perf_counter() - t0
+    peak = status("VmHWM") - base
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"base": base, "peak": peak, "seconds": seconds}, f)
+
+
+def run(job: dict, rank_fn: Callable = _rank) -> dict:
+    """job on job["world"] spawned ranks, each running rank_fn(rank, world, store, out_dir, job) and
+    measure(); the row: the job with the largest rank's peak."""
     world = job["world"]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), tmp, job), nprocs=world,
+        mp.start_processes(rank_fn, args=(world, os.path.join(tmp, "store"), tmp, job), nprocs=world,
                            join=True, start_method="spawn")
         ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
     return {**job, "peak": max(r["peak"] for r in ranks), "base": ranks[0]["base"],
@@ -120,7 +129,7 @@ def bound(psi: int, largest: int, stage: int, dtype: str, world: int) -> float:
 def table(rows: list[dict], psi: int, largest: int) -> str:
     out = [f"GPT {rows[0]['model']} (Ψ = {psi / 1e6:.1f}M); per-rank peak RSS above the baseline, GiB "
            "(B/param); bound = steady-state model states + one fp32 bucket",
-           "", "| world | stage | dtype | meta | whole, this branch | whole, main (today) | FSDP2 meta flow | bound "
+           "", "| world | stage | dtype | meta | whole, now | whole, main (today) | FSDP2 meta flow | bound "
            "| meta / bound |", "|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["world"], r["stage"], r["dtype"]) for r in rows if r["mode"] != "fsdp2"})
     for world, stage, dtype in keys:

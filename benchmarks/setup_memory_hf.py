@@ -24,16 +24,14 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-GB = 1024 ** 3
-BUCKET = 50_000_000  # zerodp's default reduce_bucket_size
+# The same measurement as the meta-build table's (this folder is on sys.path when run as a script).
+from setup_memory import GB, bound, measure, run
+
 SHAPE = dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=50257)  # GPT-2 medium
 
 
@@ -44,14 +42,6 @@ def make(root: str) -> None:
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SHAPE))
     model.save_pretrained(os.path.join(root, "fp32"), max_shard_size="200MB")
     model.to(torch.bfloat16).save_pretrained(os.path.join(root, "bf16"), max_shard_size="200MB")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _set_up(mode: str, folder: str, stage: int, dtype: str) -> None:
@@ -67,15 +57,14 @@ def _set_up(mode: str, folder: str, stage: int, dtype: str) -> None:
         model = HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
         zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg)
         return
-    if mode == "config":
-        model = HFCausalLM(hf_folder.model_from_config(folder))
+    if mode == "config":  # built whole from config.json, then the folder's values read in
+        config = transformers.AutoConfig.from_pretrained(folder)
+        model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
         zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg, weights=folder)
         return
-    config = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = HFCausalLM(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model = HFCausalLM(hf_folder.model_from_config(folder))  # on meta, as `zerodp train --model FOLDER`
     zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), cfg, weights=folder,
-                      param_init_fn=model.model._init_weights)
+                      param_init_fn=hf_folder.init_fn(model))
 
 
 def _rank(rank: int, world: int, store_path: str, out_dir: str, job: dict) -> None:
@@ -89,36 +78,10 @@ def _rank(rank: int, world: int, store_path: str, out_dir: str, job: dict) -> No
     import zerodp.models.build  # noqa: F401
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=1200))
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from here
-    t0 = time.perf_counter()
-    _set_up(job["mode"], job["folder"], job["stage"], job["dtype"])
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - base
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"base": base, "peak": peak, "seconds": seconds}, f)
+    measure(lambda: _set_up(job["mode"], job["folder"], job["stage"], job["dtype"]), out_dir, rank)
     dist.barrier()
     dist.destroy_process_group()
     assert (job["mode"] == "today") == zerodp.engine.engine.__file__.startswith(job["main_src"])
-
-
-def run(job: dict) -> dict:
-    world = job["world"]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), tmp, job), nprocs=world,
-                           join=True, start_method="spawn")
-        ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
-    return {**job, "peak": max(r["peak"] for r in ranks), "base": ranks[0]["base"],
-            "seconds": max(r["seconds"] for r in ranks)}
-
-
-def bound(psi: int, largest: int, stage: int, dtype: str, world: int) -> float:
-    """Steady-state model-state bytes per rank (docs/DESIGN.md) plus one fp32 bucket."""
-    if stage == 3:
-        return 16 * psi / world + 4 * largest
-    working = 2 if dtype == "bf16" else 4
-    return working * psi + (16 - working) * psi / world + 4 * BUCKET
 
 
 def table(rows: list[dict], psi: int, largest: int) -> str:
@@ -162,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 for stage in args.stages:
                     for mode in args.modes:
                         job = dict(world=world, stage=stage, dtype=dtype, folder_dtype=folder, mode=mode)
-                        row = run({**job, "folder": os.path.join(args.root, folder), "main_src": args.main_src})
+                        row = run({**job, "folder": os.path.join(args.root, folder), "main_src": args.main_src},
+                                  _rank)
                         print(json.dumps(row), flush=True)
                         rows = [r for r in rows if {k: r[k] for k in job} != job] + [row]
                         if args.out:
