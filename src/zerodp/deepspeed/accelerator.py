@@ -21,9 +21,9 @@ class Accelerator:
     """The accelerator of this process: torch's current one, or the CPU (with the gloo backend)."""
 
     def __init__(self) -> None:
-        found = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self._name = found.type if found is not None else "cpu"
-        self._module = torch.get_device_module(self._name) if found is not None else None
+        found = device.accelerator_type()
+        self._name = found or "cpu"
+        self._module = torch.get_device_module(found) if found is not None else None
 
     # ---- the device -----------------------------------------------------------------------------
     def is_available(self) -> bool:
@@ -39,7 +39,7 @@ class Accelerator:
         """The index of the current device; on the CPU, as DeepSpeed's CPU accelerator, the LOCAL_RANK."""
         if self._module is None:
             return int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.accelerator.current_device_index()
+        return device.current().index
 
     def current_device_name(self) -> str:
         return self._name if self._module is None else f"{self._name}:{self.current_device()}"
@@ -47,16 +47,20 @@ class Accelerator:
     def device(self, device_index: int | None = None) -> torch.device:
         return torch.device(self.device_name(device_index))
 
+    def _indexed(self, device_index: int | None) -> torch.device:
+        """DeepSpeed's device_index (None: the current device) as the device zerodp's device module takes."""
+        return self.device(self.current_device() if device_index is None and self._module is not None
+                           else device_index)
+
     def set_device(self, device_index: int) -> None:
         if self._module is not None:
-            torch.accelerator.set_device_index(device_index)
+            device.set_device(device_index)
 
     def device_count(self) -> int:
-        return 1 if self._module is None else torch.accelerator.device_count()
+        return 1 if self._module is None else device.device_count()
 
     def synchronize(self, device_index: int | None = None) -> None:
-        if self._module is not None:
-            torch.accelerator.synchronize(device_index)
+        device.synchronize(self._indexed(device_index))
 
     def is_synchronized_device(self) -> bool:
         """True where work runs when issued (the CPU): no streams or events to wait for."""
@@ -97,13 +101,13 @@ class Accelerator:
     def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
         if self._module is None:
             return torch.get_rng_state()
-        return self._module.get_rng_state(self.device(device_index) if device_index is not None else self._name)
+        return device.rng_state(self._indexed(device_index))
 
     def set_rng_state(self, new_state: torch.Tensor, device_index: int | None = None) -> None:
         if self._module is None:
             torch.set_rng_state(new_state)
         else:
-            self._module.set_rng_state(new_state, self.device(device_index) if device_index is not None else self._name)
+            device.set_rng_state(new_state, self._indexed(device_index))
 
     def random(self) -> Any:
         return torch.random
@@ -115,14 +119,13 @@ class Accelerator:
 
     def memory_allocated(self, device_index: int | None = None) -> int:
         """Bytes held by tensors on the device; 0 on the CPU (no allocator statistics there)."""
-        return 0 if self._module is None else torch.accelerator.memory_allocated(device_index)
+        return device.memory_allocated(self._indexed(device_index))
 
     def max_memory_allocated(self, device_index: int | None = None) -> int:
-        return 0 if self._module is None else torch.accelerator.max_memory_allocated(device_index)
+        return device.max_memory_allocated(self._indexed(device_index))
 
     def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
-        if self._module is not None:
-            torch.accelerator.reset_peak_memory_stats(device_index)
+        device.reset_peak_memory_stats(self._indexed(device_index))
 
     def total_memory(self, device_index: int | None = None) -> int:
         if self._module is None:
@@ -148,7 +151,9 @@ class Accelerator:
         return torch.Event
 
     def current_stream(self, device_index: int | None = None) -> torch.Stream:
-        return torch.accelerator.current_stream(device_index) if self._module is not None else torch.Stream("cpu")
+        if self._module is None:
+            return torch.Stream("cpu")
+        return device.current_stream(self._indexed(device_index))
 
     def range_push(self, msg: str) -> None:
         """A profiler range (nvtx on CUDA); nothing elsewhere."""
