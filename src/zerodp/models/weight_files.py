@@ -33,7 +33,28 @@ _ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", 
           "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
 
 
-class SafetensorsFile:
+class _LaidOutFile:
+    """What both writers share: the layout's names, shapes and dtypes (`shapes`), the check of each
+    tensor put against it, and a close that names what was never written."""
+
+    path: str | os.PathLike
+    shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    pending: set[str]
+
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        shape, dtype = self.shapes[name]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise ValueError(f"tensor '{name}' is {tuple(tensor.shape)} {tensor.dtype}; "
+                             f"{self.path} lays out {tuple(shape)} {dtype}")
+
+    def close(self) -> None:
+        self.file.close()
+        if self.pending:
+            missing = sorted(self.pending)
+            raise ValueError(f"{self.path}: {len(missing)} tensor(s) never written, e.g. {', '.join(missing[:3])}")
+
+
+class SafetensorsFile(_LaidOutFile):
     """One .safetensors file of `entries` (name -> (shape, dtype)); `put` each, then `close`."""
 
     def __init__(self, path: str | os.PathLike, entries: dict[str, tuple[torch.Size, torch.dtype]],
@@ -54,17 +75,14 @@ class SafetensorsFile:
             offset = end
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
-        self.entries, self.start, self.pending = entries, 8 + len(text), set(entries)
+        self.shapes, self.start, self.pending = entries, 8 + len(text), set(entries)
         self.path = path
         self.file = open(path, "wb")  # noqa: SIM115 - open from here to close(), across the puts
         self.file.write(struct.pack("<Q", len(text)) + text)
         self.file.truncate(self.start + offset)
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        shape, dtype = self.entries[name]
-        if tensor.shape != shape or tensor.dtype != dtype:
-            raise ValueError(f"tensor '{name}' is {tuple(tensor.shape)} {tensor.dtype}; "
-                             f"{self.path} lays out {tuple(shape)} {dtype}")
+        self._check(name, tensor)
         begin, _ = self.offsets[name]
         self.file.seek(self.start + begin)
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -72,14 +90,9 @@ class SafetensorsFile:
             self.file.write(data.view(torch.uint8).numpy().data)
         self.pending.discard(name)
 
-    def close(self) -> None:
-        self.file.close()
-        if self.pending:
-            missing = sorted(self.pending)
-            raise ValueError(f"{self.path}: {len(missing)} tensor(s) never written, e.g. {', '.join(missing[:3])}")
 
 
-class TorchSaveFile:
+class TorchSaveFile(_LaidOutFile):
     """One torch.save file of a dict {name: tensor} (`shapes`: name -> (shape, dtype); `ties`:
     alias -> the name whose storage it shares); `put` each non-alias, then `close`."""
 
@@ -102,10 +115,7 @@ class TorchSaveFile:
         self.file = open(path, "r+b")  # noqa: SIM115 - open from here to close(), across the puts
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        shape, dtype = self.shapes[name]
-        if tensor.shape != shape or tensor.dtype != dtype:
-            raise ValueError(f"tensor '{name}' is {tuple(tensor.shape)} {tensor.dtype}; "
-                             f"{self.path} lays out {tuple(shape)} {dtype}")
+        self._check(name, tensor)
         data_at, local_crc, central_crc = self.records[self.names[name]]
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
         crc = struct.pack("<I", zlib.crc32(data))
@@ -114,11 +124,6 @@ class TorchSaveFile:
             self.file.write(chunk)
         self.pending.discard(name)
 
-    def close(self) -> None:
-        self.file.close()
-        if self.pending:
-            missing = sorted(self.pending)
-            raise ValueError(f"{self.path}: {len(missing)} tensor(s) never written, e.g. {', '.join(missing[:3])}")
 
 
 def _records(path: str | os.PathLike, sizes: list[int]) -> list[tuple[int, int, int]]:
