@@ -461,18 +461,16 @@ class Engine:
                 raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
 
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
-        """Frozen parameters and floating buffers: working precision, rank 0's values."""
+        """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
+        read from weights are every rank's already: materialize.start read them)."""
         trained = {id(p) for g in groups for p in g}
-        files = self.filling.source if self.filling.source is not self.filling.inits else None  # weights=
-        names = {id(p): n for n, p in self.module.named_parameters()} if files is not None else {}
+        read = {id(p) for p in self.module.parameters()} if self.filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
                 continue
-            if id(t) in names:  # a frozen parameter: the weights' values, read whole
-                t.data = files.read(names[id(t)], 0, t.numel()).view(t.shape).to(t.device, t.dtype)
             if t.is_floating_point() and t.dtype != self.dtype:
                 t.data = t.data.to(self.dtype)
-            if id(t) not in names:
+            if id(t) not in read:
                 self.comm.broadcast(t.data)
 
 

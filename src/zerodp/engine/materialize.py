@@ -41,6 +41,11 @@ class Filling:
         return self.source is not None
 
     @property
+    def from_files(self) -> bool:
+        """The values come from weights (files, or any source the caller gave), not initialisers."""
+        return self.source is not None and self.source is not self.inits
+
+    @property
     def origin(self) -> str:
         """Said the same on every rank, or the ranks would not meet in the same collectives."""
         return "rank 0's module (broadcast)" if self.source is None else type(self.source).__name__
@@ -70,15 +75,20 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
 
 def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int]) -> None:
     """Collective (one broadcast of rank 0's random state, when something is initialised): then every
-    tensor outside the flat buffers that is on meta gets its value, whole, on `device`."""
+    tensor outside the flat buffers that is on meta gets its value, whole, on `device`, and so does
+    every frozen parameter when the values come from files."""
     if filling.inits is not None:
         state = filling.inits.initial_state.to(device)
         comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
         filling.inits.start(state.cpu())
     for name, p in filling.module.named_parameters():
-        if p.is_meta and id(p) not in trained:
-            value = filling.source.read(name, 0, p.numel()).view(p.shape)
+        if id(p) in trained or not (p.is_meta or filling.from_files):
+            continue
+        value = filling.source.read(name, 0, p.numel()).view(p.shape)
+        if p.is_meta:
             swap_tensors(p, nn.Parameter(value.to(device, p.dtype, copy=True), requires_grad=p.requires_grad))
+        else:
+            p.data = value.to(p.device, p.dtype)
     for m, name, value in list(filling.inits.buffers()) if filling.inits is not None else []:
         setattr(m, name, value.to(device, copy=True))
 
