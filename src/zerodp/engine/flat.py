@@ -50,6 +50,10 @@ class Bucket:
     persistent: bool = False           # stage 3: stays gathered (its units are under the persistence threshold)
     data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
     owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
+    # Each slot's view of `data`, made while its storage was whole: stage 3 points each parameter at
+    # its view when gathered. (Taken later, from a freed storage, a view is an error on a device;
+    # on fake tensors it silently regrows the storage, and `zerodp estimate` would count it.)
+    views: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def shard_numel(self) -> int:
@@ -107,8 +111,9 @@ class FlatGroup:
             self.data = torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
         else:
             self.data = torch.empty(size, dtype=dtype, device=device)
-        offset = 0
-        for b, full in zip(self.buckets, fp32_buckets):
+        offset, fp32_buckets = 0, iter(fp32_buckets)
+        for b in self.buckets:
+            full = next(fp32_buckets)  # not zip(): it would hold the last bucket's values while making the next
             whole = full.numel() == b.numel
             if sharded:
                 b.data = torch.empty(b.numel, dtype=dtype, device=device)
@@ -120,10 +125,12 @@ class FlatGroup:
                 b.owned = b.shard(b.data, rank)  # a view: filled by the copy below
             if whole:
                 b.data.copy_(full)
-            for s in b.slots:
-                s.param.data = b.data[s.offset:s.offset + s.numel].view(s.shape)
+            b.views = [b.data[s.offset:s.offset + s.numel].view(s.shape) for s in b.slots]
+            for s, view in zip(b.slots, b.views):
+                s.param.data = view
             if not whole:  # stage 3 from a shard: the gathered buffer holds nothing until a gather fills it
                 b.data.untyped_storage().resize_(0)
+            del full  # before the next bucket's values are made: one bucket staged at a time, not two
 
 
 def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,

@@ -83,7 +83,7 @@ class Gatherer:
         self.back_window = (len(buckets) + 1, len(buckets) + 1)  # the same, walking back in the backward
         self.buckets = buckets
         self.params = {b.index: [s.param for s in b.slots] for b in buckets}
-        self.views = {b.index: [s.param.data for s in b.slots] for b in buckets}
+        self.views = {b.index: b.views for b in buckets}
         self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
         self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
         self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
