@@ -26,8 +26,11 @@ Two steps run (the optimizer creates its state in the first); the peak is over b
   step_temps      made by engine.step() outside optimizer.step(): the fp32 gradient copy, norms
   other           inputs and targets
 
-Measuring code works around one PyTorch issue from outside (see
-`_propagation_in_its_own_fake_mode`); nothing in the engine changes for it.
+Measuring code works around two PyTorch limits from outside (`_propagation_in_its_own_fake_mode`,
+`_swaps_despite_weak_references`). A model built on meta under the fake mode is filed by MemTracker
+under the device "meta", which holds no memory, and is left out. The engine takes each stage-3
+parameter's view of its gathered buffer while the buffer is whole (flat.Bucket.views): on a device
+a view of a freed storage is an error, and on fake tensors it regrows the storage, which would count.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class _Where:
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+            if dev.type != "meta" and self._peak_mem.get(dev, 0) < snap[_TOTAL]:
                 self._peak_mem[dev] = snap[_TOTAL]
                 self._peak_mem_snap[dev] = dict(snap)
                 inner = max(self._mod_tracker.parents, key=len, default="")
@@ -181,7 +184,8 @@ def _propagation_in_its_own_fake_mode():
 
 
 def _snapshot(tracker, kind: str) -> dict[str, int]:
-    snap = next(iter(tracker.get_tracker_snapshot(kind).values()), {})
+    # A model built on meta under the fake mode is filed under device "meta", which holds no memory.
+    snap = next((s for dev, s in tracker.get_tracker_snapshot(kind).items() if dev.type != "meta"), {})
     out = dict.fromkeys(COLUMNS, 0)
     for ref, nbytes in snap.items():
         if ref == _TOTAL:
@@ -255,25 +259,51 @@ def _config(spec: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None:
+def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
     """The set-up as a user runs it, every tensor counted from the first: the model built (on the
-    device, spec["setup"] "whole"; on meta, "meta") and zerodp.initialize called. None when the
-    meta path cannot run on fake tensors (the caller then uses the formula, and says so): its
-    initialisers draw from rank 0's real random state, which the fake-tensor mode refuses to mix in."""
+    device, spec["setup"] "whole"; on meta, "meta") and zerodp.initialize called. On the meta path
+    the initialisers' CPU stand-ins (one unit at a time, fp32) are host memory on a GPU job and are
+    counted here with the device's, so the figure is an upper bound on the device's peak."""
     import zerodp
+    from zerodp.models.hf_folder import init_fn
     from zerodp.plan.models import PlanModel
 
-    if spec["setup"] == "meta":
-        return None
     tracker = ZeroTracker()
-    with tracker:
+    with tracker, _swaps_despite_weak_references():
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device("meta" if spec["setup"] == "meta" else device):
             model = PlanModel(**spec["source"]).build()[0]
-        engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec))
+        # as the train job: Hugging Face layers are initialised by the model's own _init_weights
+        engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec), param_init_fn=init_fn(model))
         tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
         del engine
     return tracker
+
+
+@contextmanager
+def _swaps_despite_weak_references():
+    """Lets torch.utils.swap_tensors run on fake tensors. The engine gives each parameter of a model
+    on meta its storage in place (swap_tensors keeps the Parameter object, which the optimizer holds),
+    and swap_tensors refuses a tensor with a weak reference; under FakeTensorMode every fake tensor has
+    one, from the fake mode's own converter memo. The check guards users' weak references to the
+    swapped objects; the memo only maps real tensors to their fakes, and the run ends with the mode."""
+    import torch.utils
+    import weakref
+
+    class _NoWeakReferences:
+        def __getattr__(self, name: str):
+            return getattr(weakref, name)
+
+        @staticmethod
+        def getweakrefs(_: object) -> list:
+            return []
+
+    saved = torch.utils.weakref
+    torch.utils.weakref = _NoWeakReferences()
+    try:
+        yield
+    finally:
+        torch.utils.weakref = saved
 
 
 def _run_fsdp2(spec: dict[str, Any], device: torch.device, mesh) -> _FSDPTracker:
@@ -355,7 +385,9 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
         mesh = init_device_mesh(device.type, (spec["world"],))
     start = time.perf_counter()
     try:
-        with FakeTensorMode() if spec.get("fake", True) else nullcontext():
+        # The meta path broadcasts rank 0's real CPU random state (the fake collective ignores it).
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=spec.get("setup") == "meta")
+        with fake_mode if spec.get("fake", True) else nullcontext():
             run = {"fsdp2": lambda: _run_fsdp2(spec, device, mesh), "plain": lambda: _run_plain(spec, device),
                    "zerodp": lambda: _run_zerodp(spec, device), "setup": lambda: _run_setup(spec, device)}
             tracker = run[spec["mode"]]()
@@ -367,8 +399,6 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         with torch.device("meta"):
             psi = GPT(GPTConfig(**spec["model"])).num_params()
-    if tracker is None:
-        return {"spec": spec, "num_params": psi, "peak": None, "seconds": time.perf_counter() - start}
     at_peak = _snapshot(tracker, "peak")
     return {"spec": spec, "num_params": psi, "peak": sum(at_peak.values()), "at_peak": at_peak,
             "peak_at": tracker.peak_at, "after_step": tracker.after_step,

@@ -2,21 +2,24 @@
 the step's peak: a rank can run out of memory before its first step.
 
 Two paths (Ψ parameters, N ranks, w bytes per working parameter, B the largest bucket in elements:
-stage 3's largest unit or coalesced bucket, else min(reduce_bucket_size, Ψ)):
+stage 3's largest unit or coalesced bucket, else min(reduce_bucket_size, Ψ); M the fp32 master copy
+per rank: 4Ψ/N under mixed precision at stages 1-3, 4Ψ at stage 0, none in fp32, where the master is
+the working shard itself):
   meta   the model built on `meta` (or its weights read from files) and each rank materialising only
-         what its stage keeps, one bucket at a time: the stage's parameters (stage 3: wΨ/N; else wΨ),
-         the fp32 master shard when it is a copy (mixed precision: 4Ψ/N; stage 0: 4Ψ), and the bucket
-         being filled in fp32 (4B; stage 3 also its working-precision gathered buffer, wB).
-         Gradients and Adam's m, v do not exist until the first step.
-  whole  every rank builds the whole model in fp32 (4Ψ), then the engine flattens every bucket of it
-         in fp32 at once (4Ψ) and allocates its flat working buffer while both are alive:
-         stages 0-2  4Ψ + 4Ψ + wΨ
-         stage 3     max(4Ψ + 4Ψ + wΨ/N, 4Ψ + wΨ + (4 + w)Ψ/N + wB): the shard buffer first, then each
-                     bucket's gathered buffer, filled before the user's tensors it replaces are freed.
-`formula` gives these; `measure` runs the whole path itself on fake tensors (rank 0 of N, peak.py):
-the model built and `zerodp.initialize` called under PyTorch's MemTracker. The meta path is the
-formula, and the table says so: its initialisers draw from rank 0's real random state, which the
-fake-tensor mode refuses to mix with fake tensors (benchmarks/setup_memory.py measures it for real).
+         what its stage keeps, one bucket at a time. Stages 0-2: the working copy wΨ + M + the
+         bucket being filled, in fp32 (4B). Stage 3: the shards wΨ/N + M + the bucket's gathered
+         buffer (wB) + this rank's part of it in fp32 (4B/N). Gradients and Adam's m, v do not
+         exist until the first step.
+  whole  every rank builds the whole model in fp32 (4Ψ), then the engine fills its buffers bucket by
+         bucket, each bucket flattened in fp32 (4B) while the user's tensors it replaces are alive:
+         stages 1-2  4Ψ + wΨ + M + 4B  (the flat working buffer is allocated at once)
+         stage 0     4Ψ + wΨ + 4B  (its whole master takes the place of the user's tensors as they go)
+         stage 3     4Ψ + wΨ/N + M + (4 + w)B  (the shards, then each bucket's gathered buffer)
+`formula` gives these, device bytes; `measure` runs both paths on fake tensors (rank 0 of N,
+peak.py): the model built and `zerodp.initialize` called under PyTorch's MemTracker. On the meta path
+that figure also counts the initialisers' CPU stand-ins (one module's tensors at a time, fp32), host
+memory on a GPU job: there it is an upper bound on the device's peak. benchmarks/setup_memory.py
+measures both paths' resident memory for real.
 """
 
 from __future__ import annotations
@@ -35,16 +38,14 @@ PATHS = ("meta", "whole")
 def formula(path: str, psi: int, world: int, stage: int, dtype: str, bucket: int) -> int:
     """Set-up peak bytes per rank on the device (see the module's docstring)."""
     w = WORKING_BYTES[dtype]
-    master_copy = w != 4  # in fp32 the master is the working shard itself
+    master = 0 if w == 4 else 4 * psi // (world if stage > 0 else 1)
+    if stage == 3:
+        user = 4 * psi if path == "whole" else 0
+        staged = 4 * bucket if path == "whole" else 4 * bucket // world
+        return user + w * psi // world + master + w * bucket + staged
     if path == "whole":
-        if stage == 3:
-            # + one bucket's gathered buffer, filled before the parameters it replaces are freed
-            return max(8 * psi + w * psi // world, 4 * psi + w * psi + (4 + w) * psi // world + w * bucket)
-        return (8 + w) * psi
-    shards = world if stage > 0 else 1
-    params = w * psi // world if stage == 3 else w * psi
-    master = 4 * psi // shards if master_copy else 0
-    return params + master + 4 * bucket + (w * bucket if stage == 3 else 0)
+        return 4 * psi + w * psi + (master if stage > 0 else 0) + 4 * bucket
+    return w * psi + master + 4 * bucket
 
 
 _LARGEST: dict[str, int] = {}  # --fit asks for each family member many times; a meta build takes ~0.1 s
@@ -72,14 +73,13 @@ def measure_specs(args: argparse.Namespace, model: PlanModel, cells: list[tuple[
     return [{**base, "setup": path, "world": w, "stage": s} for path in PATHS for w, s in cells]
 
 
-def results(measured: list[dict]) -> dict[tuple[str, int, int], int | None]:
-    """(path, N, stage) -> the measured set-up peak; None where it cannot be measured (the meta
-    path, while zerodp.initialize refuses a model on meta)."""
+def results(measured: list[dict]) -> dict[tuple[str, int, int], int]:
+    """(path, N, stage) -> the measured set-up peak."""
     return {(r["spec"]["setup"], r["spec"]["world"], r["spec"]["stage"]): r["peak"] for r in measured}
 
 
 def measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, int]], console
-            ) -> dict[tuple[str, int, int], int | None]:
+            ) -> dict[tuple[str, int, int], int]:
     """The set-up peaks of `cells` measured on fake tensors, in one subprocess (peak.py)."""
     from zerodp.plan.peak import measure_peaks
 

@@ -118,9 +118,10 @@ def setup_table(args: argparse.Namespace, model: PlanModel, step_peaks: dict[tup
     title = (f"Set-up peak per rank (build, load, zerodp.initialize) beside the step's: {model.title()}, "
              f"{args.dtype}")
     how = {True: "measured on fake tensors", False: "formula"}
-    caption = ("meta: built on meta, each rank materialising its part bucket by bucket; whole: every rank "
-               "builds the whole model in fp32 first (plan/setup.py). plan with: the larger of the step "
-               f"and the {args.setup} set-up (--setup).")
+    caption = ("meta: built on meta, each rank materialising its part bucket by bucket (fake: also counts "
+               "the initialisers' CPU stand-ins, one module at a time, host memory on a GPU); whole: every "
+               "rank builds the whole model in fp32 first (plan/setup.py). plan with: the larger of the "
+               f"step and the {args.setup} set-up (--setup).")
     table = _table(title, caption, ["N", "stage", "set-up, meta", "set-up, whole", "step peak", "plan with"])
     for world, stage in cells:
         bucket = largest_bucket(model, psi, stage, args.reduce_bucket_size)
