@@ -190,6 +190,26 @@ def test_consolidate_deepspeed_checkpoint_with_tied_and_frozen_parameters(tmp_pa
         assert torch.equal(state["inp.weight"], oracle.Toy(tied=True, frozen=True).inp.weight.detach())
 
 
+def test_deepspeed_weights_are_made_whole_one_tensor_at_a_time(monkeypatch):
+    """`zerodp consolidate` of a DeepSpeed checkpoint streams: nothing is assembled before the writer
+    asks, and a tensor is gone once the writer has dropped it (the partitions stay memory-mapped)."""
+    import weakref
+
+    made = []
+    whole = ck_ds.DeepSpeedCheckpoint.whole
+    monkeypatch.setattr(ck_ds.DeepSpeedCheckpoint, "whole",
+                        lambda self, kind, name: made.append(name) or whole(self, kind, name))
+    tag_dir = ck_ds.find(fixture_dir("stage3_fp32_tied_frozen"))
+    weights = ck_ds.weights(tag_dir)
+    assert made == [] and weights.ties == {"dec.weight": "enc.weight"}
+    previous = None
+    for name, value in weights.stream:
+        assert previous is None or previous() is None, "the last tensor is still alive"
+        previous = weakref.ref(value) if made and made[-1] == name else None  # buffers stay in the checkpoint
+        del value
+    assert made == [n for n in weights.shapes if n in ck_ds.read(tag_dir).shapes and n not in weights.ties]
+
+
 def _edited_copy(tmp_path, edit_optim, edit_model=None, ranks=(1,)) -> str:
     """The stage 2 fixture with its files re-saved after `edit_optim(optimizer_state_dict)` (and
     `edit_model(model states)`)."""

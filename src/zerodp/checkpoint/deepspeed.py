@@ -36,6 +36,7 @@ from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
 from zerodp.checkpoint.pieces import owned_pieces, signature, untrained
+from zerodp.engine.weights import Weights
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # Optimizer state that is not Adam's would be loaded under the wrong names: refuse it.
@@ -453,21 +454,38 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
 
 
 # ---- consolidating one ---------------------------------------------------------------------------
-def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag dir."""
+def weights(path: str) -> Weights:
+    """A DeepSpeed tag dir's weights keyed like module.state_dict(), trained parameters from their fp32
+    master partitions, each made whole only when the stream reaches it: the partitions are
+    memory-mapped, so one tensor at a time is in memory, never the model. Aliases (DeepSpeed's
+    shared_params) come last and share their source's values."""
     verify_records(path)
     ckpt = read(path)
     ties = dict(ckpt.model.get("shared_params") or {})
     order = list(ckpt.model.get("module") or {}) or list(ckpt.shapes)
-    out: dict[str, torch.Tensor] = {}
-    for name in order + [n for n in ckpt.shapes if n not in order]:
-        if name in ties:
-            continue
-        if name in ckpt.shapes:
-            out[name] = ckpt.whole("master", name)
-        elif name in ckpt.untrained:
-            t = ckpt.untrained[name]
-            out[name] = t.float() if t.is_floating_point() else t
-    for alias, source in ties.items():
-        out[alias] = out[source]
-    return out, ties
+    names = [n for n in order + [n for n in ckpt.shapes if n not in order]
+             if n not in ties and (n in ckpt.shapes or n in ckpt.untrained)]
+    shapes = {}
+    for name in names:
+        t = ckpt.untrained.get(name)
+        shapes[name] = (ckpt.shapes[name], torch.float32) if name in ckpt.shapes else (
+            t.shape, torch.float32 if t.is_floating_point() else t.dtype)
+    shapes.update({alias: shapes[source] for alias, source in ties.items()})
+
+    def stream():
+        for name in names:
+            if name in ckpt.shapes:
+                yield name, ckpt.whole("master", name)
+            else:
+                t = ckpt.untrained[name]
+                yield name, t.float() if t.is_floating_point() else t
+    return Weights(shapes, ties, stream())
+
+
+def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag
+    dir: the whole model in memory (the export writers stream `weights` instead)."""
+    w = weights(path)
+    out = dict(w.stream)
+    out.update({alias: out[source] for alias, source in w.ties.items()})
+    return out, w.ties

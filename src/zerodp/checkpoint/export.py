@@ -4,7 +4,7 @@
 `--hf` as a Hugging Face model folder (zerodp.models.hf_folder) that from_pretrained loads, from the HF config
 a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none). The writers
 read the checkpoint a chunk at a time and write each tensor as soon as it is whole (checkpoint_weights,
-models.weight_files): the whole model is never in memory (a DeepSpeed checkpoint's still is).
+models.weight_files): the whole model is never in memory.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.
 def checkpoint_weights(load_dir: str, tag: str | None = None, chunk_numel: int = EXPORT_CHUNK_NUMEL) -> Weights:
     """A checkpoint's weights as consolidate() gives them (trained parameters from their fp32 master
     pieces, the rest as saved, floating ones in fp32), read `chunk_numel` elements at a time.
-    Everything missing is found before the first value is read. A DeepSpeed checkpoint is read whole."""
+    Everything missing is found before the first value is read. A DeepSpeed checkpoint is read tensor
+    by tensor from its memory-mapped partitions."""
     ds_path = deepspeed.find(load_dir, tag)
-    if ds_path is not None:  # DeepSpeed's files hold each rank's flat partition: read whole
-        return Weights.of(deepspeed.consolidate(ds_path)[0])  # aliases hold their source's tensor
+    if ds_path is not None:
+        return deepspeed.weights(ds_path)
     path, meta = resolve(load_dir, tag)
     metadata = read_metadata(path)
     md = metadata.state_dict_metadata
