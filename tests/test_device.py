@@ -141,3 +141,33 @@ def test_an_accelerator_is_driven_through_its_device_module(monkeypatch):
                      ("get_rng_state", (gpu,), {}), ("set_rng_state", ("state", gpu), {}),
                      ("Stream", (), {"device": gpu}), ("current_stream", (gpu,), {}),
                      ("Event", (), {"enable_timing": True})]
+
+
+_HEAP_TRIM = """
+import torch
+from zerodp.distributed.device import return_freed_host_memory
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024
+torch.set_num_threads(1)
+torch.ones(4 << 20).sum()  # a freed 16 MiB block raises glibc's mmap threshold: smaller blocks go to the heap
+blocks, kept = [], []
+for _ in range(64):
+    blocks.append(torch.ones(1 << 20))  # 4 MiB, touched
+    kept.append(torch.ones(1024))  # between them in the heap: free() alone cannot give their pages back
+del blocks
+before = rss()
+%s
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(device._malloc_trim() is None or not Path("/proc/self/status").exists(), reason="glibc, Linux")
+def test_freed_host_memory_goes_back_to_the_system():
+    import subprocess
+    import sys
+
+    def returned(call: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _HEAP_TRIM % call], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout.split()[-1])
+    assert returned("return_freed_host_memory()") > 128 * 2**20 > returned("pass")  # of the 256 MiB freed

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils import swap_tensors
 
+from zerodp.distributed.device import return_freed_host_memory
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, FlatGroup
 from zerodp.engine.init_source import (
@@ -132,6 +133,7 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
             shards.append(values if values.numel() == b.shard_numel else b.shard(values, rank).clone())
         yield values
         del values
+        return_freed_host_memory()  # the bucket's staging and its initialisers' stand-ins
 
 
 def _read(b: Bucket, lo: int, hi: int, source: ParameterSource, names: dict[int, str]) -> torch.Tensor:
