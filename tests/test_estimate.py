@@ -62,6 +62,15 @@ def test_a_factory_module_is_counted_and_refused_by_fit(tmp_path, monkeypatch, c
         PlanModel.parse("mymodels:nope").num_params()
 
 
+def test_a_model_on_meta_that_nothing_initialises_gets_the_formula_for_its_set_up(tmp_path, capsys):
+    (tmp_path / "bare.py").write_text(
+        "import torch\nclass Bare(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.ones(300, 300))\ndef make():\n    return Bare()\n")
+    estimate.main(["--model", str(tmp_path / "bare.py") + ":make", "--world", "8", "--stage", "3"])
+    row = _rows(capsys.readouterr().out, 1)[0]
+    assert row[4] == "(formula)" and row[7] == "(fake)", row  # meta: no reset_parameters; whole: measured
+
+
 def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
     estimate.main(["--model", "125M", "--world", "8", "--stage", "2", "3", "--offload-optimizer", "--measure", "none"])
     out = capsys.readouterr().out

@@ -259,11 +259,13 @@ def _config(spec: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
+def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None:
     """The set-up as a user runs it, every tensor counted from the first: the model built (on the
     device, spec["setup"] "whole"; on meta, "meta") and zerodp.initialize called. On the meta path
     the initialisers' CPU stand-ins (one unit at a time, fp32) are host memory on a GPU job and are
-    counted here with the device's, so the figure is an upper bound on the device's peak."""
+    counted here with the device's, so the figure is an upper bound on the device's peak. None when a
+    model on meta has a module nothing can initialise (zerodp.initialize's error; a user passes
+    param_init_fn): the caller then gives the formula."""
     import zerodp
     from zerodp.models.hf_folder import init_fn
     from zerodp.plan.models import PlanModel
@@ -273,8 +275,13 @@ def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker:
         torch.manual_seed(0)
         with torch.device("meta" if spec["setup"] == "meta" else device):
             model = PlanModel(**spec["source"]).build()[0]
-        # as the train job: Hugging Face layers are initialised by the model's own _init_weights
-        engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec), param_init_fn=init_fn(model))
+        try:  # as the train job: Hugging Face layers are initialised by the model's own _init_weights
+            engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec),
+                                       param_init_fn=init_fn(model))
+        except ValueError:  # a module with no initialiser: the meta path needs the user's param_init_fn
+            if spec["setup"] != "meta":
+                raise
+            return None
         tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
         del engine
     return tracker
@@ -399,6 +406,8 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         with torch.device("meta"):
             psi = GPT(GPTConfig(**spec["model"])).num_params()
+    if tracker is None:
+        return {"spec": spec, "num_params": psi, "peak": None, "seconds": time.perf_counter() - start}
     at_peak = _snapshot(tracker, "peak")
     return {"spec": spec, "num_params": psi, "peak": sum(at_peak.values()), "at_peak": at_peak,
             "peak_at": tracker.peak_at, "after_step": tracker.after_step,

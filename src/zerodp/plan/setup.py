@@ -73,13 +73,14 @@ def measure_specs(args: argparse.Namespace, model: PlanModel, cells: list[tuple[
     return [{**base, "setup": path, "world": w, "stage": s} for path in PATHS for w, s in cells]
 
 
-def results(measured: list[dict]) -> dict[tuple[str, int, int], int]:
-    """(path, N, stage) -> the measured set-up peak."""
+def results(measured: list[dict]) -> dict[tuple[str, int, int], int | None]:
+    """(path, N, stage) -> the measured set-up peak; None where it cannot be measured (a model on meta
+    with a module that has no initialiser: its user passes param_init_fn, estimate cannot)."""
     return {(r["spec"]["setup"], r["spec"]["world"], r["spec"]["stage"]): r["peak"] for r in measured}
 
 
 def measure(args: argparse.Namespace, model: PlanModel, cells: list[tuple[int, int]], console
-            ) -> dict[tuple[str, int, int], int]:
+            ) -> dict[tuple[str, int, int], int | None]:
     """The set-up peaks of `cells` measured on fake tensors, in one subprocess (peak.py)."""
     from zerodp.plan.peak import measure_peaks
 
