@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import tempfile
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
+import logs  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
@@ -239,24 +239,6 @@ def test_training_arguments_that_would_bypass_the_engine_are_refused():
                                              "ZeroTrainer: the engine is built once per run"):
             ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
 
-
-@contextlib.contextmanager
-def trainer_log():
-    """(level, message) of what the Trainer's own logger emits in the block."""
-    lines = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda r: lines.append((r.levelname, r.getMessage()))
-    log = logging.getLogger("transformers.trainer")
-    old = log.level
-    log.setLevel(logging.DEBUG)
-    log.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(old)
-
-
 @pytest.mark.parametrize("zero_config", [None, {"zero_optimization": {"stage": 2}}], ids=["none", "stage2"])
 def test_zero_trainer_says_which_stage_runs_and_warns_when_none_was_chosen(zero_config):
     from zerodp.integrations.hf import ZeroTrainer
@@ -264,7 +246,7 @@ def test_zero_trainer_says_which_stage_runs_and_warns_when_none_was_chosen(zero_
         args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1,
                                               use_cpu=True, report_to=[], disable_tqdm=True, save_strategy="no")
         trainer = ZeroTrainer(model=tiny_llama(), args=args, train_dataset=dataset(8), zero_config=zero_config)
-        with trainer_log() as lines:
+        with logs.captured("transformers.trainer") as lines:
             trainer.train()
     ours = [(level, m) for level, m in lines if "ZeRO stage" in m]
     assert len(ours) == 1, lines

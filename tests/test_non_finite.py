@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import tempfile
-from contextlib import contextmanager
 
 import pytest
 import torch
 
+import logs
 import oracle
 import zerodp
 from spawn import run_ranks
@@ -44,24 +43,6 @@ def lr_schedule(optimizer):
     """An lr that changes every step: a scheduler stepped on a skipped step shows in the weights."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1 / (1 + t))
 
-
-@contextmanager
-def zerodp_log():
-    """The (level, message) pairs the "zerodp" logger emits in the block, on this rank."""
-    lines = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda r: lines.append((r.levelname, r.getMessage()))
-    log = logging.getLogger("zerodp")
-    old = log.level
-    log.setLevel(logging.DEBUG)
-    log.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(old)
-
-
 def snapshot(engine, model) -> dict:
     with engine.gathered_parameters():
         working = [p.detach().clone() for p in model.parameters()]
@@ -81,7 +62,7 @@ def train_with_bad_step(rank: int, world: int, stage: int, dtype: str, kind: str
                                lr_scheduler=lr_schedule)
     sl = slice(rank * oracle.MICRO, (rank + 1) * oracle.MICRO)
     snaps = {}
-    with zerodp_log() as lines:
+    with logs.captured("zerodp") as lines:
         for step, micro in enumerate(oracle.batches(world, case.gas)):
             if kind is None and step == BAD:
                 continue
@@ -131,7 +112,7 @@ def policy_run(rank: int, world: int, stage: int, bad_steps: set[int], cfg_extra
     engine = zerodp.initialize(model, case.optimizer(model), cfg)
     sl = slice(rank * oracle.MICRO, (rank + 1) * oracle.MICRO)
     error, raised_at = None, None
-    with zerodp_log() as lines:
+    with logs.captured("zerodp") as lines:
         for step in range(steps):
             x, y = oracle.batches(world, 1, seed=step)[0][0]
             x = x[sl].clone()
