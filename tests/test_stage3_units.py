@@ -188,3 +188,50 @@ def test_no_split_modules_name_blocks_and_rules_choose_roots():
         find_units(model, ["Missing"])
     with pytest.raises(ConfigError, match="is not a unit rule"):
         find_units(model, [])
+
+
+# ---- torch's MultiheadAttention reads out_proj's weight without calling out_proj -------------------
+class _AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(16), nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(_AttentionBlock() for _ in range(2)), nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def _attention_losses(rank: int, world: int) -> dict:
+    out = {}
+    for name, stage, zero in (("stage2", 2, {}), ("blocks", 3, {}), ("module", 3, {"stage3_unit": "module"})):
+        torch.manual_seed(0)
+        model = _Attention()
+        engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}})
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(3):
+            loss = engine(torch.randn(2, 5, 16, generator=g))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
+def test_multihead_attention_trains_at_stage3_as_at_stage2_world2():
+    run = run_ranks(_attention_losses, 2)[0]
+    for name in ("blocks", "module"):
+        assert run[name] == pytest.approx(run["stage2"], rel=1e-6), name
