@@ -71,6 +71,14 @@ def test_a_model_on_meta_that_nothing_initialises_gets_the_formula_for_its_set_u
     assert row[4] == "(formula)" and row[7] == "(fake)", row  # meta: no reset_parameters; whole: measured
 
 
+def test_a_hugging_face_model_on_meta_is_initialised_by_its_own_init_weights_in_the_set_up(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))  # RMSNorm and rotary tables: no reset_parameters
+    estimate.main(["--model", str(tmp_path), "--world", "8", "--stage", "3", "--seq", "32"])
+    row = _rows(capsys.readouterr().out, 1)[0]
+    assert row[4] == "(fake)" and row[7] == "(fake)", row
+
+
 def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
     estimate.main(["--model", "125M", "--world", "8", "--stage", "2", "3", "--offload-optimizer", "--measure", "none"])
     out = capsys.readouterr().out
