@@ -51,8 +51,9 @@ class Bucket:
     data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
     owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
     # Each slot's view of `data`, made while its storage was whole: stage 3 points each parameter at
-    # its view when gathered. (Taken later, from a freed storage, a view is an error on a device;
-    # on fake tensors it silently regrows the storage, and `zerodp estimate` would count it.)
+    # its view when gathered. (Sliced from the freed storage later, a view is an error on real tensors;
+    # aliased later through param.data, on fake tensors it silently regrows the storage, which
+    # `zerodp estimate` would count.)
     views: list[torch.Tensor] = field(default_factory=list)
 
     @property

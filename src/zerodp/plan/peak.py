@@ -29,8 +29,8 @@ Two steps run (the optimizer creates its state in the first); the peak is over b
 Measuring code works around two PyTorch limits from outside (`_propagation_in_its_own_fake_mode`,
 `_swaps_despite_weak_references`). A model built on meta under the fake mode is filed by MemTracker
 under the device "meta", which holds no memory, and is left out. The engine takes each stage-3
-parameter's view of its gathered buffer while the buffer is whole (flat.Bucket.views): on a device
-a view of a freed storage is an error, and on fake tensors it regrows the storage, which would count.
+parameter's view of its gathered buffer while the buffer is whole (flat.Bucket.views): a view taken
+from a freed storage regrows it on fake tensors, which would count.
 """
 
 from __future__ import annotations
