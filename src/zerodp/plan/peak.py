@@ -265,7 +265,8 @@ def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None
     the initialisers' CPU stand-ins (one unit at a time, fp32) are host memory on a GPU job and are
     counted here with the device's, so the figure is an upper bound on the device's peak. None when a
     model on meta has a module nothing can initialise (zerodp.initialize's error; a user passes
-    param_init_fn): the caller then gives the formula."""
+    param_init_fn), or when this torch's swap_tensors cannot run on fake tensors: the caller then
+    gives the formula, and says so."""
     import zerodp
     from zerodp.models.hf_folder import init_fn
     from zerodp.plan.models import PlanModel
@@ -278,8 +279,8 @@ def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None
         try:  # as the train job: Hugging Face layers are initialised by the model's own _init_weights
             engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec),
                                        param_init_fn=init_fn(model))
-        except ValueError:  # a module with no initialiser: the meta path needs the user's param_init_fn
-            if spec["setup"] != "meta":
+        except (ValueError, RuntimeError):  # a module with no initialiser (the meta path needs the user's
+            if spec["setup"] != "meta":   # param_init_fn), or a torch whose swap_tensors the fake mode refuses
                 raise
             return None
         tracker.after_step = _snapshot(tracker, "current")  # while the engine is alive
@@ -305,7 +306,10 @@ def _swaps_despite_weak_references():
         def getweakrefs(_: object) -> list:
             return []
 
-    saved = torch.utils.weakref
+    saved = getattr(torch.utils, "weakref", None)
+    if saved is None:  # another torch's swap_tensors: nothing to lift (a refusal gives the formula)
+        yield
+        return
     torch.utils.weakref = _NoWeakReferences()
     try:
         yield
