@@ -83,7 +83,6 @@ class Gatherer:
         self.back_window = (len(buckets) + 1, len(buckets) + 1)  # the same, walking back in the backward
         self.buckets = buckets
         self.params = {b.index: [s.param for s in b.slots] for b in buckets}
-        self.views = {b.index: b.views for b in buckets}
         self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
         self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
         self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
@@ -166,7 +165,7 @@ class Gatherer:
         storage, nbytes = b.data.untyped_storage(), b.numel * b.data.element_size()
         if storage.nbytes() != nbytes:  # (a resize reallocates and copies, even to the same size)
             storage.resize_(nbytes)
-        deque(map(_set_data, self.params[b.index], self.views[b.index]), maxlen=0)
+        deque(map(_set_data, self.params[b.index], b.views), maxlen=0)
         self.gathered.add(b.index)
         self.unfinished[b.index] = set(self.users.get(b.index, ()))
         source = b.owned
