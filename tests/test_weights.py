@@ -21,7 +21,7 @@ from test_checkpoint import world_of_one
 from torch import nn
 
 import zerodp
-from zerodp.checkpoint import deepspeed as ck_ds
+from zerodp import checkpoint as ck
 from zerodp.checkpoint.weights import open_weights
 
 DS = os.path.join(os.path.dirname(__file__), "data", "deepspeed")
@@ -119,8 +119,7 @@ def test_files_of_another_model_are_errors_naming_the_tensors(hf_folders, tmp_pa
 
 @pytest.mark.parametrize("fixture", ["stage2_fp32_tied_frozen", "stage3_fp32_tied_frozen", "stage2_bf16"])
 def test_deepspeed_checkpoint_reads_equal_its_consolidation(fixture):
-    path = ck_ds.find(os.path.join(DS, fixture))
-    state, _ = ck_ds.consolidate(path)
+    state, _ = ck.consolidate(os.path.join(DS, fixture))
     model = oracle.Toy(tied="tied" in fixture, frozen="frozen" in fixture)
     source = open_weights(os.path.join(DS, fixture), model)
     assert_reads_equal(source, {n: state[n] for n, _ in model.named_parameters()})
@@ -177,7 +176,7 @@ def engine_runs(rank: int, world: int, root: str) -> dict:
     out["zerodp"] = got["losses"] == ref["losses"] and all(torch.equal(got["state"][k], v)
                                                            for k, v in ref["state"].items())
     ds = os.path.join(DS, "stage3_fp32_tied_frozen")
-    ds_state, _ = ck_ds.consolidate(ck_ds.find(ds))
+    ds_state, _ = ck.consolidate(ds)
     model = toy(rank)
     engine = zerodp.initialize(model, CASE.optimizer(model), oracle.config_for(CASE, 2, world), weights=ds)
     out["deepspeed"] = all(torch.equal(engine.full_state_dict()[k], v) for k, v in ds_state.items())

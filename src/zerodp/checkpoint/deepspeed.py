@@ -481,11 +481,3 @@ def weights(path: str) -> Weights:
                 yield name, t.float() if t.is_floating_point() else t
     return Weights(shapes, ties, stream())
 
-
-def consolidate(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(full fp32 state dict keyed like module.state_dict(), {alias: tied-to name}) of a DeepSpeed tag
-    dir: the whole model in memory (the export writers stream `weights` instead)."""
-    w = weights(path)
-    out = dict(w.stream)
-    out.update({alias: out[source] for alias, source in w.ties.items()})
-    return out, w.ties
