@@ -14,6 +14,10 @@ SIZES: dict[str, dict[str, int]] = {
     "2.7B": dict(n_layer=32, n_head=32, n_embd=2560),
     "6.7B": dict(n_layer=32, n_head=32, n_embd=4096),
     "13B": dict(n_layer=40, n_head=40, n_embd=5120),
+    # The ZeRO paper's largest runs (ZeRO-2 with 16-way Megatron tensor parallelism): width 8192, with
+    # the depths that give its 100B and 170B (12·L·h² + the embeddings); `zerodp estimate --tp 16` plans them.
+    "100B": dict(n_layer=125, n_head=64, n_embd=8192),
+    "170B": dict(n_layer=212, n_head=64, n_embd=8192),
 }
 
 HF_MODELS = ("hf-gpt2", "hf-llama")

@@ -180,7 +180,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--comm", action="store_true", help="print the bytes each rank sends per step and a step-time model")
     g.add_argument("--shard-size", type=int, nargs="+", default=[0], metavar="S",
                    help="hierarchical sharding groups (mics_shard_size); 0 = flat (S = N)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpus-per-node", type=int, help="default 8 (with --tp: T when larger)")
     g.add_argument("--intra-gbs", type=float, default=d.intra_gbs, help="NVLink GB/s per GPU")
     g.add_argument("--inter-gbs", type=float, default=d.inter_gbs, help="InfiniBand GB/s per GPU")
     g.add_argument("--intra-us", type=float, default=d.intra_us, help="NVLink latency per ring hop, µs")
@@ -238,7 +238,8 @@ def section(args: argparse.Namespace, model: nn.Module, tokens_per_gpu: int, ele
     compute = args.compute_s if args.compute_s is not None else flops / (args.tflops * 1e12)
     where = (f"--compute-s {args.compute_s}" if args.compute_s is not None
              else f"{flops:.3g} FLOP at {args.tflops:g} TFLOP/s")
-    bytes_t = Table(title=f"Bytes each rank sends per step ({args.gpus_per_node} GPUs per node)")
+    per_node = args.gpus_per_node or 8
+    bytes_t = Table(title=f"Bytes each rank sends per step ({per_node} GPUs per node)")
     for c in ("N", "S", "stage", "collective", "group", "link", "calls", "bytes", "time"):
         bytes_t.add_column(c, justify="right" if c in ("N", "S", "stage", "calls", "bytes", "time") else "left")
     steps = Table(title=f"Step time: compute {compute * 1e3:.1f} ms ({where}); links NVLink {links.intra_gbs:g} GB/s "
@@ -253,7 +254,7 @@ def section(args: argparse.Namespace, model: nn.Module, tokens_per_gpu: int, ele
                 if stage == 0 and s and s != world:
                     continue
                 job = jobs_for(model, world, stage, s, element_size, args.reduce_bucket_size, args.gas,
-                               args.gpus_per_node)
+                               per_node)
                 xs = transfers(job)
                 for x in xs:
                     bytes_t.add_row(str(world), str(s or world), str(stage), x.op, x.group, x.link, str(x.calls),

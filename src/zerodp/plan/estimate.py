@@ -34,7 +34,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 # Extra sections of the report, printed after the memory table: each names a torch-free module
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # plan_model.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
-SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication",)
+SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "optimizer states in host memory (formula; the fake-tensor step runs it too)")
     ap.add_argument("--offload-param", action="store_true", help="stage 3: the parameter partition in host "
                     "memory too (formula only)")
-    ap.add_argument("--measure", choices=["fake", "real", "none"], default="fake", help="the peak: a step on "
-                    "fake tensors (default), on this machine's real tensors, or none (formula and estimates)")
+    ap.add_argument("--measure", choices=["fake", "real", "none"], help="the peak: a step on fake tensors "
+                    "(default), on this machine's real tensors, or none (formula and estimates; the default with --tp)")
     ap.add_argument("--no-measure", dest="measure", action="store_const", const="none", help=argparse.SUPPRESS)
     ap.add_argument("--fake-tensors", dest="measure", action="store_const", const="fake", help=argparse.SUPPRESS)
     ap.add_argument("--fsdp2", action="store_true", help="GPT, --measure fake: also FSDP2 (reshard True/False)")
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(width=WIDTH)
     from zerodp.plan.tables import fit_table, memory_tables
     try:
-        for table in [fit_table(args, model)] if args.fit is not None else memory_tables(args, model, console):
+        for table in ([] if args.tp > 1 else [fit_table(args, model)] if args.fit is not None  # --tp: its section
+                      else memory_tables(args, model, console)):
             console.print(table)
     except PlanModelError as e:  # e.g. a factory that is not there: found when the model is built
         ap.error(str(e))
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _check(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None:
     """Flags that cannot go together fail here, before anything is built."""
+    from zerodp.plan import tensor_parallel
+    tensor_parallel.check(ap, args)
+    if args.measure is None:
+        args.measure = "none" if args.tp > 1 else "fake"
     if args.loss_chunk is not None:
         if model.kind != "gpt":
             ap.error("--loss-chunk is a GPT option (GPTConfig.loss_chunk)")
