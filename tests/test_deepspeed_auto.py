@@ -75,3 +75,16 @@ def test_initialize_fills_auto_from_the_optimizer_and_model_it_is_given():
     with pytest.raises(zerodp.ConfigError, match=r"'optimizer.params.lr' = \"auto\""):
         deepspeed.initialize(model=Toy(), config={"train_micro_batch_size_per_gpu": 2,
                                                   "optimizer": {"type": "AdamW", "params": {"lr": AUTO}}})
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+@pytest.mark.parametrize("params", [[0.9, 0.999], "lr=1e-3"])
+def test_params_of_another_json_type_fail_naming_the_key_not_inside_auto(section, params):
+    # Found by seeded config mutations: resolve_auto read every section's params as a dict.
+    sections = {"optimizer": {"type": "AdamW", "params": params},
+                "scheduler": {"type": "WarmupLR", "params": params}}
+    model = Toy()
+    optimizer = None if section == "optimizer" else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(zerodp.ConfigError, match=rf"config key '{section}.params' = .*expected a valid dictionary"):
+        deepspeed.initialize(model=model, optimizer=optimizer,
+                             config={"train_micro_batch_size_per_gpu": 2, section: sections[section]})

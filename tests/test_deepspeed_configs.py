@@ -23,7 +23,7 @@ TRAINER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, 
 
 
 CASES = ["dse_imagenet_fp16_zero1.json", "dse_megatron_fp16_zero3.json", "dse_alpaca_lora_fp16_zero3_offload.json",
-         "hf_zero2.json", "hf_zero3.json"]
+         "hf_zero2.json", "hf_zero3.json", "dsc_step1_fp16_zero2_offload.json", "dsc_step1_bf16_zero3.json"]
 # Real configs that DeepSpeed 0.19.8 itself would not run as written, or that ask for what zerodp does
 # not do: each fails at load, naming the key and why.
 REFUSED_CASES = {

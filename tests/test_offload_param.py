@@ -5,11 +5,14 @@ engine keeps each buffer and what its memory report counts; the CUDA test checks
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import zerodp
 from oracle import D_IN, D_OUT, Toy, one_group
+from zerodp.config import OffloadParamConfig
 from zerodp.engine.memory import offload_split
 
 
@@ -20,9 +23,12 @@ def _config(stage: int = 3, offload_param: dict | None = None, **extra) -> dict:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_offload_param_below_stage3_is_refused_with_deepspeeds_reason(stage):
-    with pytest.raises(zerodp.ConfigError, match="offload_param is valid only with stage 3"):
-        zerodp.load_config(_config(stage))
+def test_offload_param_below_stage3_is_ignored_with_one_warning_line_as_deepspeed_does(stage, caplog):
+    with caplog.at_level(logging.WARNING, logger="zerodp"):
+        cfg = zerodp.load_config(_config(stage, offload_param={"device": "cpu", "pin_memory": False}))
+    assert cfg.zero_optimization.offload_param == OffloadParamConfig()  # as if absent
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert f"offload_param is ignored at stage {stage}, as DeepSpeed ignores it" in caplog.text
 
 
 def test_offload_param_to_nvme_is_refused():

@@ -12,6 +12,7 @@ Validation runs locally and identically on every rank, before any collective: a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -161,12 +162,16 @@ class ZeroConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _offload_param_needs_stage3(self) -> ZeroConfig:
+    def _offload_param_below_stage3_is_ignored(self) -> ZeroConfig:
+        # DeepSpeed's stages 0-2 never read offload_param and train with every parameter on the device;
+        # DeepSpeed-Chat's configs set it together with offload_optimizer at any stage. So do the same,
+        # saying so once: the section is reset, and the engine and its set-up line see no offload.
         if self.offload_param.device != "none" and self.stage != 3:
-            raise ValueError(
-                f"offload_param is valid only with stage 3 (as in DeepSpeed), not stage {self.stage}: "
-                "stages 0-2 keep every parameter whole on every rank; use stage 3 to offload parameters, "
-                "or offload_optimizer to move the optimizer state to the CPU")
+            logging.getLogger("zerodp").warning(
+                "zero_optimization.offload_param is ignored at stage %d, as DeepSpeed ignores it: only stage 3 "
+                "partitions parameters, so they stay on the device; use stage 3 to offload them, or remove "
+                "the section", self.stage)
+            self.offload_param = OffloadParamConfig()
         return self
 
     # Hierarchical sharding (DeepSpeed's MiCS names): model states sharded within groups of this
@@ -267,6 +272,21 @@ class ActivationCheckpointingConfig(_Section):
         return self
 
 
+class HybridEngineConfig(_Section):
+    """DeepSpeed's `hybrid_engine` (DeepSpeed-Chat's RLHF step: one model switched between training and
+    DeepSpeed's inference kernels for generation). Every config of DeepSpeed-Chat carries the section,
+    disabled: disabled it has no effect; enabled it is refused (config/keys.py says why). DeepSpeed's
+    names, types and defaults."""
+
+    enabled: bool = False
+    max_out_tokens: PositiveInt = 512
+    inference_tp_size: PositiveInt = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: PositiveInt = 8
+    enable_cuda_graph: bool = False
+
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -317,6 +337,7 @@ class Config(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
     # What training reports (zerodp.monitor): steps_per_print and wall_clock_breakdown above, and these.
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVConfig = Field(default_factory=CSVConfig)

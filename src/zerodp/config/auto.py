@@ -52,8 +52,10 @@ def resolve_auto(config: dict[str, Any], known: dict[str, Any]) -> dict[str, Any
         if isinstance(section, dict) and section.get("enabled") == AUTO:
             _fill(section, "enabled", known, precision, f"{precision}.enabled", missing)
     for name in ("optimizer", "scheduler"):
-        params = (out.get(name) or {}).get("params") if isinstance(out.get(name), dict) else None
-        for key, value in (params or {}).items():
+        params = out[name].get("params") if isinstance(out.get(name), dict) else None
+        if not isinstance(params, dict):
+            continue  # a section or params of another JSON type: load_config refuses it, naming the key
+        for key, value in params.items():
             if value == AUTO:
                 source = "lr" if key == "warmup_max_lr" else key
                 _fill(params, key, known, source, f"{name}.params.{key}", missing)

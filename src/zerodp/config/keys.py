@@ -76,6 +76,10 @@ NO_EFFECT: dict[str, str] = {
     **{f"flops_profiler.{k}": "the flops_profiler section is refused when enabled (use "
                               "torch.utils.flop_counter.FlopCounterMode)"
        for k in ("recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed", "output_file")},
+    **{f"hybrid_engine.{k}": "the hybrid_engine section is refused when enabled (zerodp has no inference "
+                             "engine to switch to)"
+       for k in ("max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
+                 "tp_gather_partition_size", "enable_cuda_graph")},
     "activation_checkpointing.profile": "DeepSpeed's timing print of checkpointed forwards",
     "checkpoint.parallel_write.pipeline_stage": "pipeline parallelism does not exist in zerodp; every rank "
                                                 "writes its own shard files already",
@@ -130,6 +134,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
         False, "partitioning activations only has meaning with a model-parallel (tensor-parallel) group, "
                "which zerodp's plain data parallelism does not have, so activations are not partitioned; "
                "use cpu_checkpointing to move them off the accelerator"),
+    "hybrid_engine.enabled": (False, "DeepSpeed's hybrid engine swaps the training model into DeepSpeed's "
+                                     "inference kernels (with their own tensor parallelism) to generate, "
+                                     "which zerodp does not have; generate with the module itself "
+                                     "(engine.module in eval mode, under torch.no_grad()) and set it to false"),
     "checkpoint.load_universal": (False, "zerodp's own checkpoints load on any world size without "
                                          "conversion, and DeepSpeed ZeRO checkpoints are read directly "
                                          "(engine.load_checkpoint); load one of those instead"),

@@ -6,8 +6,9 @@
 
 The one place that knows DeepSpeed's names: initialize's arguments and 4-tuple, the config's
 "auto" values (auto.py), the engine's methods (engine.py), `zero.GatheredParameters` (zero.py), and
-the modules scripts import beside `deepspeed`: `accelerator.get_accelerator()`, `comm` (get_rank,
-barrier, all_reduce, ...), `utils` (logger, zero_to_fp32); `moe` is refused on import. Replacing
+the modules scripts import beside `deepspeed`: `accelerator.get_accelerator()` (also `deepspeed.
+get_accelerator`), `comm` (get_rank, barrier, all_reduce, ...), `ops.adam` (FusedAdam, DeepSpeedCPUAdam),
+`utils` (logger, zero_to_fp32, timer.ThroughputTimer), `compression.helper`; `moe` is refused on import. Replacing
 `deepspeed` by `zerodp.deepspeed` in a script's import lines is the whole port.
 What maps to what, and what is refused, is in docs/DEEPSPEED.md.
 """
@@ -26,16 +27,24 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import zerodp
 from zerodp.config import load_config, read_config_file
 from zerodp.config.auto import resolve_auto
-from zerodp.deepspeed import accelerator, comm, utils, zero
+from zerodp.deepspeed import accelerator, comm, ops, utils, zero
+from zerodp.deepspeed.accelerator import get_accelerator
 from zerodp.deepspeed.engine import DeepSpeedEngine
-from zerodp.deepspeed.launch import init_distributed
+from zerodp.deepspeed.launch import init_distributed, local_rank_from_launcher
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto",
-           "accelerator", "comm", "utils"]
+           "accelerator", "get_accelerator", "comm", "ops", "utils"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """DeepSpeed's --deepspeed, --deepspeed_config (and the deprecated --deepscale*) flags."""
+    """DeepSpeed's --deepspeed, --deepspeed_config (and the deprecated --deepscale*) flags.
+
+    Under torchrun, a `--local_rank` the script declared before this call defaults to LOCAL_RANK:
+    DeepSpeed's launcher passes --local_rank=N, torchrun sets LOCAL_RANK=N instead, and the scripts
+    branch on args.local_rank (-1: not distributed) before anything reads the environment."""
+    launched = os.environ.get("LOCAL_RANK")
+    if launched is not None and any(a.dest == "local_rank" for a in parser._actions):
+        parser.set_defaults(local_rank=int(launched))
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
@@ -69,6 +78,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if dist_init_required is False and not dist.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; initialise "
                            "it first, or pass dist_init_required=None")
+    local_rank = local_rank_from_launcher(getattr(args, "local_rank", None))
     raw = _config_dict(args, config if config is not None else config_params)
     # Before any process group: the same config fails the same way on every rank, and
     # zerodp.initialize creates the group with the config's comm_timeout_s.
@@ -85,6 +95,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = DataLoader(training_data, batch_size=engine.batch.micro_batch_size, sampler=sampler,
                             collate_fn=collate_fn)
     wrapped = DeepSpeedEngine(engine, loader)
+    if hasattr(args, "local_rank"):
+        args.local_rank = local_rank  # as DeepSpeed's engine aligns it, for the script's later reads
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from zerodp.checkpoint.export_engine import save_weights
 from zerodp.checkpoint.files import LATEST
+from zerodp.deepspeed.utils.timer import ThroughputTimer
 from zerodp.engine.engine import Engine
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
@@ -38,6 +39,9 @@ class DeepSpeedEngine:
         self.training_dataloader = training_dataloader
         self._step_applied = False
         self._param_ids = {id(p) for p in engine.module.parameters()}
+        # DeepSpeed's samples/s, timed from each forward to its step; no log lines of its own: zerodp's
+        # steps_per_print line already reports samples/s.
+        self.tput_timer = ThroughputTimer(batch_size=engine.batch.train_batch_size)
         _ENGINES.add(self)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
@@ -50,6 +54,7 @@ class DeepSpeedEngine:
 
     # ---- the training step ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.tput_timer.start()
         return self.engine(*args, **kwargs)
 
     __call__ = forward
@@ -69,6 +74,7 @@ class DeepSpeedEngine:
         steps, skipped = self.engine.global_steps, self.engine.skipped_steps
         self.engine.step()
         self._step_applied = self.engine.global_steps > steps and self.engine.skipped_steps == skipped
+        self.tput_timer.stop(global_step=self.engine.global_steps > steps)
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.engine.train(mode)

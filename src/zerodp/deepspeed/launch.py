@@ -6,6 +6,7 @@ DeepSpeed's MPI discovery and explicit rank / world_size / init_method are refus
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from zerodp.distributed.comm import init_distributed as _init_distributed
@@ -24,3 +25,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         _init_distributed(dist_backend, timeout_s=timeout.total_seconds())
     else:
         _init_distributed(dist_backend)
+
+
+def local_rank_from_launcher(from_args: int | None) -> int:
+    """This process's local rank as DeepSpeed's engine takes it: LOCAL_RANK (0 in a world of one);
+    a script's --local_rank other than -1 must agree with it (DeepSpeed's check, and its words)."""
+    env = int(os.environ.get("LOCAL_RANK", "0"))
+    if isinstance(from_args, int) and not isinstance(from_args, bool) and from_args >= 0 and from_args != env:
+        raise ValueError(f"Mismatch in local rank setting, args.local_rank={from_args} but "
+                         f"env['LOCAL_RANK']={env}: pass the launcher's --local_rank unchanged, or none "
+                         "(torchrun sets LOCAL_RANK)")
+    return env

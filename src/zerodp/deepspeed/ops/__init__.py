@@ -1,0 +1,5 @@
+"""`deepspeed.ops`: the optimizer classes scripts import from it (`ops.adam`), over torch.optim."""
+
+from zerodp.deepspeed.ops import adam
+
+__all__ = ["adam"]
