@@ -85,6 +85,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         loader = DataLoader(training_data, batch_size=engine.batch.micro_batch_size, sampler=sampler,
                             collate_fn=collate_fn)
     wrapped = DeepSpeedEngine(engine, loader)
+    zero.give_zero3_attributes(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
 
