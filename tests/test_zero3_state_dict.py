@@ -54,6 +54,38 @@ def _attributes(engine) -> dict:
     return facts
 
 
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _state_dicts(rank: int, world: int, stage: int, timeout_s: float) -> dict:
+    torch.manual_seed(0)
+    model = Stack()
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               {"train_micro_batch_size_per_gpu": 1, "comm_timeout_s": timeout_s,
+                                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    loss = engine(torch.randn(1, 16) + rank).square().sum()
+    engine.backward(loss)
+    engine.step()
+    out = {"every_rank": {k: v.clone() for k, v in model.state_dict().items()},
+           "held_as_params": all(p.numel() == 0 for p in model.parameters()) if stage == 3 else None}
+    if rank == 0 and stage == 3:
+        start = time.monotonic()
+        try:
+            model.state_dict()
+        except RuntimeError as e:
+            out["alone"] = (str(e), time.monotonic() - start)
+    return out
+
+
 def _run_script(rank: int, world: int, tmp: str) -> dict:
     script = load(os.path.join(tmp, SCRIPT))
     out = {}
@@ -62,6 +94,7 @@ def _run_script(rank: int, world: int, tmp: str) -> dict:
                               "--deepspeed_config", os.path.join(tmp, f"stage{stage}.json")])
         out[stage] = _attributes(engine) if stage == 3 else {"partitioned": [n for n, p in
                                                              engine.module.named_parameters() if hasattr(p, "ds_id")]}
+    out["plain"] = {stage: _state_dicts(rank, world, stage, 3.0) for stage in (2, 3)}  # zerodp.initialize
     return out
 
 
@@ -127,45 +160,8 @@ def test_stage_3_parameters_carry_deepspeeds_attributes_and_stage_2_ones_none(sc
         assert torch.equal(parts, runs[0][3]["whole"][n].reshape(-1)), n
 
 
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.head = nn.Linear(16, 4)
-        self.head.weight = nn.Parameter(torch.randn(4, 16))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _state_dicts(rank: int, world: int, stage: int, timeout_s: float) -> dict:
-    torch.manual_seed(0)
-    model = Stack()
-    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               {"train_micro_batch_size_per_gpu": 1, "comm_timeout_s": timeout_s,
-                                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
-    loss = engine(torch.randn(1, 16) + rank).square().sum()
-    engine.backward(loss)
-    engine.step()
-    out = {"every_rank": {k: v.clone() for k, v in model.state_dict().items()},
-           "held_as_params": all(p.numel() == 0 for p in model.parameters()) if stage == 3 else None}
-    if rank == 0 and stage == 3:
-        start = time.monotonic()
-        try:
-            model.state_dict()
-        except RuntimeError as e:
-            out["alone"] = (str(e), time.monotonic() - start)
-    return out
-
-
-def _both_stages(rank: int, world: int) -> dict:
-    return {stage: _state_dicts(rank, world, stage, 3.0) for stage in (2, 3)}
-
-
-def test_state_dict_at_stage_3_gathers_on_every_rank_and_refuses_a_call_on_one_rank():
-    runs = run_ranks(_both_stages, WORLD)
+def test_state_dict_at_stage_3_gathers_on_every_rank_and_refuses_a_call_on_one_rank(script_run):
+    runs = [run["plain"] for run in script_run[1]]
     for run in runs:
         whole, sharded = run[2]["every_rank"], run[3]["every_rank"]
         assert list(sharded) == list(whole)
