@@ -169,6 +169,7 @@ def test_state_dict_at_stage_3_gathers_on_every_rank_and_refuses_a_call_on_one_r
             torch.testing.assert_close(sharded[k], v, rtol=0, atol=1e-6, msg=k)
         assert run[3]["held_as_params"]  # state_dict() left nothing gathered
     message, seconds = runs[0][3]["alone"]
+    print(f"state_dict() on rank 0 alone raised after {seconds:.1f} s (comm_timeout_s 3)")
     assert "only 1 of them called it" in message and "comm_timeout_s=3 s" in message
     assert "on every rank" in message and "engine.full_state_dict()" in message
     assert seconds < 30
