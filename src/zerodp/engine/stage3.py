@@ -12,6 +12,8 @@ would crash the process):
                      gather when backward reaches the unit (prefetching the ones before it);
   gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
   end of backward    release whatever is still gathered.
+A `gathered_parameters` block holds its buckets gathered against all of these until it exits, then
+gives each bucket new storage: the old one stays with any view a script kept of it, or is freed.
 The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
 does the last unit of the forward when it fits in the prefetch budget (FSDP2's
 reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
