@@ -97,6 +97,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     wrapped = DeepSpeedEngine(engine, loader)
     if hasattr(args, "local_rank"):
         args.local_rank = local_rank  # as DeepSpeed's engine aligns it, for the script's later reads
+    zero.give_zero3_attributes(wrapped)
     return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -1,23 +1,74 @@
 """`deepspeed.zero`: GatheredParameters over the engine that trains the parameters; Init, which builds
-a model on the meta device for initialize to materialise shard by shard.
+a model on the meta device for initialize to materialise shard by shard; the ZeRO-3 attributes of
+parameters (`ds_id`, `ds_status`, ...), which scripts read to find the parameters they must gather.
 
 DeepSpeed's stage 3 partitions each parameter; GatheredParameters makes the named ones whole inside
 a `with` block and, with `modifier_rank`, keeps what that rank wrote into them (broadcast to every
 rank, and into the fp32 masters). zerodp does the same at every stage: stages 0-2 hold parameters
 whole already, so only the modifier_rank broadcast has work to do there.
+
+At stage 3 DeepSpeed gives each partitioned parameter `ds_*` attributes, and its fine-tuning scripts
+gather exactly the parameters that carry them (`hasattr(p, "ds_id") and p.ds_status ==
+ZeroParamStatus.NOT_AVAILABLE`), reading the others as they are. give_zero3_attributes does the same
+for zerodp's stage-3 parameters, `ds_status` kept current by the engine's gatherer (Gatherer.watch).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
+from enum import Enum
+from itertools import repeat
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from zerodp.deepspeed.engine import owner_of
+from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
+from zerodp.engine.flat import Bucket
+from zerodp.engine.stage3 import BucketState
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's state of a stage-3 parameter (`param.ds_status`)."""
+
+    AVAILABLE = 1      # whole on this rank
+    NOT_AVAILABLE = 2  # only this rank's shard is held: the parameter itself is an empty tensor
+    INFLIGHT = 3       # being gathered
+
+
+_STATUS = {BucketState.RELEASED: ZeroParamStatus.NOT_AVAILABLE, BucketState.GATHERING: ZeroParamStatus.INFLIGHT,
+           BucketState.GATHERED: ZeroParamStatus.AVAILABLE}
+_ADVICE = ("save with engine.save_16bit_model(dir) on every rank (stage 3 needs zero_optimization."
+           "stage3_gather_16bit_weights_on_model_save), or read the parameters inside "
+           "deepspeed.zero.GatheredParameters(params) on every rank")
+
+
+def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
+    """At stage 3 (only, as DeepSpeed), each partitioned parameter gets `ds_id` (its index in
+    module.parameters()), `ds_numel` and `ds_shape` (whole), `ds_tensor` (this rank's elements of it, a
+    flat view of this rank's shard: empty, part or all of it, since zerodp shards buckets, not each
+    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are not partitioned
+    (every rank holds them whole) and get none, as DeepSpeed's unpartitioned parameters."""
+    gatherer = engine.engine.gatherer
+    if gatherer is None:
+        return
+    index = {id(p): i for i, p in enumerate(engine.engine.module.parameters())}
+    rank = engine.engine.comm.shard_rank
+    for b in gatherer.buckets:
+        first = rank * b.shard_numel
+        for s in b.slots:
+            lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
+            s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
+            s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
+    params = {b.index: [s.param for s in b.slots] for b in gatherer.buckets}
+
+    def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
+        deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
+    gatherer.watch(status)
+    engine.engine.gathered_state.advice = _ADVICE
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 in the ZeRO paper. flat.py lays parameters out in flat padded buffers and partitions them; reducer.py
 buckets gradients and reduce-scatters them during backward; optimizer.py steps the user's optimizer on
 the fp32 master shard and all-gathers the result; units.py and stage3.py choose stage 3's units and
-gather them before use, release them after; precision.py and non_finite.py hold the loss scale and
+gather them before use, release them after, and gathered_state.py gathers them for module.state_dict();
+precision.py and non_finite.py hold the loss scale and
 the skipped step; unused.py, forward_order.py and buffers.py handle parameters a step leaves unused,
 the gather order of the next forward, and floating buffers. At set-up, materialize.py fills the
 buffers bucket by bucket from a source.py ParameterSource (init_source.py: each module's initialiser,

@@ -23,6 +23,7 @@ from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import lay_out
 from zerodp.engine.forward_order import ForwardOrder
+from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import NonFinitePolicy, step_flags, step_is_finite
@@ -149,6 +150,9 @@ class Engine:
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
         self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
                                  self.offload_param) if self.stage == 3 else None
+        # Stage 3: module.state_dict() gathers the parameters it would otherwise hold empty.
+        self.gathered_state = (GatheredStateDict(self.module, self.gatherer, comm, config.comm_timeout_s)
+                               if self.gatherer is not None else None)
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
         self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,

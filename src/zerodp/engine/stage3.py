@@ -12,6 +12,8 @@ would crash the process):
                      gather when backward reaches the unit (prefetching the ones before it);
   gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
   end of backward    release whatever is still gathered.
+A `gathered_parameters` block holds its buckets gathered against all of these until it exits, then
+gives each bucket new storage: the old one stays with any view a script kept of it, or is freed.
 The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
 does the last unit of the forward when it fits in the prefetch budget (FSDP2's
 reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
@@ -25,8 +27,9 @@ maps.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from enum import Enum
 from typing import Callable
 
 import torch
@@ -66,6 +69,14 @@ def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) 
     return len(moving) + len(again), sum(b.numel for b in moving + again)
 
 
+class BucketState(Enum):
+    """Where a bucket's gathered copy is; what `Gatherer.watch` reports at each change."""
+
+    RELEASED = "released"    # storage freed; its parameters point at empty tensors
+    GATHERING = "gathering"  # parameters point at their views; the all_gather is in flight
+    GATHERED = "gathered"    # whole on this rank
+
+
 class Gatherer:
     def __init__(self, units: Units, buckets: list[Bucket], comm: Comm, prefetch_numel: int,
                  host_shards: bool = False):
@@ -76,6 +87,8 @@ class Gatherer:
         self.persistent = {b.index for b in buckets if b.persistent}
         self.gathered: set[int] = set()
         self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
+        self.held: Counter[int] = Counter()         # bucket index -> gathered_parameters blocks holding it
+        self.watcher: Callable[[Bucket, BucketState], None] | None = None  # see watch()
         self.order: list[Bucket] = []       # first-forward gather order, for prefetch
         self.position: dict[int, int] = {}  # bucket index -> place in self.order
         self.prefix = [0]                   # prefix[i]: elements of order[:i], for the prefetch window
@@ -173,11 +186,15 @@ class Gatherer:
             source = b.shard(b.data, self.comm.shard_rank)
             source.copy_(b.owned, non_blocking=True)
         self.pending[b.index] = self.comm.shard_gather(b.data, source, async_op=True)
+        if self.watcher is not None:
+            self.watcher(b, BucketState.GATHERING)
 
     def _wait(self, b: Bucket) -> None:
         work = self.pending.pop(b.index, None)
         if work is not None:
             work.wait()
+            if self.watcher is not None:
+                self.watcher(b, BucketState.GATHERED)
 
     def _prefetch_after(self, last: Bucket) -> None:
         """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
@@ -212,7 +229,7 @@ class Gatherer:
 
     def release(self, units: list[Bucket]) -> None:
         for b in units:
-            if b.index in self.gathered and b.index not in self.persistent:
+            if b.index in self.gathered and b.index not in self.persistent and b.index not in self.held:
                 self._wait(b)
                 self._free(b)
 
@@ -235,24 +252,52 @@ class Gatherer:
         deque(map(_set_data, self.params[b.index], self._empty[b.index]), maxlen=0)
         self.gathered.discard(b.index)
         self.unfinished.pop(b.index, None)
+        if self.watcher is not None:
+            self.watcher(b, BucketState.RELEASED)
+
+    def _free_detached(self, b: Bucket) -> None:
+        """As _free, but the gathered storage is left to whoever still holds a view of it, and the
+        bucket gets a new one. A script may keep what it read inside a gathered_parameters block
+        (`p.data.cpu()` is p's storage itself on a CPU); freed in place, that view would read freed
+        memory (a crash). Without such a view the old storage is freed here all the same."""
+        self._wait(b)
+        dtype, device = b.data.dtype, b.data.device
+        deque(map(_set_data, self.params[b.index], self._empty[b.index]), maxlen=0)
+        b.data, b.views = None, []  # the last references this engine holds to the old storage
+        b.data = torch.empty(b.numel, dtype=dtype, device=device)  # views are made while it is whole
+        b.views = [b.data[s.offset:s.offset + s.numel].view(s.shape) for s in b.slots]
+        self._free(b)
+
+    def watch(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
+        """watcher(bucket, state) now for every bucket, then at each change of a bucket's state."""
+        self.watcher = watcher
+        for b in self.buckets:
+            watcher(b, BucketState.RELEASED if b.index not in self.gathered else
+                    BucketState.GATHERING if b.index in self.pending else BucketState.GATHERED)
 
     @contextmanager
     def gathered_parameters(self, buckets: list[Bucket] | None = None):
-        """These buckets' (default: every) parameters whole inside the block; released after."""
+        """These buckets' (default: every) parameters whole inside the block, whatever runs in it (a
+        forward's hooks, a nested block, a step: it refreshes them); released after."""
         buckets = self.buckets if buckets is None else buckets
         self.gather(buckets)
+        self.held.update(b.index for b in buckets)
         try:
             yield
         finally:
-            self.release(buckets)
+            self.held.subtract(b.index for b in buckets)
+            self.held = +self.held  # drops the buckets no block holds any more
+            for b in buckets:
+                if b.index in self.gathered and b.index not in self.persistent and b.index not in self.held:
+                    self._free_detached(b)
 
     @gather_phase
     def refresh_persistent(self) -> None:
-        """After a step (and at start): persistent buckets hold the new weights of every rank."""
-        for w in self.pending.values():
-            w.wait()
-        self.pending.clear()
-        stale = [b for b in self.buckets if b.index in self.persistent]
+        """After a step (and at start): persistent buckets, and those a gathered_parameters block holds,
+        hold the new weights of every rank."""
+        for i in list(self.pending):
+            self._wait(self.buckets[i])
+        stale = [b for b in self.buckets if b.index in self.persistent or b.index in self.held]
         for b in stale:
             self.gathered.discard(b.index)
             self._start(b)

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`: the modules of DeepSpeed's runtime that scripts import names from."""

@@ -1,0 +1,144 @@
+"""Stage 3: `module.state_dict()` holds the whole parameters, gathered one bucket at a time.
+
+Outside a forward a stage-3 parameter points at an empty tensor (stage3.py), so torch's own
+state_dict would hold shape-(0,) tensors: `torch.save(model.state_dict(), path)` would write an empty
+model and exit 0. Hooks on the modules put a copy of each parameter's gathered value in its entry
+instead, gathering the buckets a module's parameters live in when the traversal reaches it and
+releasing them when it moves on: one module's buckets gathered at a time, the whole model only in
+the returned dict (as for a model held whole). Tied parameters share one copy, as they share one tensor.
+
+The gathers are collectives: every rank must call state_dict() the same way (every rank calls it,
+one rank saves). A call on one rank only (`if rank == 0: torch.save(model.state_dict(), ...)`) would
+wait for ever in its first all_gather, or pair it with another rank's different collective. So each
+call that has something to gather first checks, through the process group's store (which no
+collective uses), that every rank has made it too; when ranks are missing after `comm_timeout_s` it
+raises, naming what works instead. `state_dict(keep_vars=True)` returns the parameters themselves, as
+torch does (whole only inside a gather), and gathers nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import Bucket
+from zerodp.engine.stage3 import Gatherer
+
+_NUMBER = itertools.count()  # engines of this process, numbered alike on every rank (they build them alike)
+_FIRST_WAIT_S = 10.0  # then one line says what the call waits for, before comm_timeout_s runs out
+_GAVE_UP = 1 << 40    # what a rank that stopped waiting takes from a call's count of ranks
+
+ENGINE_ADVICE = ("read the fp32 weights with engine.full_state_dict() on every rank, or read the parameters "
+                 "inside `with engine.gathered_parameters():` on every rank")
+
+
+class GatheredStateDict:
+    """The state_dict hooks of one stage-3 engine's module."""
+
+    def __init__(self, module: nn.Module, gatherer: Gatherer, comm: Comm, timeout_s: float):
+        self.gatherer, self.comm, self.timeout_s = gatherer, comm, timeout_s
+        # What a call made on too few ranks is told to do instead (zerodp.deepspeed names its own API).
+        self.advice = ENGINE_ADVICE
+        self.bucket_of = {id(s.param): b for b in gatherer.buckets if not b.persistent for s in b.slots}
+        self.tag = f"zerodp/stage3_state_dict/{next(_NUMBER)}"  # this engine's keys in the store
+        self.calls = 0                        # calls that checked for every rank: numbers their keys
+        self.root: nn.Module | None = None    # the module whose state_dict() call is under way
+        self.root_prefix = ""
+        self.keep_vars = False
+        self.mine: list[Bucket] = []          # buckets this call gathered and holds for the current module
+        self.copies: dict[int, torch.Tensor] = {}  # id(param) -> its copy in this call's dict
+        if self.bucket_of:  # persistent buckets are whole already: nothing to gather
+            for m in module.modules():  # (torch marks a post hook as public: a function, not a bound method)
+                m.register_state_dict_pre_hook(self._pre_hook)
+                m.register_state_dict_post_hook(lambda *args: self._post_hook(*args))
+
+    def _pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # A child's call always has a prefix; "" is a new call (after one that raised half-way too).
+        if self.root is not None and prefix != "":
+            return
+        self._end()
+        if not keep_vars and self._has_released(module):
+            self._every_rank_called()
+        self.root, self.root_prefix, self.keep_vars = module, prefix, keep_vars
+
+    def _post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        if self.root is None:
+            return
+        if not self.keep_vars:
+            own = [(n, p) for n, p in module._parameters.items() if p is not None and id(p) in self.bucket_of]
+            if own:
+                self._fill(own, state_dict, prefix)
+        if module is self.root and prefix == self.root_prefix:
+            self._end()
+
+    def _fill(self, own: list[tuple[str, nn.Parameter]], state_dict: dict, prefix: str) -> None:
+        """This module's parameters' entries: copies of their values, their buckets gathered if need be."""
+        needed = {b.index: b for b in (self.bucket_of[id(p)] for _, p in own)}
+        self.gatherer.release([b for b in self.mine if b.index not in needed])
+        self.mine = [b for b in self.mine if b.index in needed]
+        missing = [b for b in needed.values() if b.index not in self.gatherer.gathered]
+        self.gatherer.gather(missing)
+        self.mine += missing
+        for name, p in own:
+            if prefix + name in state_dict:
+                if id(p) not in self.copies:
+                    self.copies[id(p)] = p.detach().clone()
+                state_dict[prefix + name] = self.copies[id(p)]
+
+    def _end(self) -> None:
+        self.gatherer.release(self.mine)
+        self.mine, self.copies, self.root = [], {}, None
+
+    def _has_released(self, module: nn.Module) -> bool:
+        gathered = self.gatherer.gathered
+        return any((b := self.bucket_of.get(id(p))) is not None and b.index not in gathered
+                   for p in module.parameters())
+
+    def _every_rank_called(self) -> None:
+        """Before a call's first gather: every rank of the group makes this call too, or this raises.
+
+        Each rank adds 1 to the call's count; the last to arrive marks it complete. A rank that stops
+        waiting subtracts _GAVE_UP in the same atomic add, so it and any rank arriving later agree on
+        whether every rank had arrived (then all gather) or not (then all that arrive raise)."""
+        if self.comm.world_size == 1 or self.comm.backend == "fake":
+            return
+        store = dist.distributed_c10d._get_default_store()
+        key, world = f"{self.tag}/{self.calls}", self.comm.world_size
+        self.calls += 1
+        arrived = store.add(key, 1)
+        if arrived < 0:
+            self._refuse(arrived + _GAVE_UP, "another rank stopped waiting for it")
+        if arrived == world:
+            store.set(key + "/all", "1")
+        first = min(_FIRST_WAIT_S, self.timeout_s)
+        if _waited(store, key + "/all", first):
+            return
+        if first < self.timeout_s:
+            print(f"[zerodp] rank {self.comm.rank}: state_dict() of a stage-3 model waits for every rank to call "
+                  f"it (it gathers the parameters' shards); it fails after comm_timeout_s={self.timeout_s:g} s "
+                  "if they do not", file=sys.stderr, flush=True)
+            if _waited(store, key + "/all", self.timeout_s - first):
+                return
+        arrived = store.add(key, -_GAVE_UP) + _GAVE_UP
+        if arrived != world:
+            self._refuse(arrived, f"comm_timeout_s={self.timeout_s:g} s passed")
+
+    def _refuse(self, arrived: int, why: str) -> None:
+        raise RuntimeError(f"state_dict() of a stage-3 model gathers every parameter from all "
+                           f"{self.comm.world_size} ranks, but only {arrived} of them called it and {why} (is "
+                           f"it called under `if rank == 0:`?); call model.state_dict() on every rank and save "
+                           f"from one, or {self.advice}")
+
+
+def _waited(store: dist.Store, key: str, seconds: float) -> bool:
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        return False
+    return True
