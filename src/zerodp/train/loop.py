@@ -195,7 +195,7 @@ def set_up(opts: argparse.Namespace) -> Job:
     hf = hf_description(model, opts.model)
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
     engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
-                               weights=weights_of(opts.model), param_init_fn=hf_folder.init_fn(model))
+                               weights=weights_of(opts.model))
     data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
 
