@@ -193,6 +193,13 @@ def resumed_on_one_rank(tmp_path_factory, reference) -> tuple[Path, list, subpro
     return out, kept, train(*common, "--nproc", "1", "--resume")
 
 
+def test_report_title_names_the_run_and_what_a_resume_changed(reference, resumed_on_one_rank):
+    from zerodp.train.report import run_title
+
+    assert run_title(metrics(reference[1])) == "tiny, ZeRO stage 2, fp32, 2 rank(s)"
+    assert run_title(metrics(resumed_on_one_rank[0])) == "tiny, ZeRO stage 2, fp32, 2 rank(s); from step 4: 1 rank(s)"
+
+
 def test_keep_last_leaves_the_newest_checkpoints_and_latest(resumed_on_one_rank):
     out, kept_when_killed, _ = resumed_on_one_rank
     assert kept_when_killed == ["global_step4", "global_step6", "latest"]  # saved at 2, 4, 6

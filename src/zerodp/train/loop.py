@@ -208,6 +208,8 @@ def set_up(opts: argparse.Namespace) -> Job:
     log = Metrics(Path(opts.out) / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if resumed:  # report.png marks where the run picked up
         log.write(kind="resume", step=engine.global_steps)
+    log.write(kind="run", step=engine.global_steps, model=opts.model, stage=opts.stage, dtype=opts.dtype,
+              ranks=world)  # report.png's title
     job = Job(opts, engine, data, val, log, shape, hf, device, rank, world)
     if rank == 0:
         announce(job, n_params, recipe, corpus.source, resumed)
