@@ -27,7 +27,6 @@ from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
-from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig
 from zerodp.train.build import build_corpus
