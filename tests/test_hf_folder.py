@@ -100,7 +100,7 @@ def test_llama_folder_is_trained_from_its_weights_on_data_read_by_its_tokenizer(
     with world_of_one():  # the job's initialize reads them: the engine starts from from_pretrained's exactly
         assert all(p.is_meta for p in model.parameters())  # no rank holds the whole model
         engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), {"train_batch_size": 1},
-                                   weights=weights_of(folder), param_init_fn=hf_folder.init_fn(model))
+                                   weights=weights_of(folder))
         state = engine.full_state_dict()
     source = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     assert all(torch.equal(state[f"model.{k}"], v) for k, v in source.items())

@@ -221,17 +221,23 @@ def test_set_up_says_stage_offload_and_dtype_at_info(api, caplog):
 
 
 def test_hugging_face_model_from_config_on_meta_initialises_with_its_own_init_weights():
-    """HF layers (Conv1D, RMSNorm) have no reset_parameters(): HF's `_init_weights(module)` is the
-    param_init_fn; it also fills the rotary tables (non-persistent buffers) as the whole build does."""
+    """HF layers (Conv1D, RMSNorm) have no reset_parameters(): HF's own `_init_weights(module)` is the
+    default param_init_fn of a PreTrainedModel; it also fills the rotary tables (non-persistent buffers)
+    as the whole build does."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     whole = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"nothing can initialise 'model.layers.0.input_layernorm.weight'"):
-        zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CFG)
-    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CFG, param_init_fn=model._init_weights)
+    states = []
+    for explicit in (False, True):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        torch.manual_seed(0)
+        engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CFG,
+                                   **({"param_init_fn": model._init_weights} if explicit else {}))
+        states.append(engine.full_state_dict())
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # the default is HF's own
     for name, b in whole.named_buffers():
         assert torch.equal(dict(model.named_buffers())[name], b), name
     assert torch.equal(model.model.norm.weight, torch.ones(32))

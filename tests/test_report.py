@@ -1,5 +1,6 @@
-"""report.png of `zerodp train`: loss, memory, throughput, lr and gradient-norm panels, resumes
-marked (drawn in-process from metrics records; the job itself is tested in test_train.py)."""
+"""report.png of `zerodp train`: titled with the run, loss, memory, throughput, lr and gradient-norm
+panels, none empty, resumes marked (drawn in-process from metrics records; the job itself is tested in
+test_train.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ LINES = ([{"kind": "eval", "step": 0, "val_loss": 5.0}]
          + [{"kind": "train", "step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3 * s, "tokens_per_s": 1000.0 + s,
              "grad_norm": 1.0 / s, "loss_scale": 1.0} for s in range(1, 9)]
          + [{"kind": "memory", "step": 8, "ranks": [{"gradients": 2**20}, {"gradients": 2**20}]},
-            {"kind": "resume", "step": 3}])
+            {"kind": "resume", "step": 3}]
+         + [{"kind": "run", "step": 0, "model": "tiny", "stage": 2, "dtype": "bf16", "ranks": 2},
+            {"kind": "run", "step": 3, "model": "tiny", "stage": 2, "dtype": "bf16", "ranks": 4}])
 
 
 def test_report_has_throughput_lr_and_grad_norm_panels_and_marks_the_resume():
@@ -26,3 +29,20 @@ def test_report_has_throughput_lr_and_grad_norm_panels_and_marks_the_resume():
         marks = [line for line in panels[title].lines if line.get_label() == "resumed"]
         assert len(marks) == 1 and list(marks[0].get_xdata()) == [3, 3]
 
+
+
+def _drawn(ax) -> bool:
+    return ax.axison and bool(ax.lines or ax.patches or ax.collections)
+
+
+def test_report_is_titled_with_model_stage_dtype_and_ranks_and_has_no_empty_panel():
+    fig = report_figure(LINES)
+    assert fig._suptitle.get_text() == "tiny, ZeRO stage 2, bf16, 2 rank(s); from step 3: 4 rank(s)"
+    assert len(fig.axes) == 5 and all(_drawn(ax) for ax in fig.axes)
+
+
+def test_a_series_with_no_points_gets_no_panel():
+    lines = [{**r, "grad_norm": None} for r in LINES if r["kind"] != "memory"]
+    fig = report_figure(lines)
+    assert {ax.get_title() for ax in fig.axes} == {"loss", "throughput (whole job)", "learning rate"}
+    assert all(_drawn(ax) for ax in fig.axes)

@@ -141,6 +141,18 @@ def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
     assert "is at step 8, and --steps is 8: nothing left to train; pass a larger --steps" in capsys.readouterr().err
 
 
+def test_resume_with_no_checkpoint_trains_from_scratch_with_one_warning_naming_the_directory(tmp_path, capsys):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import choose_resume
+
+    out = tmp_path / "mistyped"
+    opts = parse_options([*TINY, *_COMMON, "--data", corpus(tmp_path), "--out", str(out), "--resume"])
+    choose_resume(opts, 2)
+    assert opts.resume_path is None  # from scratch, as the first run of a restartable job
+    assert capsys.readouterr().err.splitlines() == [
+        f"zerodp train: warning: --resume: no checkpoint in '{out / 'checkpoints'}': training from scratch"]
+
+
 def test_resume_with_more_steps_continues_the_lr_schedule_without_a_jump(reference, capsys):
     from zerodp.models.build import build_model
     from zerodp.train.ds_sections import optimizer_and_schedule
@@ -179,6 +191,13 @@ def resumed_on_one_rank(tmp_path_factory, reference) -> tuple[Path, list, subpro
     step6 = out / "checkpoints" / "global_step6" / "__0_0.distcp"
     os.truncate(step6, step6.stat().st_size // 2)
     return out, kept, train(*common, "--nproc", "1", "--resume")
+
+
+def test_report_title_names_the_run_and_what_a_resume_changed(reference, resumed_on_one_rank):
+    from zerodp.train.report import run_title
+
+    assert run_title(metrics(reference[1])) == "tiny, ZeRO stage 2, fp32, 2 rank(s)"
+    assert run_title(metrics(resumed_on_one_rank[0])) == "tiny, ZeRO stage 2, fp32, 2 rank(s); from step 4: 1 rank(s)"
 
 
 def test_keep_last_leaves_the_newest_checkpoints_and_latest(resumed_on_one_rank):

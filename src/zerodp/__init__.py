@@ -68,10 +68,11 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       (which it replaces; give one of the two): "blocks", "module", a list of module classes, class
       names or module names, or a function module -> bool choosing the units' root modules.
     param_init_fn: for a model built on the 'meta' device (under `torch.device("meta")`), fn(module)
-      initialises one module's own parameters and buffers, as FSDP1's param_init_fn; without it each
-      module's reset_parameters() does. Each rank then materialises only what its stage keeps, one
-      bucket at a time, running the initialisers module by module from rank 0's random state: the
-      same values, bit for bit, as building the model whole with that seed.
+      initialises one module's own parameters and buffers, as FSDP1's param_init_fn; by default a Hugging
+      Face model's own _init_weights (rotary tables, which no file holds, computed), else reset_parameters().
+      Each rank then materialises only what its stage keeps, one bucket at a time, running the
+      initialisers module by module from rank 0's random state: the same values, bit for bit, as
+      building the model whole with that seed.
     weights: where the parameters' values come from instead of the model's own: a Hugging Face folder
       (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
@@ -86,11 +87,14 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
     from zerodp.engine.summary import log_set_up
+    from zerodp.models import hf_folder
 
     try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
         cfg, error = load_config(config), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         cfg, error = None, e
+    if param_init_fn is None:  # None still, unless a Hugging Face model is on meta
+        param_init_fn = hf_folder.init_fn(model)
     source, weights_error = _weights_source(weights, model) if error is None else (None, None)
     error = error or weights_error
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)

@@ -2,7 +2,8 @@
 trained weights. The one place that knows the folder format; transformers is imported on use only.
 
 In: `model_from_config` (the folder's AutoModelForCausalLM in fp32, its weights left to
-`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `load_tokenizer` (the
+`zerodp.initialize(..., weights=folder)`, which reads each rank's share of them), `init_fn` (HF's own
+initialiser of a model on meta: zerodp.initialize's default for one), `load_tokenizer` (the
 folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, lets `save_pretrained` write config.json and
 generation_config.json, and asks HF which weights it would store under which keys in which shards
@@ -15,17 +16,20 @@ possible later (`zerodp consolidate --hf`) is `description(model, tokenizer_from
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import numpy as np
+    from torch import nn
 
     from zerodp.engine.weights import Weights
 
@@ -97,13 +101,40 @@ def model_from_config(path: str):
 
 
 
-def init_fn(model):
-    """Hugging Face's own per-module initialiser (`_init_weights`) of a model built on meta, as
-    zerodp.initialize's param_init_fn: HF layers (Conv1D, RMSNorm) and rotary tables have no
-    reset_parameters(). None when nothing is on meta or the model is not a Hugging Face one."""
-    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+def init_fn(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    """Hugging Face's own initialiser of a model built on meta, as zerodp.initialize's param_init_fn (its
+    default, so zerodp train, ZeroTrainer and a user's script share it): each module inside a
+    `PreTrainedModel` is initialised by the `_init_weights` of the nearest one enclosing it, as HF's
+    `initialize_weights` dispatches them (HF layers such as Conv1D and RMSNorm have no reset_parameters(),
+    and rotary tables, non-persistent buffers no weight file holds, are computed there); a module outside
+    any keeps its reset_parameters(). None when nothing is on meta, when the model holds no
+    PreTrainedModel (transformers is never imported here: a model of its classes has imported it), or
+    when a module outside one has nothing to initialise it (zerodp.initialize then names its tensors)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return None
-    return next((m._init_weights for m in model.modules() if hasattr(m, "_init_weights")), None)
+    owner: dict[int, Callable[[nn.Module], None]] = {}  # id(module) -> the _init_weights that initialises it
+    stack = [(model, None)]
+    while stack:
+        m, init = stack.pop()
+        init = m._init_weights if isinstance(m, modeling.PreTrainedModel) else init
+        if init is not None:
+            owner[id(m)] = init
+        stack += [(c, init) for c in m.children()]
+    if not owner or any(id(m) not in owner and _holds_meta(m) and not callable(getattr(m, "reset_parameters", None))
+                        for m in model.modules()):
+        return None
+
+    def init(module: nn.Module) -> None:
+        if id(module) in owner:
+            owner[id(module)](module)
+        else:
+            module.reset_parameters()
+    return init
+
+
+def _holds_meta(m: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
 
 
 def load_tokenizer(path: str):

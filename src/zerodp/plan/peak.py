@@ -268,7 +268,6 @@ def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None
     param_init_fn), or when this torch's swap_tensors cannot run on fake tensors: the caller then
     gives the formula, and says so."""
     import zerodp
-    from zerodp.models.hf_folder import init_fn
     from zerodp.plan.models import PlanModel
 
     tracker = ZeroTracker()
@@ -277,8 +276,7 @@ def _run_setup(spec: dict[str, Any], device: torch.device) -> ZeroTracker | None
         with torch.device("meta" if spec["setup"] == "meta" else device):
             model = PlanModel(**spec["source"]).build()[0]
         try:  # as the train job: Hugging Face layers are initialised by the model's own _init_weights
-            engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec),
-                                       param_init_fn=init_fn(model))
+            engine = zerodp.initialize(model, _adamw(model.parameters()), _config(spec))
         except (ValueError, RuntimeError):  # a module with no initialiser (the meta path needs the user's
             if spec["setup"] != "meta":   # param_init_fn), or a torch whose swap_tensors the fake mode refuses
                 raise

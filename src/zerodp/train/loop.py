@@ -27,7 +27,6 @@ from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.engine.engine import Engine
-from zerodp.models import hf_folder
 from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig
 from zerodp.train.build import build_corpus
@@ -195,7 +194,7 @@ def set_up(opts: argparse.Namespace) -> Job:
     hf = hf_description(model, opts.model)
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
     engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
-                               weights=weights_of(opts.model), param_init_fn=hf_folder.init_fn(model))
+                               weights=weights_of(opts.model))
     data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
     val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
 
@@ -208,6 +207,8 @@ def set_up(opts: argparse.Namespace) -> Job:
     log = Metrics(Path(opts.out) / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if resumed:  # report.png marks where the run picked up
         log.write(kind="resume", step=engine.global_steps)
+    log.write(kind="run", step=engine.global_steps, model=opts.model, stage=opts.stage, dtype=opts.dtype,
+              ranks=world)  # report.png's title
     job = Job(opts, engine, data, val, log, shape, hf, device, rank, world)
     if rank == 0:
         announce(job, n_params, recipe, corpus.source, resumed)

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
     p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
-                   "intact one, with a warning, if latest is broken), or from checkpoint TAG; on "
+                   "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
+                   "there is none), or from checkpoint TAG; on "
                    "another number of ranks --grad-accum is adjusted to keep the global batch")
     p.add_argument("--resume-from", metavar="DIR", help="continue from the checkpoint in DIR: a zerodp or "
                    "DeepSpeed ZeRO save_dir or tag directory (without --resume, or when OUT has none)")

@@ -79,8 +79,8 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 def make_report(out: Path) -> Path:
-    """OUT/report.png: loss, memory per rank by category, throughput, lr and gradient norm; dashed
-    lines mark the steps a resumed run started from."""
+    """OUT/report.png: titled with the model, stage, dtype and ranks; loss, memory per rank by category,
+    throughput, lr and gradient norm; dashed lines mark the steps a resumed run started from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,26 +93,60 @@ def make_report(out: Path) -> Path:
 
 
 def report_figure(lines: list[dict[str, Any]]):
-    """The report's matplotlib figure, from metrics.jsonl's records."""
+    """The report's matplotlib figure, from metrics.jsonl's records: titled with the run (the "run"
+    records: model, stage, dtype, ranks), one panel per series that has points, none left empty."""
     import matplotlib.pyplot as plt
 
     train = [r for r in lines if r["kind"] == "train"]
+    memory = [r for r in lines if r["kind"] == "memory"]
+    panels = [lambda ax: _loss_panel(ax, train, [r for r in lines if r["kind"] == "eval"])]
+    panels += [lambda ax: _memory_panel(ax, memory)] if memory else []
+    for key, ylabel, title in (("tokens_per_s", "tokens / s", "throughput (whole job)"),
+                               ("lr", "learning rate", "learning rate"),
+                               ("grad_norm", "global gradient norm (before clipping)", "gradient norm")):
+        if any(r.get(key) is not None for r in train):
+            panels.append(lambda ax, k=key, y=ylabel, t=title: _series(ax, train, k, y, t))
+    fig = plt.figure(figsize=(18, 4.5 * -(-len(panels) // 3)))
     resumes = [r["step"] for r in lines if r["kind"] == "resume"]
-    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
-    (ax_loss, ax_mem, ax_tput), (ax_lr, ax_norm, ax_none) = axes
-    _loss_panel(ax_loss, train, [r for r in lines if r["kind"] == "eval"])
-    _memory_panel(ax_mem, [r for r in lines if r["kind"] == "memory"])
-    _series(ax_tput, train, "tokens_per_s", "tokens / s", "throughput (whole job)")
-    _series(ax_lr, train, "lr", "learning rate", "learning rate")
-    _series(ax_norm, train, "grad_norm", "global gradient norm (before clipping)", "gradient norm")
-    for ax in (ax_loss, ax_tput, ax_lr, ax_norm):
-        for i, step in enumerate(resumes):
-            ax.axvline(step, color="grey", ls="--", lw=1, label="resumed" if i == 0 else None)
-        if resumes:
-            ax.legend(fontsize="small")
-    ax_none.set_axis_off()
+    for ax, draw in zip(_grid(fig, len(panels)), panels):
+        draw(ax)
+        if ax.get_xlabel() == "step":  # the series over steps: where a resumed run picked up
+            for i, step in enumerate(resumes):
+                ax.axvline(step, color="grey", ls="--", lw=1, label="resumed" if i == 0 else None)
+            if resumes:
+                ax.legend(fontsize="small")
+    fig.suptitle(run_title(lines), fontsize="x-large")
     fig.tight_layout()
     return fig
+
+
+def _grid(fig, n: int) -> list:
+    """n axes, three to a row; a shorter last row's panels share its width (no empty slot)."""
+    rows = -(-n // 3)
+    spec = fig.add_gridspec(rows, 6)
+    axes = []
+    for row in range(rows):
+        k = min(3, n - 3 * row)
+        axes += [fig.add_subplot(spec[row, i * 6 // k:(i + 1) * 6 // k]) for i in range(k)]
+    return axes
+
+
+def run_title(lines: list[dict[str, Any]]) -> str:
+    """'MODEL, ZeRO stage S, DTYPE, N rank(s)' of the job's first run; a resumed run that differs adds
+    'from step K: ...' with what changed."""
+    runs = [r for r in lines if r["kind"] == "run"]
+    if not runs:
+        return "zerodp train (no run record in metrics.jsonl)"
+    title = _run_facts(runs[0])
+    for before, run in zip(runs, runs[1:]):
+        changed = [f for f, old in zip(_run_facts(run).split(", "), _run_facts(before).split(", ")) if f != old]
+        if changed:
+            title += f"; from step {run['step']}: {', '.join(changed)}"
+    return title
+
+
+def _run_facts(run: dict[str, Any]) -> str:
+    return f"{run['model']}, ZeRO stage {run['stage']}, {run['dtype']}, {run['ranks']} rank(s)"
 
 
 def _loss_panel(ax, train: list[dict], val: list[dict]) -> None:
@@ -131,10 +165,6 @@ def _series(ax, train: list[dict], key: str, ylabel: str, title: str) -> None:
 
 
 def _memory_panel(ax, memory: list[dict]) -> None:
-    if not memory:
-        ax.text(0.5, 0.5, "no memory report", ha="center", va="center")
-        ax.set_axis_off()
-        return
     ranks = memory[-1]["ranks"]
     categories = list(dict.fromkeys(k for r in ranks for k in r))
     bottom = [0.0] * len(ranks)

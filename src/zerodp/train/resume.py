@@ -3,7 +3,8 @@
 `--resume` alone takes OUT/checkpoints' `latest`; when that is corrupt or names a broken checkpoint
 (a file missing, of the wrong size, or failing its crc32),
 the newest intact one (zerodp.checkpoint.newest_intact), with a warning that names the bad one and
-why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch.
+why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch (a restartable
+job passes --resume from its first run), with a warning naming the directory searched.
 
 The global batch (ranks x gradient accumulation x micro-batch) is part of what a run is: the data of
 each step depends on it (loop.StepBatches). Resumed on another number of ranks, the job keeps it by
@@ -35,6 +36,8 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
         if opts.resume is not True:
             path, meta = resolve(ckpt_dir, opts.resume)
         elif not (ckpt_dir / LATEST).exists() and not _any_checkpoint(ckpt_dir):
+            if not opts.resume_from:  # a restartable job's first run, or a mistyped --out: one line says which
+                warn(f"--resume: no checkpoint in '{ckpt_dir}': training from scratch")
             _choose_resume_from(opts, world)  # nothing of this run's to continue
             return
         else:

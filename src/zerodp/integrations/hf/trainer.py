@@ -120,8 +120,7 @@ class ZeroTrainer(Trainer):
         _check_full_windows(train_dataloader, config["gradient_accumulation_steps"], max_steps)
         optimizer = self._optimizer_for(config)
         scheduler = self._scheduler_for(config, max_steps)
-        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights,
-                                 param_init_fn=hf_folder.init_fn(self.model))
+        self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights)
         _check_same_world(self.engine.comm.world_size, self.args.world_size)
         if self.engine.comm.rank == 0:
             self._say_set_up()
