@@ -140,6 +140,24 @@ def test_throughput_rows_are_ratios_to_plain_and_each_a_line_as_it_ends(tmp_path
     assert pieces.plain_from(str(tmp_path / "rows.json")) == 400.0
 
 
+@pytest.mark.parametrize("command, options, launched", [
+    ("fake", ["--modes", "zerodp2", "--fake-world", "64"], [("zerodp2", 64, 64)]),  # no whole-model mode
+    ("peak", ["--modes", "zerodp2"], [("plain", 1, 0), ("zerodp2", 1, 0)]),
+    ("throughput", [], [("plain", 1, 0), ("zerodp2", 1, 0), ("zerodp3", 1, 0), ("fsdp2", 1, 0)]),
+])
+def test_each_bench_piece_launches_its_modes(tmp_path, pieces, monkeypatch, command, options, launched):
+    from zerodp.bench.rows import Result
+    seen = []
+
+    def fake_launch(mode, world, args, fake_world=0):
+        seen.append((mode, world, fake_world))
+        return Result(mode, "ok", world, tflops=1.0, tokens_per_s=1.0)
+
+    monkeypatch.setattr("zerodp.bench.driver.launch", fake_launch)
+    argv = [command, "--summary", str(tmp_path / "s.jsonl"), *options, "--", "--model", "tiny", "--checkpointing"]
+    assert pieces.main(argv) == 0 and seen == launched
+
+
 def test_a_piece_out_of_time_launches_nothing_more(tmp_path, pieces, monkeypatch):
     monkeypatch.setattr("zerodp.bench.driver.launch", lambda *a, **k: pytest.fail("launched past the deadline"))
     args = _piece_args(tmp_path, "throughput")

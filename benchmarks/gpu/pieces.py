@@ -211,13 +211,16 @@ def plain_from(path: str | None) -> float | None:
 
 
 def bench_piece(args: argparse.Namespace) -> int:
+    """throughput and peak: plain first (every ratio is to it) unless --plain-from has its TFLOP/s;
+    fake: the listed modes alone, as rank 0 of --fake-world (plain at that size could not fit)."""
     bench = bench_args(args.bench_argv)
+    fake = args.command == "fake"
     plain = plain_from(args.plain_from)
-    modes = args.modes if plain else ["plain", *args.modes]
+    modes = args.modes if plain or fake else ["plain", *args.modes]
     label = {"throughput": f"throughput {bench.model}", "peak": f"peak {bench.model} checkpointed",
              "fake": f"{bench.model} as rank 0 of {args.fake_world} (fake)"}[args.command]
-    failed = run_rows(args, label, bench, modes, fake_world=args.fake_world if args.command == "fake" else 0,
-                      world=args.fake_world if args.command == "fake" else 1, plain_tflops=plain)
+    failed = run_rows(args, label, bench, modes, world=args.fake_world if fake else 1,
+                      fake_world=args.fake_world if fake else 0, plain_tflops=plain)
     return 1 if failed else 0
 
 
