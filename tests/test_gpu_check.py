@@ -135,7 +135,8 @@ def test_throughput_rows_are_ratios_to_plain_and_each_a_line_as_it_ends(tmp_path
         ("throughput tiny: plain", "ok"), ("throughput tiny: zerodp2", "ok"), ("throughput tiny: zerodp3", "FAIL")]
     assert lines[1]["result"] == "380.0 TFLOP/s, 0.95x plain, MFU 38.0%" and lines[1]["row"]["ratio_to_plain"] == 0.95
     assert lines[2]["result"] == "failed: exit 1: CUDA out of memory"
-    assert [r["mode"] for r in json.loads((tmp_path / "rows.json").read_text())["rows"]] == ["plain", "zerodp2", "zerodp3"]
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["plain", "zerodp2", "zerodp3"]
     # DeepSpeed's piece takes plain's TFLOP/s from this one's rows instead of running plain again
     assert pieces.plain_from(str(tmp_path / "rows.json")) == 400.0
 
