@@ -174,9 +174,10 @@ class Report:
         lt = tol if loss_tol is None else loss_tol
         finite = all(math.isfinite(v) for v in got[0])
         ok = finite and dl <= lt and (dp is None or dp <= tol)
-        text = f"losses {got[0][0]:.4f}->{got[0][-1]:.4f}, loss diff {dl:.2e} (tol {lt:g})"
+        text = f"loss diff {dl:.1e} (tol {lt:g})"
         if dp is not None:
-            text += f", weight diff {dp:.2e} (tol {tol:g})"
+            text = f"weight diff {dp:.1e} (tol {tol:g}), " + text
+        text += f"; losses {got[0][0]:.4f}->{got[0][-1]:.4f}"
         self.line(check, ok, text, loss_diff=dl, weight_diff=dp, tol=tol, seconds=round(seconds, 2))
 
 
@@ -237,7 +238,7 @@ def check_small_buckets(s: Setup, r: Report, ref: dict) -> None:
         if stage == 3:
             zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
         got, secs = timed(train_zerodp, s, zero_config(s, stage, bf16=False, **zero))
-        r.compare(f"fp32 stage {stage}, buckets of {bucket:,} elements, vs plain", got, ref["plain"], FP32_TOL,
+        r.compare(f"fp32 stage {stage}, {bucket:,}-element buckets, vs plain", got, ref["plain"], FP32_TOL,
                   seconds=secs)
 
 

@@ -225,10 +225,10 @@ def bench_piece(args: argparse.Namespace) -> int:
 
 
 # ---- the table -----------------------------------------------------------------------------------
-def table(summary: str, width: int = 150) -> str:
+def table(summary: str, width: int = 180) -> str:
     rows = [json.loads(line) for line in Path(summary).read_text().splitlines() if line.strip()] \
         if os.path.exists(summary) else []
-    name_w = min(60, max([len(r["piece"]) for r in rows] + [5]))
+    name_w = min(70, max([len(r["piece"]) for r in rows] + [5]))
     lines = [f"{'piece':<{name_w}}  {'status':<8} {'s':>6}  result", "-" * width]
     for r in rows:
         secs = r.get("seconds")
