@@ -12,24 +12,26 @@ so this isolates the engine's overhead from the model's compute.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
 import torch
 
 import zerodp
+from zerodp.distributed.device import empty_cache, is_accelerator, local, synchronize
 from zerodp.models.gpt import GPT, gpt_config
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if is_accelerator(device):
+        synchronize(device)
 
 
 def _clock(device: torch.device) -> float:
     # On CPU the process's own CPU time: the 2-core machines this runs on are shared, and wall time
     # there measures the neighbours as much as the code. On CUDA, wall time after a synchronize.
-    return time.perf_counter() if device.type == "cuda" else time.process_time()
+    return time.perf_counter() if is_accelerator(device) else time.process_time()
 
 
 def measure(mode: str, args, device: torch.device) -> dict[str, float]:
@@ -78,6 +80,20 @@ def measure(mode: str, args, device: torch.device) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in phases.items()}
 
 
+def rounds(modes: list[str], args, device: torch.device, n: int = 3) -> dict[str, list[dict[str, float]]]:
+    """`n` interleaved rounds of every mode (drifting machine load falls on every mode alike)."""
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for _ in range(n):
+        for m in modes:
+            rows[m].append(measure(m, args, device))
+            # The engine and its model hold each other through hooks, so they outlive measure() until a
+            # collection; collect them and give their cached blocks back to the device before the next
+            # mode builds its own (15 engines of a 1.3B model do not fit together on one GPU).
+            gc.collect()
+            empty_cache(device)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
@@ -90,16 +106,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local(0)
     modes = ["plain"] + [m for m in args.modes if m != "plain"]
-    # Interleaved rounds, so drifting machine load falls on every mode alike.
-    rows = {m: [] for m in modes}
-    for _ in range(3):
-        for m in modes:
-            rows[m].append(measure(m, args, device))
+    rows = rounds(modes, args, device)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     base = med["plain"]
-    clock = "wall" if device.type == "cuda" else "process CPU"
+    clock = "wall" if is_accelerator(device) else "process CPU"
     print(f"{device.type} ({clock} time), torch {torch.__version__}, {args.model} GPT, micro-batch {args.micro_batch}, "
           f"seq {args.seq}, {args.dtype}, {args.threads} thread(s); median ms of 3 rounds x {args.steps} steps")
     print(f"{'mode':<9}" + "".join(f"{k:>18}" for k in ("forward", "backward", "step", "total")))

@@ -194,6 +194,13 @@ def reset_peak_memory_stats(device: torch.device) -> None:
         _memory_api("reset_peak_memory_stats", device)(device)
 
 
+def empty_cache(device: torch.device) -> None:
+    """Give the allocator's cached free blocks back to `device` (nothing on the CPU): one process
+    that builds model after model (benchmarks) then starts each from the same free memory."""
+    if is_accelerator(device):
+        (getattr(torch.accelerator, "empty_cache", None) or _module(device).empty_cache)()
+
+
 def _memory(name: str, device: torch.device) -> int:
     return int(_memory_api(name, device)(device)) if is_accelerator(device) else 0
 
