@@ -121,7 +121,7 @@ class ZeroConfig(_Section):
     # Engine (shard_size_for), where the world size is known.
     mics_shard_size: Annotated[int, Field(ge=-1)] = -1
     mics_hierarchical_params_gather: bool = False
-    zero_hpz_partition_size: NonNegativeInt = 1  # refused above 1 (config_keys.REFUSED)
+    zero_hpz_partition_size: NonNegativeInt = 1  # refused above 1 (keys.REFUSED)
 
     def shard_size(self, world_size: int) -> int:
         """S, the ranks one copy of the model states is sharded over, checked against the world."""
@@ -136,7 +136,7 @@ class ZeroConfig(_Section):
                               f"{world_size} (1 <= S <= {world_size}), or be -1 for one flat group")
         return s
 
-    # DeepSpeed's other keys: see config_keys.py for what each does here (most: nothing, or refused).
+    # DeepSpeed's other keys: see keys.py for what each does here (most: nothing, or refused).
     stage3_gather_fp16_weights_on_model_save: bool = False
     stage3_model_persistence_threshold: NonNegativeInt | None = None
     stage3_module_granularity_threshold: NonNegativeInt = 0
