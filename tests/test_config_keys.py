@@ -1,5 +1,5 @@
-"""Every config key has an effect (a named test), no effect here (config_keys.NO_EFFECT, documented), or is
-refused (config_keys.REFUSED): the walk below fails when a key is added without one of the three.
+"""Every config key has an effect (a named test), no effect here (config/keys.py NO_EFFECT, documented), or is
+refused (keys.REFUSED): the walk below fails when a key is added without one of the three.
 
 To add a key: give it a test and add it to EFFECTS here, or add it to NO_EFFECT / REFUSED with its reason
 (and to docs/DEEPSPEED.md's "Config keys" table).
@@ -107,7 +107,7 @@ def _sections(annotation) -> list[type[BaseModel]]:
 
 def walk(model: type[BaseModel], prefix: str = ""):
     """(dotted path, field) of every key of `model`, nested sections included; the optimizer's and the
-    scheduler's `params` are free-form here (their keys: torch's signature and config_scheduler.PARAMS)."""
+    scheduler's `params` are free-form here (their keys: torch's signature and config/scheduler.py's PARAMS)."""
     for name, field in model.model_fields.items():
         path = prefix + name
         sections = _sections(field.annotation)

@@ -153,7 +153,7 @@ def test_deepspeed_optimizer_state_counters_and_schedule_restored(world, job):
         assert loaded["adam_step"] == [float(SAVE_AT)] * len(loaded["adam_step"])
         assert loaded["lr"] == pytest.approx(fx["lr_at_resume"], rel=1e-12)
         # DeepSpeed's WarmupLR position: its last_batch_iteration is one less than the steps taken,
-        # zerodp's last_epoch is the steps taken (config_scheduler.py)
+        # zerodp's last_epoch is the steps taken (config/scheduler.py)
         assert loaded["sched"] == fx["lr_scheduler"]["last_batch_iteration"] - CONTINUE + 1 == SAVE_AT
         assert loaded["client"] == {"fixture": name}
         assert loaded["scaler"]["scale"] == 1.0  # fp32 / bf16: DeepSpeed's static scale of 1
@@ -322,7 +322,7 @@ def test_deepspeed_constant_lr_checkpoint_continues_the_engine_schedule_at_its_s
         engine.load_checkpoint(d)
         lrs = [g["lr"] for g in engine.optimizer.param_groups]
         assert engine.lr_scheduler.state_dict()["last_epoch"] == engine.global_steps == SAVE_AT
-    # optimizer step SAVE_AT runs at DeepSpeed's WarmupLR get_lr(SAVE_AT - 1) (config_scheduler.py)
+    # optimizer step SAVE_AT runs at DeepSpeed's WarmupLR get_lr(SAVE_AT - 1) (config/scheduler.py)
     assert lrs == pytest.approx([1e-4 + (1e-2 - 1e-4) * (SAVE_AT - 1) / 5] * 2, rel=1e-12)
 
 

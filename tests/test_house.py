@@ -1,5 +1,6 @@
 """The house rules of src/zerodp, read from the source with `ast` (no zerodp module is imported):
-no import circle between files or between the top-level packages, no function over 60 lines.
+no import circle between files or between the top-level packages, no function over 60 lines, no private
+name taken through a package's __init__.py (its face) from outside the package, nor re-exported by one.
 (`--help` importing no torch is test_first_hour.py's first test.)
 
 Every import counts, at module level and inside functions, except under `if TYPE_CHECKING:`. A lazy
@@ -185,6 +186,79 @@ def long_functions(src: Path, root: str = "zerodp", limit: int = MAX_FUNCTION_LI
     return out
 
 
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _is_face(module: str, modules: dict[str, Path]) -> bool:
+    """Whether `module` is a package of the tree: its __init__.py is the package's face."""
+    return module in modules and modules[module].name == "__init__.py"
+
+
+def _private_from_faces(tree: ast.AST, here: str | None, is_package: bool, modules: dict[str, Path]):
+    """(line, face, name) for each underscore name this file takes from a package face it is outside of:
+    `from pkg import _x` (relative too) and `pkg._x` written out."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level and here is not None:
+                package = here if is_package else here.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            found = [(node.lineno, base, a.name) for a in node.names]
+        elif isinstance(node, ast.Attribute) and (dotted := _dotted(node)):
+            found = [(node.lineno, dotted.rpartition(".")[0], node.attr)]
+        else:
+            continue
+        for line, face, name in found:
+            outside = here is None or (here != face and not here.startswith(face + "."))
+            if (_is_face(face, modules) and name.startswith("_") and not name.startswith("__")
+                    and f"{face}.{name}" not in modules and outside):
+                yield line, face, name
+
+
+def private_names_through_faces(src: Path, others: list[Path], root: str = "zerodp") -> list[str]:
+    """'file:line _name from package' for every underscore name a module outside a package of src/root
+    imports from that package's __init__.py (its face), in src/root and in the files `others`: a private
+    helper is imported from the module that defines it, or made public."""
+    modules = module_files(src, root)
+    files = [(name, path) for name, path in modules.items()] + [(None, path) for path in others]
+    out = []
+    for here, path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, face, name in _private_from_faces(tree, here, path.name == "__init__.py", modules):
+            shown = path.relative_to(src) if path.is_relative_to(src) else path.relative_to(src.parent)
+            out.append(f"{shown}:{line} {name} from {face}")
+    return out
+
+
+def private_reexports(src: Path, root: str = "zerodp") -> list[str]:
+    """'file:line _name' for every underscore name an __init__.py imports with `# noqa: F401` (a re-export
+    the linter was told to keep) or lists in __all__: a face names public things only."""
+    out = []
+    for path in sorted((src / root).rglob("__init__.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                noqa = any("noqa: F401" in lines[i - 1] for i in range(node.lineno, node.end_lineno + 1))
+                names = [a.asname or a.name for a in node.names] if noqa else []
+            elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                       for t in node.targets)):
+                names = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+            else:
+                continue
+            out += [f"{path.relative_to(src)}:{node.lineno} {n}" for n in names
+                    if isinstance(n, str) and n.startswith("_") and not n.startswith("__")]
+    return out
+
+
 def _describe(found: list[list[str]]) -> str:
     return "; ".join(" -> ".join(c) for c in found)
 
@@ -213,6 +287,23 @@ def test_the_engine_imports_nothing_above_it():
 def test_no_function_over_60_lines():
     found = long_functions(SRC)
     assert not found, "functions over 60 lines: " + ", ".join(found)
+
+
+def _outside_files() -> list[Path]:
+    """tests/ and benchmarks/: they use the package as a user would, through its faces."""
+    repo = SRC.parent
+    return sorted(p for d in ("tests", "benchmarks") for p in (repo / d).rglob("*.py"))
+
+
+def test_no_private_name_through_a_package_face():
+    found = private_names_through_faces(SRC, _outside_files())
+    assert not found, ("private names imported through a package's __init__.py from outside the package (import "
+                       "them from their module, or make them public): " + ", ".join(found))
+
+
+def test_no_package_face_reexports_a_private_name():
+    found = private_reexports(SRC)
+    assert not found, "__init__.py re-exports private names (noqa: F401 or __all__): " + ", ".join(found)
 
 
 # ---- the checker finds what it is there to find --------------------------------------------------
@@ -270,10 +361,35 @@ def test_checker_reports_a_long_function(tmp_path):
     assert long_functions(tmp_path, "pkg") == [f"pkg/m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"]
 
 
-@pytest.mark.parametrize("rule", ["circle", "long"])
+def test_checker_reports_a_private_name_through_a_face(tmp_path):
+    _write(tmp_path, {
+        "src/pkg/__init__.py": "",
+        "src/pkg/config/__init__.py": ("from pkg.config.base import _Section  # noqa: F401\n"
+                                       "from pkg.config.base import Public\n"),
+        "src/pkg/config/base.py": "class _Section: ...\nclass Public: ...\n",
+        "src/pkg/config/schema.py": "from pkg.config import _Section\n",  # inside the package: its own business
+        "src/pkg/engine/__init__.py": "__all__ = ['run', '_hidden']\n",
+        "src/pkg/engine/core.py": ("from pkg.config import Public, _Section\n"
+                                   "from pkg.config.base import _Section as S\n"),  # from its module: fine
+        "src/pkg/engine/late.py": "def f():\n    from ..config import _Section\n",
+        "src/pkg/engine/dotted.py": "import pkg.config\nX = pkg.config._Section\n",
+        "tests/test_x.py": "from pkg.config import _Section\n",
+    })
+    src = tmp_path / "src"
+    found = private_names_through_faces(src, [tmp_path / "tests/test_x.py"], "pkg")
+    assert sorted(found) == [
+        "pkg/engine/core.py:1 _Section from pkg.config", "pkg/engine/dotted.py:2 _Section from pkg.config",
+        "pkg/engine/late.py:2 _Section from pkg.config", "tests/test_x.py:1 _Section from pkg.config"]
+    assert private_reexports(src, "pkg") == ["pkg/config/__init__.py:1 _Section", "pkg/engine/__init__.py:1 _hidden"]
+
+
+@pytest.mark.parametrize("rule", ["circle", "long", "face"])
 def test_the_rules_hold_on_a_clean_tree(tmp_path, rule):
-    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "def f():\n    return 1\n"})
+    _write(tmp_path, {"pkg/__init__.py": "from pkg.b import f\n__all__ = ['f']\n", "pkg/a.py": "import pkg.b\n",
+                      "pkg/b.py": "def f():\n    return 1\n"})
     if rule == "circle":
         assert cycles(import_graph(tmp_path, "pkg")) == []
-    else:
+    elif rule == "long":
         assert long_functions(tmp_path, "pkg") == []
+    else:
+        assert private_names_through_faces(tmp_path, [], "pkg") == [] and private_reexports(tmp_path, "pkg") == []

@@ -29,7 +29,7 @@ or, for one call, `zerodp.activations.checkpoint(fn, *args)` (plain) / `Checkpoi
 Only positional tensor arguments are offloaded or made contiguous; tensors passed as keyword
 arguments are kept by reference, as torch.utils.checkpoint does. `synchronize_checkpoint_boundary`
 synchronises the device after each checkpointed forward (a debugging aid); `profile` is accepted
-and has no effect. `partition_activations` is refused by the config (see config.py).
+and has no effect. `partition_activations` is refused by the config (see config/keys.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ rank 0 renames what all ranks wrote.
 One concept per file, read in this order:
   pieces.py   the layout-free view of an engine (why pieces rather than buckets)
   errors.py   CheckpointError, and the agreement that raises it on every rank before any change
-  meta.py     zerodp.json's fields by type and range: one strict model for the writer and the reader
+  manifest.py zerodp.json's fields by type and range: one strict model for the writer and the reader
   files.py    the directory on disk: temp dir, rename, `latest`, size + crc32 of each file, no path
               out of the directory; housekeeping (stale temp dirs, keep_last)
   save.py     save_checkpoint

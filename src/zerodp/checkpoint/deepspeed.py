@@ -417,7 +417,7 @@ def _lr_scheduler(engine, ckpt: DeepSpeedCheckpoint, ds_config: dict) -> dict | 
     """DeepSpeed's scheduler position as the engine scheduler's state.
 
     DeepSpeed's schedulers have taken the lr for `last_batch_iteration`, one less than the optimizer
-    steps taken; zerodp's optimizer step t runs at DeepSpeed's get_lr(t - 1) (config_scheduler.py), so
+    steps taken; zerodp's optimizer step t runs at DeepSpeed's get_lr(t - 1) (config/scheduler.py), so
     the resumed run keeps DeepSpeed's sequence with the engine scheduler's last_epoch at
     last_batch_iteration + 1 and its last lrs at the saved param groups' lrs.
     """

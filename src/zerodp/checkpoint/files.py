@@ -21,7 +21,7 @@ import shutil
 import zlib
 
 from zerodp.checkpoint.errors import CheckpointError
-from zerodp.checkpoint.meta import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
+from zerodp.checkpoint.manifest import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
 
 META = "zerodp.json"
 LATEST = "latest"

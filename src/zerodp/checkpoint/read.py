@@ -1,6 +1,6 @@
 """Reading a checkpoint directory safely: find it, check it, read its tensors in bounded chunks.
 
-Nothing is trusted before it is checked: `resolve` checks zerodp.json (meta.py: every field by type
+Nothing is trusted before it is checked: `resolve` checks zerodp.json (manifest.py: every field by type
 and range) and every file's size, and `read_tensors` the crc32 of each file it reads. No path is
 followed out of the checkpoint directory: every file named in zerodp.json or in the DCP `.metadata`
 must resolve inside it (no absolute path, `..` or symlink out), checked before any of them is opened.
@@ -27,7 +27,7 @@ from zerodp.checkpoint import files
 from zerodp.checkpoint.deepspeed import directory_contents
 from zerodp.checkpoint.errors import CheckpointError, failure_text
 from zerodp.checkpoint.files import LATEST, META, TAG
-from zerodp.checkpoint.meta import validate
+from zerodp.checkpoint.manifest import validate
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28

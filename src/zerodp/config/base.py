@@ -1,6 +1,6 @@
 """The config's building blocks: the strict base section, ConfigError, and error messages in the
 config's own words (the key's dotted path, its value, the expected JSON form). Every config section
-(config.py, config_optimizer.py, config_scheduler.py) is a `_Section`.
+(schema.py, zero_optimization.py, optimizer.py, scheduler.py, monitor.py) is a `_Section`.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ class Engine:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        # Stage 3's offload_param: this rank's parameter shards live in host memory (config.py
-        # allows it at stage 3 only); each gather copies one to the device first.
+        # Stage 3's offload_param: this rank's parameter shards live in host memory (config/zero_optimization.py
+        # resets it below stage 3); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
         layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
                   else stage3_layout(groups, self.units, comm.shard_size, zero))

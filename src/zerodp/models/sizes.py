@@ -1,5 +1,5 @@
 """The model names the job knows, without importing torch: `--help` and option checks read them
-before any heavy import (model.py builds the GPTs, build.py the Hugging Face ones)."""
+before any heavy import (gpt.py builds the GPTs, build.py the Hugging Face ones)."""
 
 # Named sizes. "tiny" is for tests, "small" trains visibly in minutes on a laptop CPU (byte-level
 # vocabulary), the rest are the GPT-3 paper's table (Brown et al. 2020, table 2.1) at GPT-2's

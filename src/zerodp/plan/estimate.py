@@ -1,7 +1,7 @@
 """`zerodp estimate`: per-rank memory of any model for any world size, before you rent the GPUs.
 
 --model is a GPT size, a JSON file of GPTConfig fields, a Hugging Face folder or config.json, or
-`module:factory` (plan_model.py). For each world size N and stage the table gives, per rank:
+`module:factory` (models.py). For each world size N and stage the table gives, per rank:
   model states  the ZeRO formula (memory.formula / memory.placed): what the device holds
   buckets       stage 2-3's reduce-buffer pool (memory.bucket_estimate), counted in the total
   host          with --offload-optimizer / --offload-param: what host memory holds
@@ -33,7 +33,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 
 # Extra sections of the report, printed after the memory table: each names a torch-free module
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
-# plan_model.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
+# models.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
 SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel")
 
 

@@ -1,0 +1,302 @@
+"""The config schema: the top-level `Config` (DeepSpeed's ds_config.json keys, one pydantic model per
+section), its smaller sections, the batch-size arithmetic (train = micro × accumulation × world), and
+`load_config`, which turns a dict or a JSON file into a `Config` or raises a `ConfigError` with one line
+per problem. The larger sections have modules of their own (zero_optimization.py, optimizer.py,
+scheduler.py, monitor.py); keys.py lists the keys that have no effect here or are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from zerodp.config.base import ConfigError, NonNegativeInt, PositiveInt, _format_errors, _Section
+from zerodp.config.keys import refusals
+from zerodp.config.monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
+from zerodp.config.optimizer import OptimizerConfig
+from zerodp.config.scheduler import SchedulerConfig
+from zerodp.config.zero_optimization import ZeroConfig
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    loss_scale: Annotated[float, Field(ge=0)] = 0.0  # 0 means dynamic loss scaling
+    initial_scale_power: Annotated[int, Field(ge=0, le=64)] = 16
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: Annotated[float, Field(gt=0)] = 1.0
+    auto_cast: bool = False
+    fp16_master_weights_and_grads: bool = False
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+
+
+class NonFiniteConfig(_Section):
+    """What a step with a non-finite (nan/inf) global gradient norm leads to: zerodp's own section
+    (DeepSpeed has none). Such a step is always skipped on every rank; `policy` "raise" then raises
+    zerodp.NonFiniteError once `max_consecutive_skips` steps in a row were skipped, "skip" goes on.
+    fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs)."""
+
+    policy: Literal["raise", "skip"] = "raise"
+    max_consecutive_skips: PositiveInt = 3
+
+
+
+class ParallelWriteConfig(_Section):
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(_Section):
+    """DeepSpeed's `checkpoint` section. Ranks that pass different tags to save_checkpoint always
+    fail, on every rank ("Warn" too: such a save could not be read back); "Ignore" is refused."""
+
+    tag_validation: str = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _tags_always_checked(cls, mode: str) -> str:
+        if mode.upper() == "IGNORE":
+            raise ValueError("not supported: ranks saving under different tags would write a checkpoint "
+                             "that cannot be read back, so tags are always checked; use \"Warn\" or \"Fail\"")
+        if mode.upper() not in ("WARN", "FAIL"):
+            raise ValueError("expected \"Warn\" or \"Fail\"")
+        return mode.capitalize()
+
+
+class DataTypesConfig(_Section):
+    """DeepSpeed's `data_types`. grad_accum_dtype: the dtype gradients are summed in across the
+    micro-steps of one accumulation window (None: fp32 when accumulating, else the working dtype)."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+
+
+class ActivationCheckpointingConfig(_Section):
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: PositiveInt | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    @model_validator(mode="after")
+    def _contiguous_needs_count(self) -> ActivationCheckpointingConfig:
+        # The contiguous buffer is sized up front, one slot per checkpoint.
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ValueError("contiguous_memory_optimization: true requires number_checkpoints")
+        return self
+
+
+class HybridEngineConfig(_Section):
+    """DeepSpeed's `hybrid_engine` (DeepSpeed-Chat's RLHF step: one model switched between training and
+    DeepSpeed's inference kernels for generation). Every config of DeepSpeed-Chat carries the section,
+    disabled: disabled it has no effect; enabled it is refused (config/keys.py says why). DeepSpeed's
+    names, types and defaults."""
+
+    enabled: bool = False
+    max_out_tokens: PositiveInt = 512
+    inference_tp_size: PositiveInt = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: PositiveInt = 8
+    enable_cuda_graph: bool = False
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+class Config(_Section):
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+    gradient_clipping: Annotated[float, Field(ge=0)] = 0.0  # 0 = off
+    steps_per_print: PositiveInt | None = None  # DeepSpeed's default now: no step lines
+    wall_clock_breakdown: bool = False
+    zero_allow_untested_optimizer: bool = True
+    zero_force_ds_cpu_optimizer: bool = True
+    # DeepSpeed's reduction: prescale divides gradients by the world size before the sum; a predivide
+    # factor f divides by f before and by world / f after. Unset: as DeepSpeed, stage 0 sums and then
+    # divides (f = 1), stages 1-3 divide by the world size first (its reduce-scatter path). reducer.py.
+    prescale_gradients: bool = False
+    gradient_predivide_factor: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    # The dtype gradients travel and are summed in (None: the working dtype), e.g. "fp32" to reduce
+    # bf16 gradients in fp32, as torchtitan's and Megatron's fp32 reduction.
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    dump_state: bool = False
+    disable_allgather: bool = False
+    sparse_gradients: bool = False
+    # Seeds torch, random and numpy on every rank at initialize() with seed + rank, so random ops
+    # (dropout) repeat from run to run and differ between ranks.
+    seed: NonNegativeInt | None = None
+    # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
+    # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
+    broadcast_buffers: bool = True
+    # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
+    # when zerodp creates the group).
+    # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
+    comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
+    # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
+    cuda_visible_devices: int | str | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig)
+    non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+    # What training reports (zerodp.monitor): steps_per_print and wall_clock_breakdown above, and these.
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bfloat16_alias(cls, data: Any) -> Any:
+        # DeepSpeed still reads its section's old name, "bfloat16", as "bf16".
+        if isinstance(data, dict) and "bfloat16" in data:
+            if "bf16" in data:
+                raise ValueError("both 'bf16' and its old name 'bfloat16' are given; keep only 'bf16'")
+            data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _one_half_precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @model_validator(mode="after")
+    def _refused_values(self) -> Config:
+        problems = refusals(self)
+        accum = self.data_types.grad_accum_dtype
+        if accum not in (None, "fp32") and _DTYPES[accum] != self.dtype:
+            problems.append(f"config key 'data_types.grad_accum_dtype' = \"{accum}\" is not supported with "
+                            f"{self.dtype} training: gradients accumulate in the working dtype or in fp32; "
+                            "use \"fp32\"")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        return self
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype | None:
+        """data_types.grad_accum_dtype as a torch dtype (None: the engine's default)."""
+        accum = self.data_types.grad_accum_dtype
+        return None if accum is None else _DTYPES[accum]
+
+    @property
+    def communication_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: communication_data_type, else the working dtype."""
+        kind = self.communication_data_type
+        return self.dtype if kind is None else _DTYPES[kind]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The working precision of parameters, gradients and activations."""
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    def batch(self, world_size: int) -> BatchSizes:
+        """Resolve DeepSpeed's rule train_batch_size = micro × accumulation steps × world size."""
+        if world_size < 1:
+            raise ConfigError(f"world size must be at least 1, got {world_size}")
+        train, micro, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps)
+        if train is None and micro is None:
+            raise ConfigError("batch sizes need at least train_batch_size or "
+                              "train_micro_batch_size_per_gpu in the config")
+        if micro is None:
+            gas = gas or 1
+            micro = _divide(train, "train_micro_batch_size_per_gpu",
+                            "gradient_accumulation_steps", gas, world_size)
+        elif train is None:
+            gas = gas or 1
+            train = micro * gas * world_size
+        elif gas is None:
+            gas = _divide(train, "gradient_accumulation_steps",
+                          "train_micro_batch_size_per_gpu", micro, world_size)
+        if train != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} × "
+                f"gradient_accumulation_steps {gas} × world size {world_size} = {micro * gas * world_size}")
+        return BatchSizes(train, micro, gas)
+
+
+def _divide(train: int, unknown: str, other_name: str, other: int, world_size: int) -> int:
+    """Solve train = unknown × other × world_size for `unknown`, which must come out whole."""
+    if train % (other * world_size):
+        raise ConfigError(
+            f"cannot derive {unknown}: train_batch_size {train} is not divisible by "
+            f"{other_name} {other} × world size {world_size} = {other * world_size}")
+    return train // (other * world_size)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON config file as a dict, or a ConfigError naming the file and what is wrong with it."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON: line {e.lineno} "
+                          f"column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a JSON object (a dict), got {type(raw).__name__}")
+    return raw
+
+
+def load_config(source: Config | dict[str, Any] | str | os.PathLike[str] | None) -> Config:
+    """A Config from a Config (returned as is), None (defaults), a dict, or a JSON file path."""
+    if isinstance(source, Config):
+        return source
+    if source is None:
+        return Config()
+    origin = ""
+    if isinstance(source, (str, os.PathLike)):
+        origin = f"in config file {os.fspath(source)!r}:\n"
+        source = read_config_file(source)
+    if not isinstance(source, dict):
+        raise ConfigError(f"{origin}a config must be a JSON object (a dict), got {type(source).__name__}")
+    try:
+        return Config.model_validate(source)
+    except ValidationError as e:
+        raise ConfigError(origin + _format_errors(e, Config)) from None
