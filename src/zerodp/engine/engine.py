@@ -26,6 +26,7 @@ from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.init_source import ParamInitFn
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
+    NonFiniteError,
     NonFinitePolicy,
     PendingStep,
     decides_on_device,
@@ -174,6 +175,7 @@ class Engine:
         self._on_device = decides_on_device(self.config, self.optimizer, self.partitioned_optimizer.offload,
                                             self.scaler, self.device)
         self._pending: PendingStep | None = None  # the last such step, until the host has read it
+        self._refused: NonFiniteError | None = None  # the policy's error from a settled step, for step() to raise
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
         self.comm.traffic.reset()
@@ -245,6 +247,9 @@ class Engine:
     def _step(self) -> None:
         """The update itself (step() decided that one is due)."""
         self._settle()
+        if self._refused is not None:  # raised here, where every rank is, whichever read settled it
+            error, self._refused = self._refused, None
+            raise error
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale
@@ -303,7 +308,8 @@ class Engine:
 
     def _settle(self) -> None:
         """The host's part of a step decided on the device: the scheduler steps after a taken step;
-        a skipped one is counted, logged and judged by the policy (which may raise here)."""
+        a skipped one is counted, logged and judged by the policy, whose error the next step() raises
+        (a read of the engine's state on one rank only must not leave the others in a collective)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -315,8 +321,11 @@ class Engine:
             self._skipped += 1
             if self.used_only is not None:
                 self.used_only.unstep()
-        self.non_finite.after_step(pending.step, finite, flags, self.scaler, pending.scale_used,
-                                   norm if not finite else 0.0)
+        try:
+            self.non_finite.after_step(pending.step, finite, flags, self.scaler, pending.scale_used,
+                                       norm if not finite else 0.0)
+        except NonFiniteError as e:
+            self._refused = e
 
     @contextmanager
     def no_sync(self):
@@ -457,6 +466,7 @@ class Engine:
         self.reducer.zero()
         self._grad_norm = None
         self._pending = None  # a loaded scheduler and counters replace what it would have changed
+        self._refused = None
 
     def resume_counters(self, global_steps: int, skipped_steps: int) -> None:
         """A checkpoint's step counts, restarting at an accumulation boundary (the accumulation steps

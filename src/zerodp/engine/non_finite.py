@@ -22,7 +22,8 @@ When the host learns the decision (`non_finite.read_back`):
              leaves parameters, moments and step counts alone. Its host copy (pinned, behind an event:
              device.HostCopy) is read at the start of the next step(), or when the engine's state is
              read (skipped_steps, get_lr(), checkpoints), by which time it has long landed: the lr
-             scheduler's step, skipped_steps, the log line and a NonFiniteError come then. Needs an
+             scheduler's step, skipped_steps and the log line come then, and a NonFiniteError from
+             that next step() call, on every rank, before it changes anything. Needs an
              optimizer whose step takes `found_inf` (torch's fused Adam, AdamW, SGD, Adagrad), no
              offload (the host steps there, and has waited for the gradients anyway) and no dynamic
              fp16 loss scale (its scale lives on the host); a step where the used-parameter bits were
@@ -55,7 +56,8 @@ class NonFiniteError(FloatingPointError):
     """Too many steps in a row had a non-finite gradient norm (config section 'non_finite').
 
     Raised by engine.step() on every rank at the same step, after that step was skipped: the
-    parameters, fp32 masters and optimizer state are those of the last finite step."""
+    parameters, fp32 masters and optimizer state are those of the last finite step. With
+    non_finite.read_back next_step, by the step() call after it, before that one changes anything."""
 
 
 def step_flags(loss: torch.Tensor | None, rank: int) -> torch.Tensor:
