@@ -102,7 +102,8 @@ class StepMonitor:
         values = None
         if wanted and window_loss is not None:
             loss = window_loss.detach().float().reshape(())
-            norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.full_like(loss, float("nan"))
+            norm = (grad_norm.detach().float().reshape(()) if grad_norm is not None
+                    else torch.full_like(loss, float("nan")))  # made on the device: no copy from the host
             values = torch.stack([loss / max(1, micro), norm])
             values = HostCopy(values)  # on a GPU: to pinned memory, read a step later behind an event
         record = dict(step=step, values=values, spans=spans, lr=lr, loss_scale=loss_scale, skipped=skipped,
