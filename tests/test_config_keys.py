@@ -65,6 +65,7 @@ EFFECTS = {
         "test_activations.py::test_checkpointed_training_matches_plain_training_fp32",
     "non_finite.policy": "test_non_finite.py::test_skip_policy_never_raises",
     "non_finite.max_consecutive_skips": "test_non_finite.py::test_raise_policy_raises_on_every_rank_after_k_consecutive_skips",
+    "non_finite.read_back": "test_host_sync.py::test_a_step_skipped_on_the_device_trains_exactly_as_one_skipped_by_the_host",
     "data_types.grad_accum_dtype": "test_reduction.py::test_grad_accum_dtype_sets_the_accumulation_dtype",
     "checkpoint.tag_validation": "test_reduction.py::test_checkpoint_tags_differing_between_ranks_fail_on_every_rank",
     "optimizer.type": "test_config.py::test_optimizer_builds_the_torch_class",

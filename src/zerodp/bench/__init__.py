@@ -11,7 +11,7 @@ another's allocator state, compiled kernels or process group:
 Every mode reports tokens/s, TFLOP/s per device (flops_per_token = 6N + 12·L·d·T), MFU against the
 device's dense bf16 peak, CUDA peak allocated / reserved memory, and its TFLOP/s ratio to `plain`
 measured in the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
-acting as rank 0 of N ranks on the fake process group (collectives are no-ops).
+acting as rank 0 of N ranks on the fake process group (collectives send nothing).
 
 Two files, read in this order:
   worker.py   one mode in this process: build it, time it, return its row (Result)

@@ -242,7 +242,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         if fake and owned_bytes is not None:
             result.owned_bytes = owned_bytes()
         if fake:
-            result.note = ", ".join(filter(None, [note, f"fake rank 0 of {world}: collectives are no-ops"]))
+            fake_note = f"fake rank 0 of {world}: collectives send nothing (every rank holds rank 0's data)"
+            result.note = ", ".join(filter(None, [note, fake_note]))
         dist.barrier()  # no rank tears down gloo while a peer still uses it (see tests/spawn.py)
         return result
     finally:

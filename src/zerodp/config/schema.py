@@ -55,10 +55,14 @@ class NonFiniteConfig(_Section):
     """What a step with a non-finite (nan/inf) global gradient norm leads to: zerodp's own section
     (DeepSpeed has none). Such a step is always skipped on every rank; `policy` "raise" then raises
     zerodp.NonFiniteError once `max_consecutive_skips` steps in a row were skipped, "skip" goes on.
-    fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs)."""
+    fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs).
+    `read_back`: when the host learns of a skip (engine/non_finite.py): "same_step" reads the decision
+    in step() (a device sync per step), "next_step" skips on the device and reads it a step later,
+    "auto" is next_step on an accelerator where possible."""
 
     policy: Literal["raise", "skip"] = "raise"
     max_consecutive_skips: PositiveInt = 3
+    read_back: Literal["auto", "same_step", "next_step"] = "auto"
 
 
 

@@ -37,7 +37,7 @@ class DeepSpeedEngine:
     def __init__(self, engine: Engine, training_dataloader: Any = None):
         self.engine = engine
         self.training_dataloader = training_dataloader
-        self._step_applied = False
+        self._last_step: tuple[int, int] | None = None  # (global steps, skipped steps) before the last step()
         self._param_ids = {id(p) for p in engine.module.parameters()}
         # DeepSpeed's samples/s, timed from each forward to its step; no log lines of its own: zerodp's
         # steps_per_print line already reports samples/s.
@@ -71,10 +71,11 @@ class DeepSpeedEngine:
         if lr_kwargs:
             raise ValueError("step(lr_kwargs=...) is not supported: the lr scheduler is stepped without "
                              "arguments after every applied step")
-        steps, skipped = self.engine.global_steps, self.engine.skipped_steps
+        # Read before the step, so reading skipped_steps settles the previous step, not this one: a
+        # step decided on the device (non_finite.read_back) is read only if was_step_applied() asks.
+        self._last_step = self.engine.global_steps, self.engine.skipped_steps
         self.engine.step()
-        self._step_applied = self.engine.global_steps > steps and self.engine.skipped_steps == skipped
-        self.tput_timer.stop(global_step=self.engine.global_steps > steps)
+        self.tput_timer.stop(global_step=self.engine.global_steps > self._last_step[0])
 
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.engine.train(mode)
@@ -159,7 +160,10 @@ class DeepSpeedEngine:
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the weights (not an accumulation micro-step, not skipped)."""
-        return self._step_applied
+        if self._last_step is None:
+            return False
+        steps, skipped = self._last_step
+        return self.engine.global_steps > steps and self.engine.skipped_steps == skipped
 
     def zero_optimization_stage(self) -> int:
         return self.engine.stage

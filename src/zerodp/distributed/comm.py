@@ -58,8 +58,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
 
 
 def init_fake(world_size: int) -> None:
-    """Initialise torch.distributed as rank 0 of `world_size` ranks whose collectives do nothing
-    (torch's "fake" backend): one process plans or measures one rank's share of a larger job."""
+    """Initialise torch.distributed as rank 0 of `world_size` ranks that send nothing (torch's "fake"
+    backend): one process plans or measures one rank's share of a larger job. Comm gives its
+    collectives the values of a world whose every rank holds this rank's data (see Comm)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
@@ -148,6 +149,13 @@ class Comm:
 
     In a world of one every collective is a local copy at most, done here without calling
     torch.distributed: the same engine code, no kernel launches or stream waits for nothing.
+
+    On the fake backend (init_fake) every collective is computed here too, as in a world whose every
+    rank holds this rank's data: a sum is N x the input, a gather N copies of it. torch's fake group
+    leaves outputs unwritten (2.11) or copies a chunk without summing (2.13): a gradient shard or a
+    gathered stage-3 bucket would hold whatever the allocator last kept there, on a GPU often nan,
+    and every step would be skipped. With these values every number is finite and deterministic: the
+    gradients of stages 0-2 are a world of one's; stage 3 gathers rank 0's chunk into every place.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
@@ -293,6 +301,9 @@ class Comm:
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()), self.name)
         if self.world_size == 1:
             return _Done() if async_op else None
+        if self.backend == "fake":
+            t.mul_(self.world_size)
+            return _Done() if async_op else None
         return dist.all_reduce(t, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -304,6 +315,9 @@ class Comm:
         self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
+        if self.backend == "fake":  # out may be this rank's chunk of inp itself: mul with out= allows that
+            torch.mul(inp.view(self.world_size, -1)[self.rank], self.world_size, out=out)
+            return _Done() if async_op else None
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -315,6 +329,9 @@ class Comm:
         self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
+        if self.backend == "fake":
+            self._fake_gather(out, inp)
+            return _Done() if async_op else None
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
 
     def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
@@ -330,6 +347,15 @@ class Comm:
                 done()
             return None
         return _WatchedWork(work, dones)
+
+    def _fake_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Every chunk of `out` a copy of `inp`, which may be this rank's chunk of `out` already (two
+        copies from it, on each side, rather than one from a source that overlaps the destination)."""
+        chunks, r = out.view(self.world_size, -1), self.rank
+        self._local_copy(chunks[r], inp, False)
+        mine = chunks[r:r + 1]
+        chunks[:r].copy_(mine.expand(r, -1))
+        chunks[r + 1:].copy_(mine.expand(self.world_size - r - 1, -1))
 
     @staticmethod
     def _local_copy(out: torch.Tensor, inp: torch.Tensor, async_op: bool):

@@ -133,6 +133,31 @@ def event(device: torch.device, timing: bool = False) -> Any:
     return _module(device).Event(enable_timing=timing)
 
 
+class HostCopy:
+    """A device tensor's values for the host, taken without blocking: on an accelerator a copy into
+    pinned memory queued on the current stream, with an event recorded behind it; `tolist()` waits
+    for that event alone (read a step later, the copy has long landed) and reads host memory. On the
+    CPU the tensor itself, whose values are there once it exists."""
+
+    def __init__(self, t: torch.Tensor):
+        t = t.detach()
+        if is_accelerator(t.device):
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+        else:
+            self.host = t
+        self.landed = event(t.device)
+        self.landed.record()
+
+    def ready(self) -> bool:
+        """Whether the copy has landed (never waits)."""
+        return self.landed.query()
+
+    def tolist(self) -> Any:
+        self.landed.synchronize()
+        return self.host.tolist()
+
+
 def synchronize(device: torch.device | None = None) -> None:
     """Wait for every stream of `device` (default: the current accelerator); nothing on the CPU."""
     if device is None:

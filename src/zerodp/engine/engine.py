@@ -26,7 +26,16 @@ from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
 from zerodp.engine.memory import memory_report
-from zerodp.engine.non_finite import NonFinitePolicy, step_flags, step_is_finite
+from zerodp.engine.non_finite import (
+    NonFiniteError,
+    NonFinitePolicy,
+    PendingStep,
+    decides_on_device,
+    pending_step,
+    skip_on_device,
+    step_flags,
+    step_is_finite,
+)
 from zerodp.engine.optimizer import (
     OptimizerLike,
     PartitionedOptimizer,
@@ -161,11 +170,16 @@ class Engine:
 
     def _start_counters(self) -> None:
         """Steps, the accumulation window and no_sync's state, all at zero; the byte tally too."""
-        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.micro_steps = self.global_steps = self._skipped = 0
         self._stepped_at = 0
         self._scale_used = self.scaler.scale
         self._grad_norm: torch.Tensor | None = None
         self.non_finite = NonFinitePolicy(self.config, self.comm.rank)
+        # non_finite.read_back: steps skipped on the device, their decision read a step later.
+        self._on_device = decides_on_device(self.config, self.optimizer, self.partitioned_optimizer.offload,
+                                            self.scaler, self.device)
+        self._pending: PendingStep | None = None  # the last such step, until the host has read it
+        self._refused: NonFiniteError | None = None  # the policy's error from a settled step, for step() to raise
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
         self.comm.traffic.reset()
@@ -228,11 +242,18 @@ class Engine:
         micro, loss = self.micro_steps - self._stepped_at, self._window_loss
         with self.monitor.span("step"):
             self._step()
-        self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm, self.get_lr()[0],
-                                self.scaler.scale, self.skipped_steps)
+        # Read when the monitor reports the step (a step later on a GPU): by then a decision left on
+        # the device has been settled, and these say what they would have said at once.
+        self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm,
+                                lambda: self.optimizer.param_groups[0]["lr"], self.scaler.scale,
+                                lambda: self._skipped)
 
     def _step(self) -> None:
         """The update itself (step() decided that one is due)."""
+        self._settle()
+        if self._refused is not None:  # raised here, where every rank is, whichever read settled it
+            error, self._refused = self._refused, None
+            raise error
         self._stepped_at = self.micro_steps
         if self.gatherer is not None:
             self.gatherer.release_all()  # gathered copies are about to go stale
@@ -245,11 +266,19 @@ class Engine:
         else:  # the used bits ride in the same all-reduce
             norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
         self._grad_norm, coef = clip_coefficient(norm_sq, self._scale_used, self.clip)
+        if self._on_device and (self.used_only is None or self.used_only.uniform()):
+            self._step_on_device(grads, coef, norm_sq, flags)
+        else:
+            self._step_on_host(grads, coef, norm_sq, flags)
+
+    def _step_on_host(self, grads: list[torch.Tensor], coef: torch.Tensor | None, norm_sq: torch.Tensor,
+                      flags: torch.Tensor | None) -> None:
+        """The decision read here (read_back same_step), and acted on at once."""
         # The one host sync of the step, in every precision, on values every rank agrees on: a
         # non-finite norm (fp16 overflow, a nan/inf gradient) or loss anywhere skips the step.
         skip = not step_is_finite(norm_sq, flags)
         if skip:
-            self.skipped_steps += 1
+            self._skipped += 1
         else:
             self.partitioned_optimizer.step(grads, coef, defer_gather=self.forward_order is not None)
             if self.lr_scheduler is not None:
@@ -265,6 +294,42 @@ class Engine:
         # Last, so that a NonFiniteError leaves a consistent engine (gradients freed, step counted).
         self.non_finite.after_step(self.global_steps, not skip, flags, self.scaler, self._scale_used,
                                    self.grad_norm if skip else 0.0)
+
+    def _step_on_device(self, grads: list[torch.Tensor], coef: torch.Tensor | None, norm_sq: torch.Tensor,
+                        flags: torch.Tensor | None) -> None:
+        """The decision left on the device (read_back next_step): the fused optimizer skips on its
+        found_inf; what the host does with the decision waits for _settle, in the next step."""
+        skip = skip_on_device(norm_sq, flags)
+        self.partitioned_optimizer.step(grads, coef, defer_gather=self.forward_order is not None, found_inf=skip)
+        if self.gatherer is not None:
+            self.gatherer.refresh_persistent()  # a skipped step left the masters as they were: the same values
+        if self.used_only is not None:
+            self.used_only.end_window(stepped=True)  # _settle takes it back if the step was skipped
+        self.reducer.zero()
+        self._window_loss = None
+        self.global_steps += 1
+        self._pending = pending_step(self.global_steps, skip, self._grad_norm, flags, self._scale_used)
+
+    def _settle(self) -> None:
+        """The host's part of a step decided on the device: the scheduler steps after a taken step;
+        a skipped one is counted, logged and judged by the policy, whose error the next step() raises
+        (a read of the engine's state on one rank only must not leave the others in a collective)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        finite, norm, flags = pending.read()
+        if finite:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self._skipped += 1
+            if self.used_only is not None:
+                self.used_only.unstep()
+        try:
+            self.non_finite.after_step(pending.step, finite, flags, self.scaler, pending.scale_used,
+                                       norm if not finite else 0.0)
+        except NonFiniteError as e:
+            self._refused = e
 
     @contextmanager
     def no_sync(self):
@@ -290,7 +355,9 @@ class Engine:
 
     def wait_for_parameters(self) -> None:
         """With overlap_param_gather, step() returns while the updated parameters are still being
-        gathered and the next forward waits for them; call this to read them directly before that."""
+        gathered and the next forward waits for them; call this to read them directly before that.
+        A step decided on the device (non_finite.read_back) is settled too."""
+        self._settle()
         self.partitioned_optimizer.wait_for_parameters()
 
     # ---- state ----------------------------------------------------------------------------------
@@ -318,7 +385,16 @@ class Engine:
         """The data-parallel ranks the model is trained on (the engine's process group)."""
         return self.comm.world_size
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm or loss (reading it settles a step decided on
+        the device: a wait for that step's device work)."""
+        self._settle()
+        return self._skipped
+
     def get_lr(self) -> list[float]:
+        """Each param group's lr for the next step (settles a step decided on the device)."""
+        self._settle()
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def train(self, mode: bool = True) -> "Engine":
@@ -373,6 +449,7 @@ class Engine:
                         lr_scheduler_states: bool = True, module_only: bool = False) -> dict:
         """Restore a checkpoint saved on any world size; returns its client_state (collective).
         module_only restores the weights alone (no optimizer, scheduler, counters or RNG)."""
+        self._settle()
         return self._checkpoints().load_checkpoint(self, load_dir, tag, optimizer_states, lr_scheduler_states,
                                                    module_only)
 
@@ -392,11 +469,13 @@ class Engine:
         """The weights were replaced (a checkpoint was loaded): the gradients and the last norm are gone."""
         self.reducer.zero()
         self._grad_norm = None
+        self._pending = None  # a loaded scheduler and counters replace what it would have changed
+        self._refused = None
 
     def resume_counters(self, global_steps: int, skipped_steps: int) -> None:
         """A checkpoint's step counts, restarting at an accumulation boundary (the accumulation steps
         may differ from the saved run's when the world size did), with the loss scale now in force."""
-        self.global_steps, self.skipped_steps = global_steps, skipped_steps
+        self.global_steps, self._skipped = global_steps, skipped_steps
         self.micro_steps = self._stepped_at = global_steps * self.gas
         self._scale_used = self.scaler.scale
 

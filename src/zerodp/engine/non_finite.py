@@ -13,15 +13,35 @@ static loss scale; in fp16 with dynamic loss scaling an overflow is the scaler's
 lower the scale, and counts only when the scale was already at `min_loss_scale` or a rank's loss
 itself was non-finite (a lower scale cannot mend a non-finite forward pass). A finite step resets
 the count; a routine overflow leaves it as it is.
+
+When the host learns the decision (`non_finite.read_back`):
+  same_step  step() reads it (one device-to-host sync per step: `step_is_finite`) and acts on it at
+             once: the optimizer is stepped or not, the policy counts, logs and raises in that step.
+  next_step  the step is skipped on the device: the decision is `skip_on_device`'s 0/1 tensor, handed
+             to the fused optimizer as its `found_inf` (as torch's GradScaler does), whose kernel then
+             leaves parameters, moments and step counts alone. Its host copy (pinned, behind an event:
+             device.HostCopy) is read at the start of the next step(), or when the engine's state is
+             read (skipped_steps, get_lr(), checkpoints), by which time it has long landed: the lr
+             scheduler's step, skipped_steps and the log line come then, and a NonFiniteError from
+             that next step() call, on every rank, before it changes anything. Needs an
+             optimizer whose step takes `found_inf` (torch's fused Adam, AdamW, SGD, Adagrad), no
+             offload (the host steps there, and has waited for the gradients anyway) and no dynamic
+             fp16 loss scale (its scale lives on the host); a step where the used-parameter bits were
+             read back (a parameter without gradient: unused.py) decides in the same step.
+  auto       next_step on an accelerator wherever it is possible, same_step elsewhere (on the CPU the
+             read costs nothing: its values exist once computed).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
+from torch.optim import Optimizer
 
-from zerodp.config import Config
+from zerodp.config import Config, ConfigError
+from zerodp.distributed.device import HostCopy, is_accelerator
 from zerodp.engine.precision import LossScaler
 
 logger = logging.getLogger("zerodp")
@@ -36,7 +56,8 @@ class NonFiniteError(FloatingPointError):
     """Too many steps in a row had a non-finite gradient norm (config section 'non_finite').
 
     Raised by engine.step() on every rank at the same step, after that step was skipped: the
-    parameters, fp32 masters and optimizer state are those of the last finite step."""
+    parameters, fp32 masters and optimizer state are those of the last finite step. With
+    non_finite.read_back next_step, by the step() call after it, before that one changes anything."""
 
 
 def step_flags(loss: torch.Tensor | None, rank: int) -> torch.Tensor:
@@ -56,6 +77,60 @@ def step_is_finite(norm_sq: torch.Tensor, flags: torch.Tensor | None) -> bool:
     if flags is not None and flags.numel():
         finite = finite & (flags[0] == 0)
     return bool(finite)
+
+
+def skip_on_device(norm_sq: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+    """step_is_finite's decision left on the device: 1.0 to skip, 0.0 to step (fp32, shape (), as a
+    fused optimizer's `found_inf`), no sync."""
+    bad = torch.isfinite(norm_sq).logical_not()
+    if flags is not None and flags.numel():
+        bad = bad | (flags[0] != 0)
+    return bad.float()
+
+
+def decides_on_device(config: Config, optimizer: Optimizer, offload: bool, scaler: LossScaler,
+                      device: torch.device) -> bool:
+    """Whether steps are skipped on the device and read back a step later (`non_finite.read_back`);
+    next_step where it cannot be done is refused, naming what stands in the way."""
+    mode = config.non_finite.read_back
+    if mode == "same_step":
+        return False
+    obstacles = []
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        obstacles.append(f"the optimizer ({type(optimizer).__name__}) cannot skip a step on the device: "
+                         "its step() takes no found_inf (torch's Adam, AdamW, SGD and Adagrad with fused=True do)")
+    if offload:
+        obstacles.append("zero_optimization.offload_optimizer steps on the host, which waits for the gradients")
+    if scaler.dynamic:
+        obstacles.append("fp16's dynamic loss scale is updated on the host from each step's decision")
+    if mode == "next_step" and obstacles:
+        raise ConfigError("non_finite.read_back \"next_step\" is not possible here: " + "; ".join(obstacles)
+                          + "; use \"auto\" (next_step where possible) or \"same_step\"")
+    return not obstacles and (mode == "next_step" or is_accelerator(device))
+
+
+@dataclass
+class PendingStep:
+    """A step whose decision was left on the device (read_back next_step), until the host reads it."""
+
+    step: int             # its global step number
+    values: HostCopy      # [skip (0/1), its gradient norm, then the agreed flags if any]
+    scale_used: float     # the loss scale its backward used
+    has_flags: bool
+
+    def read(self) -> tuple[bool, float, torch.Tensor | None]:
+        """(finite, norm, flags): waits for the host copy only."""
+        skip, norm, *flags = self.values.tolist()
+        return not skip, norm, (torch.tensor(flags, dtype=torch.float64) if self.has_flags else None)
+
+
+def pending_step(step: int, skip: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor | None,
+                 scale_used: float) -> PendingStep:
+    has_flags = flags is not None and flags.numel() > 0
+    parts = [skip.reshape(1), norm.detach().reshape(1).to(skip.dtype)]
+    if has_flags:
+        parts.append(flags.to(skip.dtype))
+    return PendingStep(step, HostCopy(torch.cat(parts)), scale_used, has_flags)
 
 
 class NonFinitePolicy:

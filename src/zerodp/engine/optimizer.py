@@ -111,8 +111,10 @@ class PartitionedOptimizer:
             local = torch.cat(rows).double().square().sum()
         return local
 
-    def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None, defer_gather: bool = False) -> None:
-        """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights."""
+    def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None, defer_gather: bool = False,
+             found_inf: torch.Tensor | None = None) -> None:
+        """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights.
+        found_inf (a fused optimizer's, 1.0 or 0.0 on the device): the kernel skips the step on 1.0."""
         self.wait_for_parameters()  # the last gather writes the working shards the step rewrites
         if self.offload:
             for m, h, g in zip(self.masters, self.host_grads, grads):
@@ -125,11 +127,14 @@ class PartitionedOptimizer:
         fold = coef is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False)
         if fold:
             self.optimizer.grad_scale = coef.reciprocal()
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
         self._stepping = True
         try:
             self._step_sub_groups(grads, coef, fold)
         finally:
             self._stepping = False
+            self.optimizer.__dict__.pop("found_inf", None)
         if fold:
             del self.optimizer.grad_scale
         self.all_gather(defer=defer_gather)

@@ -12,7 +12,8 @@ moments. `zero_optimization.step_unused_parameters: true` keeps that behaviour (
                 used-parameter map). A parameter is used if any rank used it.
   fast path     a shard whose parameters are all used and all stepped as often as the shard is stepped
                 whole, as usual: the normal case costs no host work beyond reading the bits when this
-                rank itself saw an unused parameter.
+                rank itself saw an unused parameter. A rank that saw every parameter used makes its
+                bits on the device (no copy from the host) and reads nothing back.
   slow path     otherwise the shard is replaced, for this one optimizer.step() call, by views of its
                 used parameters' element ranges (adjacent ones with equal step counts merged), each with
                 views of the shard's optimizer state and its own `step` count: unused ranges are not
@@ -30,6 +31,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import can_pin
 from zerodp.engine.flat import Bucket
 
 
@@ -71,14 +73,18 @@ class UsedParameters:
         """partitioned.grad_norm_squared, with the used bits summed over ranks in the same all-reduce;
         sets `self.used` (None when every parameter was used somewhere)."""
         local_all = self.window == self.all_used
-        bits = torch.tensor(list(self.window.to_bytes(self.total, "little")), dtype=torch.float64)
-        flags = torch.cat([flags, bits.to(flags.device)])
+        if local_all:  # the usual step: made on the device, nothing copied from the host
+            bits = torch.ones(self.total, dtype=torch.float64, device=flags.device)
+        else:  # from pinned memory without blocking (a pageable copy waits for the whole stream)
+            bits = torch.tensor(list(self.window.to_bytes(self.total, "little")), dtype=torch.float64)
+            bits = (bits.pin_memory() if can_pin() else bits).to(flags.device, non_blocking=True)
+        flags = torch.cat([flags, bits])
         norm_sq, flags = partitioned.grad_norm_squared(grads, flags)
         n = flags.numel() - bits.numel()
         flags, agreed = flags[:n], flags[n:]
         if local_all or torch._subclasses.fake_tensor.is_fake(agreed):
             self.used = None  # this rank used everything, so every rank did: nothing to read back
-        else:
+        else:  # the host picks the ranges to step: a read of the agreed bits (this step's one sync)
             used = agreed.cpu() > 0
             self.used = None if bool(used.all()) else used
         return norm_sq, flags
@@ -93,6 +99,15 @@ class UsedParameters:
                 self.counts += 1 if self.used is None else self.used.long()
         self.window = 0
         self.used = None
+
+    def uniform(self) -> bool:
+        """Every parameter used in this step and stepped as often as every other so far: the shards
+        are stepped whole (what a step skipped on the device needs, unstep() taking it back)."""
+        return self.used is None and self.counts is None
+
+    def unstep(self) -> None:
+        """The last step, counted as taken while uniform(), was skipped on the device."""
+        self.uniform_steps -= 1
 
     def _materialise(self) -> None:
         if self.counts is None:

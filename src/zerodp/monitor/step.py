@@ -2,10 +2,11 @@
 timings, monitor events (TensorBoard, CSV, W&B) and the comms logger's totals.
 
 Costs nothing it does not need: no collective, and no host sync of its own. On the CPU values are
-read as they come. On a GPU a step's values (loss, grad norm, CUDA timing events) are copied to the
-host without blocking and read during the next step, after that step's own sync (engine.step's
-`step_is_finite`) has made them complete; lines and events therefore trail by one step there, and
-`flush()` (engine.timings(), or the end of training) reads the last one.
+read as they come. On a GPU a step's values (loss, grad norm) are copied into pinned host memory
+without blocking, with an event recorded behind the copy (device.HostCopy), and read during the next
+step after waiting for that event alone, long complete by then (the step itself has no host sync to
+lean on); CUDA timing events are read the same way. Lines and events therefore trail by one step
+there, and `flush()` (engine.timings(), or the end of training) reads the last one.
 
 What each field is:
   loss       this rank's (rank 0's) mean loss over the step's micro-batches, as passed to backward;
@@ -24,10 +25,11 @@ import logging
 import resource
 import sys
 import time
+from typing import Callable
 
 import torch
 
-from zerodp.distributed.device import is_accelerator, max_memory_allocated
+from zerodp.distributed.device import HostCopy, is_accelerator, max_memory_allocated
 from zerodp.monitor.comms import CommsLogger
 from zerodp.monitor.timers import PhaseTimers, resolve
 from zerodp.monitor.writers import build_monitors
@@ -84,8 +86,10 @@ class StepMonitor:
                 self.tokens += first.numel()
 
     # ---- after the step -------------------------------------------------------------------------
-    def after_step(self, step: int, window_loss: torch.Tensor | None, micro: int, grad_norm, lr: float,
-                   loss_scale: float, skipped: int) -> None:
+    def after_step(self, step: int, window_loss: torch.Tensor | None, micro: int, grad_norm,
+                   lr: Callable[[], float], loss_scale: float, skipped: Callable[[], int]) -> None:
+        """lr and skipped are read when the step is reported (a step later on a GPU), when a step
+        decided on the device (non_finite.read_back) has been settled."""
         spans = self.timers.close_step()
         self.samples += self.window_samples
         self.total_samples += self.window_samples * self.world
@@ -97,13 +101,11 @@ class StepMonitor:
             return
         values = None
         if wanted and window_loss is not None:
-            values = torch.stack([window_loss.detach().float().reshape(()) / max(1, micro),
-                                  (grad_norm if grad_norm is not None else torch.tensor(float("nan")))
-                                  .detach().float().reshape(()).to(window_loss.device)])
-            if self.on_accelerator:  # to pinned host memory, not waited for: read after the next step's sync
-                host = torch.empty(2, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                values = host
+            loss = window_loss.detach().float().reshape(())
+            norm = (grad_norm.detach().float().reshape(()) if grad_norm is not None
+                    else torch.full_like(loss, float("nan")))  # made on the device: no copy from the host
+            values = torch.stack([loss / max(1, micro), norm])
+            values = HostCopy(values)  # on a GPU: to pinned memory, read a step later behind an event
         record = dict(step=step, values=values, spans=spans, lr=lr, loss_scale=loss_scale, skipped=skipped,
                       printing=printing and self.rank == 0, samples=self.total_samples)
         if printing and self.rank == 0:
@@ -130,6 +132,7 @@ class StepMonitor:
         loss = norm = float("nan")
         if r["values"] is not None:
             loss, norm = r["values"].tolist()
+        r["lr"], r["skipped"] = r["lr"](), r["skipped"]()
         if self.monitors:
             events = [("Train/Samples/train_loss", loss, r["samples"]), ("Train/Samples/lr", r["lr"], r["samples"]),
                       ("Train/Samples/loss_scale", r["loss_scale"], r["samples"]),

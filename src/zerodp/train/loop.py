@@ -25,7 +25,7 @@ import torch.distributed as dist
 import zerodp
 from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
-from zerodp.distributed.device import accelerator_type, current
+from zerodp.distributed.device import accelerator_type, can_pin, current
 from zerodp.engine.engine import Engine
 from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig
@@ -235,19 +235,28 @@ def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
     loss_sum = torch.zeros((), device=device)
     for x, y in job.data.next_step():
         if device is not None:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = to_device(x, device), to_device(y, device)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         loss_sum += loss.detach().float()
     # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
     # SIGTERM / SIGINT, so that every rank stops after the same step.
-    sums = torch.stack([loss_sum, *torch.tensor(stop.flags(), device=device)])
+    sums = torch.cat([loss_sum.reshape(1), to_device(torch.tensor(stop.flags()), device)])
     with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
         dist.all_reduce(sums)
-    loss = sums[0].item() / (job.world * job.opts.grad_accum)
-    stopping = signal.SIGINT if sums[2] > 0 else signal.SIGTERM if sums[1] > 0 else 0
-    return loss, stopping, time.perf_counter() - t0
+    # The loop's one read of the step (the log line and the stop signal need it on the host).
+    loss_sum, sigterm, sigint = sums.tolist()
+    stopping = signal.SIGINT if sigint > 0 else signal.SIGTERM if sigterm > 0 else 0
+    return loss_sum / (job.world * job.opts.grad_accum), stopping, time.perf_counter() - t0
+
+
+def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Host data to the device without blocking: a copy from pageable memory waits for the stream
+    (whatever non_blocking says), one from pinned memory does not."""
+    if device is None or device.type == "cpu":
+        return t
+    return (t.pin_memory() if can_pin() else t).to(device, non_blocking=True)
 
 
 def evaluate(job: Job) -> float:
@@ -316,8 +325,7 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
     engine.eval()
     total = torch.zeros((), device=device)
     for x, y in val:
-        if device is not None:
-            x, y = x.to(device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         total += engine(x, y).float()
     engine.train()
     with engine.comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
