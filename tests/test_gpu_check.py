@@ -83,7 +83,8 @@ def test_check_without_pydantic_says_so_and_checks_nothing(tmp_path):
 
 def _gpu_only_tests() -> set[str]:
     """Every test that a CPU host skips for want of a GPU (a skipif on ON_CPU or on CUDA's absence)."""
-    needs_gpu = re.compile(r"@pytest\.mark\.skipif\(\s*(ON_CPU\b|not torch\.(cuda|accelerator)\.is_available\(\))")
+    needs_gpu = re.compile(r"@pytest\.mark\.skipif\(\s*(ON_CPU\b|not torch\.(cuda|accelerator)\.is_available\(\)"
+                           r"|accelerator_type\(\) != \"cuda\")")
     found = set()
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         text = path.read_text()
