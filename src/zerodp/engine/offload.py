@@ -86,15 +86,15 @@ class HostShards:
 
 def pinned_bytes(nbytes: int, pinned: bool = True) -> int:
     """Bytes torch's host allocator holds for one pinned allocation of `nbytes`: the next power of two
-    (CachingHostAllocator), unless PYTORCH_ALLOC_CONF's pinned_max_round_threshold_mb (torch >= 2.10)
-    is below it. Unpinned memory comes from malloc, unrounded."""
+    (CachingHostAllocator), unless torch 2.13's PYTORCH_ALLOC_CONF pinned_max_round_threshold_mb or
+    pinned_max_cached_size_mb is below it. Unpinned memory comes from malloc, unrounded."""
     if not pinned or nbytes <= 0:
         return max(nbytes, 0)
+    caps = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         for item in os.environ.get(var, "").split(","):
-            key, _, value = item.partition(":")
-            if key.strip() == "pinned_max_round_threshold_mb" and value.strip().isdigit() \
-                    and nbytes > int(value) * 2 ** 20:
+            key, _, value = (part.strip() for part in item.partition(":"))
+            if key in caps and value.isdigit() and nbytes > int(value) * 2 ** 20:
                 return nbytes
     return 1 << (nbytes - 1).bit_length()
 
