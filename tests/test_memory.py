@@ -151,6 +151,16 @@ def test_placed_moves_the_parameter_shard_to_the_host_with_offload_param():
     # grads 2Ψ/N stay; master, m, v, grad copy, bf16 staging, params
     assert split == {"device": 200, "host": 1600 + 200 + 200}
     assert memory.placed(1000, 10, 3, "fp32", offload_optimizer=True)["host"] == 1600  # fp32: no staging
+
+
+def test_placed_counts_the_pinned_blocks_rounding_to_a_power_of_two(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    # bf16: master 4 + gradient 4 + staging 2 bytes per element pinned, 10Ψ/N = 1000 -> 1024
+    unpinned = memory.placed(1000, 10, 2, offload_optimizer=True)
+    pinned = memory.placed(1000, 10, 2, offload_optimizer=True, pin_memory=True)
+    assert pinned["host"] - unpinned["host"] == 24 and pinned["device"] == unpinned["device"]
+    assert memory.placed(1000, 10, 2, pin_memory=True) == memory.placed(1000, 10, 2)  # no offload, no block
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         memory.placed(1000, 10, 2, offload_param=True)
 

@@ -27,6 +27,7 @@ import torch
 from zerodp.activations import attached
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
+from zerodp.engine.offload import pinned_bytes
 from zerodp.engine.reducer import POOL_BUFFERS
 
 GiB = 1024 ** 3
@@ -112,7 +113,7 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
 
 def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
            gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
-           offload_param: bool = False) -> dict[str, int]:
+           offload_param: bool = False, pin_memory: bool = False) -> dict[str, int]:
     """Model-state bytes per rank, split into what the device holds and what host memory holds.
 
     offload_optimizer (ZeRO-Offload, stages 0-3): the rank's fp32 master, its optimizer states and an
@@ -123,7 +124,8 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     offload_param (stage 3, ZeRO-Infinity's CPU offload): the working parameter partition pΨ/N moves to
     host memory too; the device then holds only what is gathered for the module running (buckets).
     DeepSpeed's estimators multiply host memory by additional_buffer_factor=1.5 for pinned-buffer
-    slack; this is the tensors' bytes, no factor.
+    slack; this is the tensors' bytes, no factor, plus with `pin_memory` (offload_optimizer.pin_memory
+    on an accelerator) what the host allocator rounds the pinned block (master, gradient, staging) up to.
     """
     device = formula(num_params, world, stage, dtype, optimizer, gradient_accumulation_steps)
     host = 0
@@ -133,6 +135,8 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
         device -= round(num_params * k / n)
         staging = 0 if dtype == "fp32" else WORKING_BYTES[dtype]
         host += round(num_params * (STATE_BYTES[optimizer.lower()] + 4 + 4 + staging) / n)
+        block = round(num_params * (4 + 4 + staging) / n)
+        host += pinned_bytes(block, pin_memory) - block
     if offload_param:
         if stage != 3:
             raise ValueError(f"offload_param needs stage 3 (parameters partitioned), not stage {stage}")
