@@ -78,6 +78,7 @@ class PartitionedOptimizer:
         # torch's step pre-hook lets it say so instead.
         self._stepping = False
         self.optimizer.register_step_pre_hook(self._only_from_engine)
+        # offload: a torch Adam/AdamW that chose no implementation now steps with its fused CPU kernel
         self.fused_on_host = offload and use_fused_kernel(self.optimizer)
 
     def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
@@ -175,7 +176,8 @@ class PartitionedOptimizer:
         offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards)."""
         if self.host is not None:
             third = grad_dtype not in (torch.float32, self.host.working)
-            return 4 * max(numels, default=0) if third and self.buckets[0].data.device.type != "cpu" else 0
+            on_device = bool(self.buckets) and self.buckets[0].data.device.type != "cpu"
+            return 4 * max(numels, default=0) if third and on_device else 0
         if grad_dtype == torch.float32:
             return 0
         return max((4 * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
