@@ -168,3 +168,28 @@ def test_offload_host_memory_is_one_block():
     assert len(part.buckets) > 2
     for t in part.masters + part.host.grads + part.host.staging:
         assert t.untyped_storage().data_ptr() == block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU every tensor is host memory")
+def test_offloaded_bf16_step_on_cuda_allocates_no_device_temporary_of_a_shard():
+    """The device temporary a dtype-changing non-blocking copy makes would be 4 bytes per shard
+    element; the step's own device allocations (norm rows, flags) are a few hundred KiB here."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048).cuda()  # one bucket, one shard of 4.2M elements
+    config = {"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    x = torch.randn(3, 2048, device="cuda")
+    for _ in range(2):  # the second step is measured: the first makes the optimizer state
+        engine.backward(engine(x).float().square().mean())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        engine.step()
+        torch.cuda.synchronize()
+    shard = max(b.shard_numel for b in engine.partitioned_optimizer.buckets)
+    assert torch.cuda.max_memory_allocated() - before < shard  # bytes: a quarter of the fp32 temporary
+    host = engine.partitioned_optimizer.host
+    assert host.block.is_pinned()
+    report = engine.memory_report()
+    assert report["offload_pinned_rounding"] == pinned_bytes(host.block.numel()) - host.block.numel()
