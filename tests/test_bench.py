@@ -7,6 +7,7 @@ same run, the same model and batch everywhere (identical fp32 losses), JSON that
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -36,7 +37,7 @@ def test_every_requested_mode_is_measured_or_skipped_with_a_reason(world1):
             assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["seconds"] > 0
             assert r["mfu"] is None, "a CPU has no tensor-core peak: MFU is n/a"
             assert len(r["losses"]) == 2
-    for mode in ("plain", "ddp", "fsdp2", "zerodp0", "zerodp1", "zerodp2"):
+    for mode in ("plain", "ddp", "fsdp2", "zerodp0", "zerodp1", "zerodp2", "zerodp2-offload"):
         assert rows[mode]["status"] == "ok", f"{mode} must run on CPU: {rows[mode]['reason']}"
 
 
@@ -96,6 +97,29 @@ def test_add_ratios_leaves_modes_without_a_measurement_alone():
             bench.Result("deepspeed2", "skipped", reason="not installed")]
     bench.add_ratios(rows)
     assert [r.ratio_to_plain for r in rows] == [1.0, 0.5, None]
+
+
+def test_zerodp_step_time_is_given_over_its_deepspeed_counterparts_of_the_same_run():
+    rows = [bench.Result("plain", "ok", tflops=2.0, tokens_per_s=10.0),
+            bench.Result("zerodp2-offload", "ok", world=2, tflops=1.0, tokens_per_s=40.0),
+            bench.Result("deepspeed2-offload", "ok", world=2, tflops=1.0, tokens_per_s=44.0),
+            bench.Result("zerodp2", "ok", world=2, tflops=1.0, tokens_per_s=40.0),
+            bench.Result("deepspeed2", "skipped", world=2, reason="not installed")]
+    bench.add_ratios(rows)
+    assert [r.step_vs_deepspeed for r in rows] == [None, pytest.approx(1.1), None, None, None]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_offload_row_runs_beside_deepspeed_zero_offload_in_the_same_run(tmp_path):
+    """zerodp stage 2 offloaded, with torch.optim.AdamW as built by default, and DeepSpeed ZeRO-Offload
+    (DeepSpeedCPUAdam, JIT-built on first use: minutes once) on the same model and batch."""
+    out = tmp_path / "offload.json"
+    bench.main(TINY + ["--modes", "zerodp2-offload", "deepspeed2-offload", "--json", str(out)])
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    ours, theirs = rows["zerodp2-offload"], rows["deepspeed2-offload"]
+    assert ours["status"] == theirs["status"] == "ok", (ours["reason"], theirs["reason"])
+    assert ours["step_vs_deepspeed"] == pytest.approx(theirs["tokens_per_s"] / ours["tokens_per_s"])
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-4)  # the same training
 
 
 def test_repeats_report_the_median_and_keep_every_sample():

@@ -85,7 +85,7 @@ def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
     psi = PlanModel.parse("125M").num_params()
     rows = {r[2]: r for r in _rows(out)}  # by stage
     for stage in (2, 3):
-        split = memory.placed(psi, 8, stage, offload_optimizer=True)
+        split = memory.placed(psi, 8, stage, offload_optimizer=True, pin_memory=True)  # pinned, as on a GPU
         buckets = memory.bucket_estimate(psi, 8, stage, largest_module=PlanModel.parse("125M").largest_module())
         line = " ".join(rows[str(stage)])
         assert size(split["device"]) in line and size(split["host"]) in line and size(buckets) in line

@@ -118,7 +118,8 @@ def test_offload_leaves_only_working_params_and_gradients_on_the_device(stage, w
     working = 2 * psi if stage == 2 else 2 * psi / world
     assert rep["device_model_states"] == pytest.approx(working + 2 * psi / world, rel=0.05)
     assert rep["device_model_states"] == rep["working_params"] + rep["gradients"] + rep["frozen_params_and_buffers"]
-    assert rep["host_model_states"] == pytest.approx(16 * psi / world, rel=0.05)  # master, m, v, grad copy
+    # master, m, v, grad copy, and the bf16 staging shard the device<->host copies go through
+    assert rep["host_model_states"] == pytest.approx(18 * psi / world, rel=0.05)
 
 
 @pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
@@ -131,7 +132,7 @@ def test_placed_splits_device_and_host_memory_as_the_offloading_engine_does(stag
     assert rep["host_model_states"] == pytest.approx(split["host"], rel=0.05)
     plain = measured()[(world, stage, 1)]["report"]
     assert split["device"] + split["host"] - memory.formula(r["num_params"], world, stage) == \
-        pytest.approx(rep["offload_gradients"], rel=0.05)  # host adds the fp32 gradient copy
+        pytest.approx(rep["offload_gradients"] + rep["offload_staging"], rel=0.05)  # the fp32 gradient copy, staging
     assert plain["model_states"] == pytest.approx(memory.placed(r["num_params"], world, stage)["device"], rel=0.05)
 
 
@@ -147,7 +148,19 @@ def test_bucket_estimate_bounds_the_reduce_pool_the_engine_held(stage, world):
 
 def test_placed_moves_the_parameter_shard_to_the_host_with_offload_param():
     split = memory.placed(1000, 10, 3, offload_optimizer=True, offload_param=True)
-    assert split == {"device": 200, "host": 1600 + 200}  # grads 2Ψ/N stay; master, m, v, grad copy, params
+    # grads 2Ψ/N stay; master, m, v, grad copy, bf16 staging, params
+    assert split == {"device": 200, "host": 1600 + 200 + 200}
+    assert memory.placed(1000, 10, 3, "fp32", offload_optimizer=True)["host"] == 1600  # fp32: no staging
+
+
+def test_placed_counts_the_pinned_blocks_rounding_to_a_power_of_two(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    # bf16: master 4 + gradient 4 + staging 2 bytes per element pinned, 10Ψ/N = 1000 -> 1024
+    unpinned = memory.placed(1000, 10, 2, offload_optimizer=True)
+    pinned = memory.placed(1000, 10, 2, offload_optimizer=True, pin_memory=True)
+    assert pinned["host"] - unpinned["host"] == 24 and pinned["device"] == unpinned["device"]
+    assert memory.placed(1000, 10, 2, pin_memory=True) == memory.placed(1000, 10, 2)  # no offload, no block
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         memory.placed(1000, 10, 2, offload_param=True)
 

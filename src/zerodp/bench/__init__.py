@@ -8,9 +8,12 @@ another's allocator state, compiled kernels or process group:
   fsdp2-noreshard  the same with reshard_after_forward=False (ZeRO-2-like: no regather in backward)
   zerodp0/1/2/3    zerodp stages 0-3: bf16 working parameters, fp32 master (CUDA)
   deepspeed2       DeepSpeed ZeRO-2 with the same torch AdamW, when `import deepspeed` works
+  zerodp2-offload  zerodp stage 2 with offload_optimizer cpu and torch.optim.AdamW as built by default
+  deepspeed2-offload  DeepSpeed ZeRO-Offload (stage 2, DeepSpeedCPUAdam), when `import deepspeed` works
 Every mode reports tokens/s, TFLOP/s per device (flops_per_token = 6N + 12·L·d·T), MFU against the
 device's dense bf16 peak, CUDA peak allocated / reserved memory, and its TFLOP/s ratio to `plain`
-measured in the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
+measured in the same invocation; zerodp2 and zerodp2-offload also their step time over their DeepSpeed
+counterpart's from the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
 acting as rank 0 of N ranks on the fake process group (collectives send nothing).
 
 Two files, read in this order:

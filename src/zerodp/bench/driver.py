@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict
 
 # torch and the worker are imported on use: `zerodp bench --help` answers before torch loads.
-from zerodp.bench.rows import FAKE_MODES, MODES, Result
+from zerodp.bench.rows import DEEPSPEED_PAIRS, FAKE_MODES, MODES, Result
 
 # Defaults that depend on the device, (CUDA, CPU): filled in after parsing (main), when torch is loaded.
 # On CPU, every mode but plain runs on the train job's 2 ranks.
@@ -51,7 +51,7 @@ def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = _worker_argv(args) + ["--worker", mode, "--result", out, "--fake-world", str(fake_world)]
-        if (world > 1 or mode == "deepspeed2") and not fake_world:
+        if (world > 1 or mode.startswith("deepspeed")) and not fake_world:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={world}", "-m", "zerodp.bench", *argv]
         else:
@@ -79,11 +79,17 @@ def median_result(runs: list[Result]) -> Result:
 
 
 def add_ratios(results: list[Result]) -> None:
-    """Every measured mode's TFLOP/s per device over plain PyTorch's, from the same invocation."""
-    plain = next((r for r in results if r.mode == "plain" and r.status == "ok"), None)
+    """Every measured mode's TFLOP/s per device over plain PyTorch's, from the same invocation; and a
+    zerodp mode's step time over its DeepSpeed counterpart's (DEEPSPEED_PAIRS), when both ran."""
+    ok = {r.mode: r for r in results if r.status == "ok"}
+    plain = ok.get("plain")
     for r in results:
         if plain is not None and r.status == "ok" and r.tflops is not None:
             r.ratio_to_plain = r.tflops / plain.tflops
+        theirs = ok.get(DEEPSPEED_PAIRS.get(r.mode, ""))
+        if r.status == "ok" and theirs is not None and r.world == theirs.world:
+            # same tokens per step in both: the step-time ratio is the inverse tokens/s ratio
+            r.step_vs_deepspeed = theirs.tokens_per_s / r.tokens_per_s
 
 
 def owned_total(owned: dict[str, int]) -> int:
@@ -102,7 +108,7 @@ def print_table(title: str, results: list[Result]) -> None:
     from rich.table import Table
     table = Table(title=title)
     for col in ["mode", "world", "tokens/s", "TFLOP/s", "MFU", "peak alloc GiB", "peak rsvd GiB",
-                "vs plain", "loss first→last", "status / note"]:
+                "vs plain", "step vs DS", "loss first→last", "status / note"]:
         table.add_column(col, justify="left" if col in ("mode", "status / note") else "right")
     for r in results:
         loss = f"{r.losses[0]:.3f}→{r.losses[-1]:.3f}" if r.losses else "-"
@@ -112,7 +118,7 @@ def print_table(title: str, results: list[Result]) -> None:
         text = "; ".join(filter(None, [status, r.reason, r.note, r_note]))
         table.add_row(r.mode, str(r.world), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops, ".3g"), mfu,
                       _fmt(r.peak_allocated_gib, ".2f"), _fmt(r.peak_reserved_gib, ".2f"),
-                      _fmt(r.ratio_to_plain, ".2f"), loss, text)
+                      _fmt(r.ratio_to_plain, ".2f"), _fmt(r.step_vs_deepspeed, ".2f"), loss, text)
     Console(width=200).print(table)
 
 

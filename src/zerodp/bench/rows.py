@@ -15,7 +15,11 @@ MODES = {
     "zerodp2": "zerodp stage 2",
     "zerodp3": "zerodp stage 3",
     "deepspeed2": "DeepSpeed ZeRO-2",
+    "zerodp2-offload": "zerodp stage 2, optimizer offloaded to the CPU, torch.optim.AdamW as built by default",
+    "deepspeed2-offload": "DeepSpeed ZeRO-Offload (stage 2, DeepSpeedCPUAdam)",
 }
+# Each zerodp mode's DeepSpeed counterpart: the table gives zerodp's step time over DeepSpeed's.
+DEEPSPEED_PAIRS = {"zerodp2": "deepspeed2", "zerodp2-offload": "deepspeed2-offload"}
 FAKE_MODES = ("zerodp2", "fsdp2", "fsdp2-noreshard")
 
 
@@ -36,5 +40,6 @@ class Result:
     seconds: float | None = None
     losses: list[float] = field(default_factory=list)
     ratio_to_plain: float | None = None
+    step_vs_deepspeed: float | None = None   # zerodp modes: step time over DeepSpeed's same-run counterpart
     note: str = ""
     samples: list[float] = field(default_factory=list)  # tokens/s of every repeat (--repeats)

@@ -149,34 +149,56 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         # FSDP2 casts the parameters itself: no autocast around its forward.
         return _torch_step(model, opt, args, False, device), note, lambda: _fsdp_local_bytes(model, opt)
     if mode.startswith("zerodp"):
-        import zerodp
-        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
-                  "zero_optimization": {"stage": int(mode[-1]),
-                                        "overlap_param_gather": args.overlap_param_gather}}
-        if args.bucket:
-            config["zero_optimization"]["reduce_bucket_size"] = args.bucket
-        engine = zerodp.initialize(model, _adamw(model.parameters(), args, device), config)
+        engine = _zerodp_engine(mode, model, args, device)
         step = _engine_step(engine)
         # overlap_param_gather leaves the last step's gathers in flight: the timed region ends after them
         step.finish = engine.wait_for_parameters
         return step, note, lambda: engine_bytes(engine)
-    if mode == "deepspeed2":
-        import deepspeed  # the caller turned an ImportError into a 'skipped' row
-        config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": args.grad_clip, "bf16": {"enabled": bf16},
-                  "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}
-        if args.bucket:
-            config["zero_optimization"].update(reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket)
-        optimizer = _adamw(model.parameters(), args, device)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        return _engine_step(engine), note, None
+    if mode.startswith("deepspeed"):
+        return _engine_step(_deepspeed_engine(mode, model, args, device)), note, None
     raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
 
 
+def _zerodp_engine(mode: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
+    """zerodpN: the fused AdamW of every mode. zerodp2-offload: ZeRO-Offload with a torch AdamW built
+    with torch's defaults, as a user writes it (no fused=True: the engine picks the host kernel)."""
+    import zerodp
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": args.grad_clip, "bf16": {"enabled": args.dtype == "bf16"},
+              "zero_optimization": {"stage": int(mode[len("zerodp")]),
+                                    "overlap_param_gather": args.overlap_param_gather}}
+    if args.bucket:
+        config["zero_optimization"]["reduce_bucket_size"] = args.bucket
+    if mode.endswith("-offload"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    else:
+        optimizer = _adamw(model.parameters(), args, device)
+    return zerodp.initialize(model, optimizer, config)
+
+
+def _deepspeed_engine(mode: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
+    """deepspeed2: ZeRO-2 with the fused torch AdamW. deepspeed2-offload: ZeRO-Offload, whose
+    optimizer DeepSpeed builds from the config: DeepSpeedCPUAdam (a C++ kernel it JIT-builds)."""
+    import deepspeed  # the caller turned an ImportError into a 'skipped' row
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": args.grad_clip, "bf16": {"enabled": args.dtype == "bf16"},
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}
+    if args.bucket:
+        config["zero_optimization"].update(reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket)
+    if mode.endswith("-offload"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        optimizer = _adamw(model.parameters(), args, device)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 def skip_reason(mode: str, device: torch.device) -> str:
-    if mode == "deepspeed2" and importlib.util.find_spec("deepspeed") is None:
+    if mode.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "deepspeed is not installed (import deepspeed fails)"
     if mode.startswith("fsdp2") and importlib.util.find_spec("torch.distributed.fsdp") is None:
         return "this torch has no torch.distributed.fsdp"

@@ -11,7 +11,10 @@ Facts of the engine that the table leaves out, reported rather than hidden:
     micro-steps they accumulate in fp32 (stage 1: 4Ψ, stage 2: 4Ψ/N instead of 2Ψ and 2Ψ/N);
   * in mixed precision the optimizer step makes an fp32 copy of the gradient shard, sub_group_size
     elements at a time (at most 4 x sub_group_size bytes), freed after each part of the step:
-    `step_transient`, not part of model_states;
+    `step_transient`, not part of model_states; with offload the casts run on the host, through a
+    staging shard in the working dtype (2 bytes per element in bf16, host memory: offload_staging);
+  * pinned host memory is rounded up to a power of two by torch's host allocator; offload pins one
+    block (masters, gradients, staging), whose rounding is `offload_pinned_rounding`;
   * gradients exist from the first one of an accumulation window to the end of its step (like
     zero_grad(set_to_none=True)), and stage 2's reduce buffers only during backward: both are
     counted in full here, as what the rank holds while they exist.
@@ -24,6 +27,7 @@ import torch
 from zerodp.activations import attached
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
+from zerodp.engine.offload import pinned_bytes
 from zerodp.engine.reducer import POOL_BUFFERS
 
 GiB = 1024 ** 3
@@ -43,8 +47,9 @@ def memory_report(engine) -> dict[str, int]:
 
     model_states = working params (flat buffers, padding included) + frozen params and buffers +
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
-    also given as host_model_states (it includes the host gradient copy, offload_gradients) and the
-    rest as device_model_states. Reduce buckets, the step's transient fp32 gradient copy and
+    also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
+    mixed precision the working-dtype staging shards, offload_staging) and the rest as
+    device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
     flat = {id(s.param) for g in engine.flat_groups for b in g.buckets for s in b.slots}
@@ -70,7 +75,7 @@ def memory_report(engine) -> dict[str, int]:
             "working_params": getattr(engine, "offload_param", False)}  # stage 3's offload_param
     if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
-                                       + report.get("offload_gradients", 0))
+                                       + report.get("offload_gradients", 0) + report.get("offload_staging", 0))
         report["device_model_states"] = report["model_states"] - sum(report[k] for k, on in host.items() if on)
     checkpointer = attached(engine.module)
     if checkpointer is not None:
@@ -108,17 +113,19 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
 
 def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
            gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
-           offload_param: bool = False) -> dict[str, int]:
+           offload_param: bool = False, pin_memory: bool = False) -> dict[str, int]:
     """Model-state bytes per rank, split into what the device holds and what host memory holds.
 
     offload_optimizer (ZeRO-Offload, stages 0-3): the rank's fp32 master, its optimizer states and an
     fp32 copy of its gradient partition live in host memory: 16Ψ/N for Adam (4 + 8 + 4; the master
-    is a separate copy even in fp32), Ψ/N -> Ψ in stage 0. The device keeps the working parameters and
+    is a separate copy even in fp32), Ψ/N -> Ψ in stage 0; in bf16/fp16 also a staging copy of the
+    partition in the working dtype, which the device<->host copies go through (2Ψ/N): 18Ψ/N. The device keeps the working parameters and
     gradients: stage 2 in bf16 2Ψ + 2Ψ/N (DeepSpeed's estimator: 2Ψ; it leaves the gradient partition out).
     offload_param (stage 3, ZeRO-Infinity's CPU offload): the working parameter partition pΨ/N moves to
     host memory too; the device then holds only what is gathered for the module running (buckets).
     DeepSpeed's estimators multiply host memory by additional_buffer_factor=1.5 for pinned-buffer
-    slack; this is the tensors' bytes, no factor.
+    slack; this is the tensors' bytes, no factor, plus with `pin_memory` (offload_optimizer.pin_memory
+    on an accelerator) what the host allocator rounds the pinned block (master, gradient, staging) up to.
     """
     device = formula(num_params, world, stage, dtype, optimizer, gradient_accumulation_steps)
     host = 0
@@ -126,7 +133,10 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     if offload_optimizer:
         k = STATE_BYTES[optimizer.lower()] + (0 if dtype == "fp32" else 4)  # master + states (fp32: master in params)
         device -= round(num_params * k / n)
-        host += round(num_params * (STATE_BYTES[optimizer.lower()] + 4 + 4) / n)
+        staging = 0 if dtype == "fp32" else WORKING_BYTES[dtype]
+        host += round(num_params * (STATE_BYTES[optimizer.lower()] + 4 + 4 + staging) / n)
+        block = round(num_params * (4 + 4 + staging) / n)
+        host += pinned_bytes(block, pin_memory) - block
     if offload_param:
         if stage != 3:
             raise ValueError(f"offload_param needs stage 3 (parameters partitioned), not stage {stage}")
@@ -154,7 +164,7 @@ def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: s
                   offload_param: bool = False) -> dict[str, int]:
     """Stage 3's model-state bytes per rank in device and host memory (placed() at stage 3). bf16 +
     Adam: none 16Ψ/N on the device; offload_param 14Ψ/N device + 2Ψ/N host; both 2Ψ/N device +
-    18Ψ/N host."""
+    20Ψ/N host (with the staging copy)."""
     return placed(num_params, world, 3, dtype, optimizer, gradient_accumulation_steps,
                   offload_optimizer, offload_param)
 

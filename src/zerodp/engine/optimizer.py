@@ -9,7 +9,8 @@ flat buffers, which the module's parameters are views of.
 ZeRO-Offload (`offload=True`): masters, their gradients and the optimizer state live in (pinned)
 host memory and the user's optimizer steps on the CPU; the device keeps only the working
 parameters and the gradient buckets. Gradient shards go out and updated weights come back with
-non-blocking copies.
+non-blocking copies of one dtype each (offload.py: one host block, casts on the host), and a torch
+Adam/AdamW that chose no implementation steps with its fused CPU kernel.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
-from zerodp.distributed.device import can_pin, synchronize_stream
+from zerodp.distributed.device import can_pin
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
+from zerodp.engine.offload import HostShards, use_fused_kernel
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import gather_phase
 
@@ -49,9 +51,11 @@ class PartitionedOptimizer:
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
         pin = offload and pin_memory and can_pin()
+        self.host: HostShards | None = None  # offload: masters, gradients and staging in host memory
         if offload:
-            self.masters = [_host(shard, pin) for shard in fp32_shards]
-            self.host_grads = [_host(torch.empty_like(m), pin) for m in self.masters]
+            working = self.buckets[0].data.dtype if self.buckets else torch.float32
+            self.host = HostShards(fp32_shards, working, pin)
+            self.masters = self.host.masters
         else:
             # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
             self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
@@ -74,6 +78,8 @@ class PartitionedOptimizer:
         # torch's step pre-hook lets it say so instead.
         self._stepping = False
         self.optimizer.register_step_pre_hook(self._only_from_engine)
+        # offload: a torch Adam/AdamW that chose no implementation now steps with its fused CPU kernel
+        self.fused_on_host = offload and use_fused_kernel(self.optimizer)
 
     def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._stepping:
@@ -116,11 +122,10 @@ class PartitionedOptimizer:
         """Scale the shard gradients by `coef` (unscale x clip), step, and gather the new weights.
         found_inf (a fused optimizer's, 1.0 or 0.0 on the device): the kernel skips the step on 1.0."""
         self.wait_for_parameters()  # the last gather writes the working shards the step rewrites
-        if self.offload:
-            for m, h, g in zip(self.masters, self.host_grads, grads):
-                m.grad = h.copy_(g, non_blocking=True)
-            if grads:
-                synchronize_stream(grads[0].device)  # the host step needs the gradients
+        if self.host is not None:
+            self.host.receive_gradients(grads)
+            for m, h in zip(self.masters, self.host.grads):
+                m.grad = h
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
@@ -172,8 +177,13 @@ class PartitionedOptimizer:
         return parts
 
     def step_copy_bytes(self, numels: list[int], grad_dtype: torch.dtype) -> int:
-        """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none)."""
-        if self.offload or grad_dtype == torch.float32:
+        """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none). With
+        offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards)."""
+        if self.host is not None:
+            third = grad_dtype not in (torch.float32, self.host.working)
+            on_device = bool(self.buckets) and self.buckets[0].data.device.type != "cpu"
+            return 4 * max(numels, default=0) if third and on_device else 0
+        if grad_dtype == torch.float32:
             return 0
         return max((4 * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
 
@@ -194,7 +204,9 @@ class PartitionedOptimizer:
         in_flight = 0
         for k in self.gather_order:
             b, m = self.buckets[k], self.masters[k]
-            if self.separate:
+            if self.host is not None:
+                self.host.send_weights(k, b.owned)
+            elif self.separate:
                 b.owned.copy_(m, non_blocking=True)
             if 0 < self.stage < 3:
                 while self.pending and in_flight + b.numel > self.allgather_numel:
@@ -202,6 +214,8 @@ class PartitionedOptimizer:
                     self.pending.popleft()[1].wait()
                 self.pending.append((k, self.comm.shard_gather(b.data, b.owned, async_op=True)))
                 in_flight += b.numel
+        if self.host is not None:
+            self.host.send_done()
         if not defer:
             self.wait_for_parameters()
 
@@ -244,15 +258,10 @@ class PartitionedOptimizer:
     def bytes(self) -> dict[str, int]:
         """Bytes of fp32 master and optimizer state; on the host when offloaded."""
         master = sum(m.numel() * 4 for m in self.masters) if self.separate else 0
-        host_grads = sum(h.numel() * 4 for h in self.host_grads) if self.offload else 0
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"fp32_master": master, "optimizer_states": state, "offload_gradients": host_grads}
-
-
-def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-    return out.copy_(t)
+        host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
+        return {"fp32_master": master, "optimizer_states": state, **host}
 
 
 def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:

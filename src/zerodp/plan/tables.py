@@ -47,7 +47,9 @@ def _table(title: str, caption: str, columns: list[str]) -> Table:
 
 def _formula(args: argparse.Namespace, psi: int, world: int, stage: int, largest: int | None = None) -> dict[str, int]:
     """Device and host model states, and the bucket pool, for one (N, stage)."""
-    split = placed(psi, world, stage, args.dtype, "adamw", args.gas, args.offload_optimizer, args.offload_param)
+    # offload_optimizer.pin_memory defaults to true: a GPU job pins the block, which the allocator rounds up
+    split = placed(psi, world, stage, args.dtype, "adamw", args.gas, args.offload_optimizer, args.offload_param,
+                   pin_memory=True)
     split["buckets"] = bucket_estimate(psi, world, stage, args.dtype, args.reduce_bucket_size, largest)
     return split
 
@@ -142,7 +144,7 @@ def setup_table(args: argparse.Namespace, model: PlanModel, step_peaks: dict[tup
 
 def _caption(args: argparse.Namespace) -> str:
     text = ("model states: device bytes by ZeRO's formula (docs/DESIGN.md); buckets: stage 2-3's reduce "
-            "pool; total = the two; host: offloaded states. ")
+            "pool; total = the two; host: offloaded states, the pinned block rounded up to a power of two. ")
     if args.measure == "fake":
         text += ("peak: the largest sum of live tensors over two steps (PyTorch's MemTracker), allocator "
                  "rounding and library workspaces not in it" + ("; offload's host part is in it (one CPU)"
