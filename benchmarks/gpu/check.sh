@@ -32,6 +32,7 @@ GPU_TESTS=(
     tests/test_device.py::test_accelerator_side_stream_copy_and_timing_events
     tests/test_offload_param.py::test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device
     tests/test_host_sync.py::test_monitor_reads_a_gpu_steps_values_only_once_their_copy_has_landed
+    tests/test_offload.py::test_offloaded_bf16_step_on_cuda_allocates_no_device_temporary_of_a_shard
 )
 
 # Carried wheels (benchmarks/gpu/wheels.sh) go to a folder of their own, on the path before the image's
