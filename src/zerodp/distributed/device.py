@@ -158,7 +158,8 @@ def return_freed_host_memory() -> None:
     glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as large blocks are
     freed) in the heap, and which rank keeps how much depends on thread timing: materialising a
     350M GPT on 4 ranks, one random rank kept up to 0.7 GiB more than the others, 1.5x its live
-    tensors. Called once per bucket at set-up, it holds every rank to its live tensors."""
+    tensors. Called once per bucket at set-up, and before each large module initialiser runs
+    (init_source.py), it holds every rank to its live tensors."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
