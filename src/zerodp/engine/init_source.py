@@ -17,7 +17,7 @@ Each unit's stand-ins are fresh heap blocks, and glibc often cannot reuse a free
 (torch asks posix_memalign for a little more than the block, and the block's trimmed tail, kept in the
 thread cache, stops it from joining the heap's top): the heap would grow by one stand-in per unit until
 the engine's trim after the bucket, on ranks where the cache happens to have room. A Linear(2048, 2048)
-stack on meta kept 0.3-0.5 GiB more on such ranks. Handing the freed pages back before each large unit
+stack on meta kept up to 0.6 GiB more on such ranks. Handing the freed pages back before each large unit
 runs holds every rank to one unit's stand-ins.
 """
 
