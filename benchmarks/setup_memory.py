@@ -9,6 +9,12 @@ measured in the same run, each configuration in fresh processes, one at a time:
     python benchmarks/setup_memory.py --model 350M --worlds 2 4 --stages 2 3 --dtypes fp32 bf16 \\
         --modes meta whole main fsdp2 --out benchmarks/results/setup_memory.json
 
+--model stack is issue 24's 201M-parameter stack of 48 Linear(2048, 2048), built on meta in both its modes
+(meta: this tree's zerodp; main: --main-src's), stage 3: its table gives every rank's peak beside the
+set-up bound, the rank's fp32 shard plus one fp32 bucket.
+
+    python benchmarks/setup_memory.py --model stack --worlds 2 4 --stages 3 --dtypes fp32 --modes meta main
+
 Peak = VmHWM - VmRSS once torch, zerodp and the process group are up (the baseline; the high-water mark
 is reset there through /proc/self/clear_refs). The bound beside it is the steady state of the model
 states (docs/DESIGN.md's table; fp32 keeps no separate master) plus one bucket in fp32 (stage 2:
@@ -43,16 +49,22 @@ def status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _model(size: str) -> torch.nn.Module:
+    """The GPT of that size, or (size "stack") 48 Linear(2048, 2048), 201M parameters."""
+    if size == "stack":
+        return torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(48)])
+    from zerodp.models.gpt import GPT, gpt_config
+    return GPT(gpt_config(size))
+
+
 def _build(mode: str, size: str, stage: int, dtype: str, world: int) -> None:
     import zerodp
-    from zerodp.models.gpt import GPT, gpt_config
-    config = gpt_config(size)
     torch.manual_seed(0)
-    if mode in ("whole", "main"):
-        model = GPT(config)
+    if mode == "whole" or (mode == "main" and size != "stack"):
+        model = _model(size)
     else:
         with torch.device("meta"):
-            model = GPT(config)
+            model = _model(size)
     if mode == "fsdp2":
         _fsdp2(model, dtype, world)
         return
@@ -114,8 +126,8 @@ def run(job: dict, rank_fn: Callable = _rank) -> dict:
         mp.start_processes(rank_fn, args=(world, os.path.join(tmp, "store"), tmp, job), nprocs=world,
                            join=True, start_method="spawn")
         ranks = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
-    return {**job, "peak": max(r["peak"] for r in ranks), "base": ranks[0]["base"],
-            "seconds": max(r["seconds"] for r in ranks)}
+    return {**job, "peak": max(r["peak"] for r in ranks), "peaks": [r["peak"] for r in ranks],
+            "base": ranks[0]["base"], "seconds": max(r["seconds"] for r in ranks)}
 
 
 def bound(psi: int, largest: int, stage: int, dtype: str, world: int) -> float:
@@ -147,6 +159,19 @@ def table(rows: list[dict], psi: int, largest: int) -> str:
     return "\n".join(out)
 
 
+def stack_table(rows: list[dict], psi: int) -> str:
+    """Every rank's peak at stage 3 in fp32 beside the rank's fp32 shard plus one fp32 bucket."""
+    out = [f"48 x Linear(2048, 2048) on meta (Ψ = {psi / 1e6:.1f}M), stage 3, fp32; per-rank peak RSS above "
+           "the baseline, MiB; bound = fp32 shard (4Ψ/N) + one fp32 bucket (4 x 5e7 B)", "",
+           "| world | zerodp | rank 0 | rank 1 | rank 2 | rank 3 | bound | worst / bound |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["world"], r["mode"] != "main")):
+        b = 4 * psi / r["world"] + 4 * BUCKET
+        cells = [f"{p / 2**20:.0f}" for p in r["peaks"]] + ["-"] * (4 - len(r["peaks"]))
+        label = "main (before)" if r["mode"] == "main" else "this tree"
+        out.append(f"| {r['world']} | {label} | {' | '.join(cells)} | {b / 2**20:.0f} | {r['peak'] / b:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="350M")
@@ -157,10 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--main-src", default="/work/main/src", help="the zerodp source of the 'main' mode")
     p.add_argument("--out", default=None, help="JSON file the rows are added to (kept across runs)")
     args = p.parse_args(argv)
-    from zerodp.models.gpt import GPT, gpt_config
     with torch.device("meta"):
-        model = GPT(gpt_config(args.model))
-    psi = model.num_params()
+        model = _model(args.model)
+    psi = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     rows = json.load(open(args.out)) if args.out and os.path.exists(args.out) else []
     for world in args.worlds:
@@ -173,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows = [r for r in rows if {k: r[k] for k in job} != job] + [row]
                     if args.out:
                         json.dump(rows, open(args.out, "w"), indent=1)
-    print(table([r for r in rows if r["model"] == args.model], psi, largest))
+    mine = [r for r in rows if r["model"] == args.model]
+    print(stack_table(mine, psi) if args.model == "stack" else table(mine, psi, largest))
 
 
 if __name__ == "__main__":

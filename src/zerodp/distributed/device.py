@@ -178,23 +178,27 @@ def can_pin() -> bool:
     return accelerator_type() is not None
 
 
-def return_freed_host_memory() -> None:
+def return_freed_host_memory(keep: int = 0) -> None:
     """Hand the host heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
     glibc keeps freed blocks under its mmap threshold (which rises to 32 MiB as large blocks are
-    freed) in the heap, and which rank keeps how much depends on thread timing: materialising a
+    freed) in the heap, and which rank keeps how much depends on its heap's history: materialising a
     350M GPT on 4 ranks, one random rank kept up to 0.7 GiB more than the others, 1.5x its live
-    tensors. Called once per bucket at set-up, it holds every rank to its live tensors."""
+    tensors. Called once per bucket at set-up, and before each large module initialiser runs
+    (init_source.py), it holds every rank to its live tensors. `keep`: bytes left at the heap's top for
+    an allocation about to be made, which then reuses them instead of faulting fresh pages in."""
     trim = _malloc_trim()
     if trim is not None:
-        trim(0)
+        trim(keep)
 
 
 @functools.cache
 def _malloc_trim() -> Any:
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS, musl): their allocators return memory themselves
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int  # ctypes' default int stops at 2 GiB
+    return trim
 
 
 # ---- memory statistics (bytes of the device's caching allocator) --------------------------------
