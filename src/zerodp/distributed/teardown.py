@@ -1,20 +1,19 @@
 """The end of a process that used torch.distributed: its process groups freed while the interpreter is
-still whole, so that a finished job exits 0 (or with its error), never with SIGABRT.
+still whole, so that a finished job exits 0 (or with its error), not with SIGABRT.
 
-Why: a gloo process group runs its collectives on worker threads (`pt_gloo_runloop`), which stop only
-when the ProcessGroup object is freed. `destroy_process_group()` does not free it while anything still
-references it, and zerodp's Comm does (the engine holds one). The group is then freed during the
-interpreter's finalization, and a worker thread that drops a finished collective's work at that moment
-(its last reference to the work's tensors, whose Python objects need the GIL to be released) finds the
-interpreter finalizing: CPython ends the thread with pthread_exit, whose unwinding through a noexcept C++
-frame is std::terminate: "terminate called without an active exception", exit -6, after a job whose
-results were all correct. torch itself registers no exit hook for this (pytorch PR #179291, abandoned).
+Why: on gloo about 1 process exit in 10 aborted after a finished job ("terminate called without an
+active exception", exit -6). The cause is torch's (pytorch PR #179291): a group's worker threads
+(`pt_gloo_runloop`) hold work objects, with their tensors, that are then freed during the interpreter's
+finalization, when a thread that needs the GIL is ended by CPython with pthread_exit, and its unwinding
+through a noexcept C++ frame is std::terminate. Those threads stop only when the ProcessGroup object is
+freed, and `destroy_process_group()` does not free it while anything still references it: zerodp's Comm
+does (the engine holds one), so in every script that used zerodp they lived into finalization.
 
-`release_at_exit` is that hook, registered once (`register`, called by init_distributed and by every
-Comm): atexit runs it before finalization, after the script's last line or its uncaught error (whose
-traceback is printed first and whose exit code stays). It destroys the default group if zerodp created
-it and it is still alive, drops the references every live Comm holds, and collects garbage: each freed
-group joins its worker threads there, while they can still take the GIL.
+`release_at_exit` is the hook, registered once (`register`, called by init_distributed and every Comm).
+atexit runs it before finalization: after the script's last line, or after its uncaught error's
+traceback is printed (the exit code stays the error's), and after every exit hook registered later. It
+destroys the default group if zerodp created it and it is still alive, drops the references every live
+Comm holds, and collects garbage: each freed group joins its threads there, while they can run.
 """
 
 from __future__ import annotations
