@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args, timeout_s: float) -> None:
+def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args, timeout_s: float, spawned: bool) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
@@ -28,6 +29,14 @@ def _entry(rank: int, world: int, store_path: str, out_dir: str, fn, args, timeo
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    if spawned:
+        # Done: end in os._exit, as a "fork" rank's process does, not through the interpreter's
+        # finalization, which gloo threads still alive can abort (zerodp.distributed.teardown). Here they
+        # are: after destroy_process_group() something outside zerodp's Comm still references the group
+        # in a spawned rank (refcount 14, where a forked rank has 3), so zerodp's exit hook cannot free it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 300, start_method: str = "fork") -> list:
@@ -47,6 +56,6 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300, start_method: str =
         # gloo threads that the fork did not copy.
         gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args, timeout_s), nprocs=world,
-                           join=True, start_method=start_method)
+        mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), tmp, fn, args, timeout_s,
+                                         start_method == "spawn"), nprocs=world, join=True, start_method=start_method)
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world)]

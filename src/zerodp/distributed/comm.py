@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from zerodp.distributed import teardown
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
 
@@ -41,7 +42,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     """Initialise torch.distributed from torchrun's environment, or as a world of one without it.
 
     timeout_s bounds every collective of the group zerodp creates: a peer that stops responding ends
-    the job after it. A group that already exists (the user's own) keeps its own timeout.
+    the job after it. A group that already exists (the user's own) keeps its own timeout. The group
+    zerodp creates is destroyed at exit if the script does not do it (teardown.py says why).
     """
     if dist.is_initialized():
         return
@@ -55,6 +57,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     else:
         # No launcher: a world of one needs no rendezvous, so no socket is opened.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    teardown.register(created_default=True)
 
 
 def init_fake(world_size: int) -> None:
@@ -177,6 +180,13 @@ class Comm:
         self.mesh = mesh
         if mesh is not None:
             self._adopt(mesh)
+        teardown.register(self)  # at exit, the group goes while its gloo threads can still finish
+
+    def release_groups(self) -> None:
+        """Drop this Comm's references to its process group and mesh: called at the process's exit
+        (teardown.release_at_exit), after which it runs no collective."""
+        self.group = None
+        self.mesh = None
 
     # ---- hierarchical sharding ------------------------------------------------------------------
     @property

@@ -1,0 +1,69 @@
+"""The end of a process that used torch.distributed: its process groups freed while the interpreter is
+still whole, so that a finished job exits 0 (or with its error), not with SIGABRT.
+
+Why: on gloo about 1 process exit in 10 aborted after a finished job ("terminate called without an
+active exception", exit -6). The cause is torch's (pytorch PR #179291): a group's worker threads
+(`pt_gloo_runloop`) hold work objects, with their tensors, that are then freed during the interpreter's
+finalization, when a thread that needs the GIL is ended by CPython with pthread_exit, and its unwinding
+through a noexcept C++ frame is std::terminate. Those threads stop only when the ProcessGroup object is
+freed, and `destroy_process_group()` does not free it while anything still references it: zerodp's Comm
+does (the engine holds one), so in every script that used zerodp they lived into finalization.
+
+`release_at_exit` is the hook, registered once (`register`, called by init_distributed and every Comm).
+atexit runs it before finalization: after the script's last line, or after its uncaught error's
+traceback is printed (the exit code stays the error's), and after every exit hook registered later. It
+destroys the default group if zerodp created it and it is still alive, drops the references every live
+Comm holds, and collects garbage: each freed group joins its threads there, while they can run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+from typing import Protocol
+
+import torch.distributed as dist
+
+
+class GroupHolder(Protocol):
+    def release_groups(self) -> None:
+        """Drop every reference to a process group (called at exit only)."""
+
+
+_holders: weakref.WeakSet = weakref.WeakSet()  # every live Comm: what may keep a group alive
+_state = {"registered": False, "created_default": False}
+
+
+def register(holder: GroupHolder | None = None, created_default: bool = False) -> None:
+    """Arrange for `release_at_exit` to run at this process's exit (once, however often called).
+
+    holder: an object whose process-group references must go before the interpreter finalizes.
+    created_default: zerodp has just created the default group (init_distributed), so the hook
+    destroys it if the script did not.
+    """
+    if holder is not None:
+        _holders.add(holder)
+    if created_default:
+        _state["created_default"] = True
+    if not _state["registered"]:
+        _state["registered"] = True
+        atexit.register(release_at_exit)
+
+
+def release_at_exit() -> None:
+    """Free every process group zerodp created or holds, and join their gloo threads, now.
+
+    Never raises (an exit hook's error would only add a traceback to the process's own end) and never
+    changes the exit code. A group the script created and still uses is left alive: only the script
+    knows when it is done with it.
+    """
+    if _state["created_default"] and dist.is_initialized():
+        _state["created_default"] = False
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already half torn down: freeing it below is what matters
+            pass
+    for holder in list(_holders):
+        holder.release_groups()
+    gc.collect()  # a group in a reference cycle (an error's traceback, an engine's hooks) is freed here
