@@ -57,21 +57,26 @@ class Block(nn.Module):
 class Net(nn.Module):
     """A pre-norm transformer stack: the input projection, the final norm and the head are replicated."""
 
-    def __init__(self):
+    def __init__(self, sometimes: bool = False):
         super().__init__()
         self.inp = nn.Linear(D_IN, D)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, D_OUT)
+        if sometimes:  # a tensor-parallel pair that only odd steps use: no gradient, no step on the others
+            self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.use_sometimes = False
 
     def forward(self, x, y):
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
+        if self.use_sometimes:
+            h = h + self.down(torch.tanh(self.up(h)))
         return F.mse_loss(self.head(self.norm(h)), y)
 
 
-def plan() -> dict:
-    out = {}
+def plan(sometimes: bool = False) -> dict:
+    out = {"up": ColwiseParallel(), "down": RowwiseParallel()} if sometimes else {}
     for i in range(2):
         out.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in "qkv"})
         out.update({f"blocks.{i}.attn.o": RowwiseParallel(), f"blocks.{i}.fc1": ColwiseParallel(),
@@ -79,9 +84,9 @@ def plan() -> dict:
     return out
 
 
-def build() -> Net:
+def build(sometimes: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(sometimes)
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +101,13 @@ def optimizer(model: nn.Module, sgd: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(sgd: bool = False) -> dict:
+def reference(sgd: bool = False, sometimes: bool = False) -> dict:
     """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_."""
-    model = build()
+    model = build(sometimes)
     opt = optimizer(model, sgd)
     losses, norms = [], []
     for step in range(STEPS):
+        model.use_sometimes = sometimes and step % 2 == 1
         loss = model(*data(step))
         loss.backward()
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -117,19 +123,20 @@ def config(stage: int, dp: int, **zero) -> dict:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, **zero}}
 
 
-def train(mesh: DeviceMesh, stage: int, sgd: bool = False) -> dict:
+def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False) -> dict:
     """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
     names = mesh.mesh_dim_names
     dp_dims = [n for n in names if n != "tp"]
     dp = mesh[tuple(dp_dims)].size() if len(dp_dims) > 1 else mesh[dp_dims[0]].size()
-    model = build()
+    model = build(sometimes)
     if "tp" in names:
-        parallelize_module(model, mesh["tp"], plan())
+        parallelize_module(model, mesh["tp"], plan(sometimes))
     engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp), device_mesh=mesh)
     dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
     lo = dp_rank * (BATCH // dp)
     losses, norms = [], []
     for step in range(STEPS):
+        model.use_sometimes = sometimes and step % 2 == 1
         x, y = (t[lo:lo + BATCH // dp] for t in data(step))
         loss = engine(x, y)
         engine.backward(loss)
@@ -194,6 +201,8 @@ def _ranks(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
+    out["reference sometimes"] = reference(sometimes=True)
+    out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
     # Hierarchical sharding by name: with tp (2 copies of 1 shard: replica and tp weights together), without
     hier = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     out["dp_replicate2 dp_shard1 tp2 stage 2"] = train(hier, 2)
@@ -210,13 +219,18 @@ def _results() -> list[dict]:
 
 
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
-        "dp2 tp2 stage 2 sgd", "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3"]
+        "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp_replicate2 dp_shard1 tp2 stage 2",
+        "dp_replicate2 dp_shard2 stage 3"]
+
+
+def _reference(run: str) -> str:
+    return next((f"reference {k}" for k in ("sgd", "sometimes") if run.endswith(k)), "reference")
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_tp_x_dp_matches_one_process_on_the_whole_batch(run):
     for rank, result in enumerate(_results()):
-        ref, got = result["reference sgd" if run.endswith("sgd") else "reference"], result[run]
+        ref, got = result[_reference(run)], result[run]
         assert min(ref["norms"]) > CLIP  # clipping binds on every step
         assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL), (run, rank)
         diffs = sorted(((got["weights"][n] - w).abs().max().item(), n) for n, w in ref["weights"].items())
@@ -238,7 +252,7 @@ def test_global_norm_counts_tp_shards_once_and_replicated_parameters_once(run):
     kinds = set(result[run]["kinds"].values())
     assert kinds == ({"DTensor", "Parameter"} if "tp" in run else {"Parameter"}), kinds
     for r in _results():
-        ref = r["reference sgd" if run.endswith("sgd") else "reference"]
+        ref = r[_reference(run)]
         assert r[run]["norms"] == pytest.approx(ref["norms"], rel=1e-5), run
 
 
