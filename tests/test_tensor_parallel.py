@@ -9,6 +9,7 @@ model is tiny), so no result needs to travel between ranks.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -101,8 +102,9 @@ def optimizer(model: nn.Module, sgd: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(sgd: bool = False, sometimes: bool = False) -> dict:
-    """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_."""
+def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None) -> dict:
+    """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_; no update
+    at step `skip`."""
     model = build(sometimes)
     opt = optimizer(model, sgd)
     losses, norms = [], []
@@ -111,7 +113,8 @@ def reference(sgd: bool = False, sometimes: bool = False) -> dict:
         loss = model(*data(step))
         loss.backward()
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
+        if step != skip:
+            opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     return {"losses": losses, "norms": norms,
@@ -123,7 +126,8 @@ def config(stage: int, dp: int, **zero) -> dict:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, **zero}}
 
 
-def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False) -> dict:
+def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False,
+          poison: int | None = None) -> dict:
     """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
     names = mesh.mesh_dim_names
     dp_dims = [n for n in names if n != "tp"]
@@ -134,8 +138,11 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
     engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp), device_mesh=mesh)
     dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
     lo = dp_rank * (BATCH // dp)
-    losses, norms = [], []
+    losses, norms, at = [], [], [0]
+    if poison is not None and dist.get_rank() == 1:  # a nan in one tp shard's gradient, on one rank only
+        model.blocks[0].fc1.weight.register_hook(lambda g: g * float("nan") if at[0] == poison else g)
     for step in range(STEPS):
+        at[0] = step
         model.use_sometimes = sometimes and step % 2 == 1
         x, y = (t[lo:lo + BATCH // dp] for t in data(step))
         loss = engine(x, y)
@@ -149,7 +156,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
         weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
                    for n, p in model.named_parameters()}
     kinds = {n: type(p).__name__ for n, p in model.named_parameters()}
-    out = {"losses": losses, "norms": norms, "weights": weights, "kinds": kinds}
+    out = {"losses": losses, "norms": norms, "weights": weights, "kinds": kinds, "skipped": engine.skipped_steps}
     if stage == 3:  # module.state_dict() gathers over dp: each DTensor entry joined over tp is whole
         out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
                              for n, t in model.state_dict().items()}
@@ -203,6 +210,8 @@ def _ranks(rank: int, world: int) -> dict:
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
     out["reference sometimes"] = reference(sometimes=True)
     out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
+    out["reference skip"] = reference(skip=2)
+    out["dp2 tp2 stage 2 skip"] = train(mesh, 2, poison=2)
     # Hierarchical sharding by name: with tp (2 copies of 1 shard: replica and tp weights together), without
     hier = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     out["dp_replicate2 dp_shard1 tp2 stage 2"] = train(hier, 2)
@@ -219,12 +228,12 @@ def _results() -> list[dict]:
 
 
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
-        "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp_replicate2 dp_shard1 tp2 stage 2",
-        "dp_replicate2 dp_shard2 stage 3"]
+        "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
+        "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3"]
 
 
 def _reference(run: str) -> str:
-    return next((f"reference {k}" for k in ("sgd", "sometimes") if run.endswith(k)), "reference")
+    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip") if run.endswith(k)), "reference")
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -252,8 +261,11 @@ def test_global_norm_counts_tp_shards_once_and_replicated_parameters_once(run):
     kinds = set(result[run]["kinds"].values())
     assert kinds == ({"DTensor", "Parameter"} if "tp" in run else {"Parameter"}), kinds
     for r in _results():
-        ref = r[_reference(run)]
-        assert r[run]["norms"] == pytest.approx(ref["norms"], rel=1e-5), run
+        ref, norms = r[_reference(run)], r[run]["norms"]
+        if run.endswith("skip"):  # the poisoned step's norm is nan on every rank of the world, and skipped
+            assert math.isnan(norms[2]) and r[run]["skipped"] == 1, (norms, r[run]["skipped"])
+            norms, ref = norms[:2] + norms[3:], {"norms": ref["norms"][:2] + ref["norms"][3:]}
+        assert norms == pytest.approx(ref["norms"], rel=1e-5), run
 
 
 def test_tp_setup_errors_on_every_rank_before_any_collective():
