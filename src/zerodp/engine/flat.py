@@ -30,9 +30,10 @@ def _round_up(n: int, multiple: int) -> int:
 
 # ---- a parameter's local tensor -------------------------------------------------------------------
 # A tensor-parallel parameter (a DTensor from torch's parallelize_module) holds only its local shard;
-# ZeRO partitions that shard over the data-parallel ranks. These three functions are the one place that
+# ZeRO partitions that shard over the data-parallel ranks. The functions below are the one place that
 # knows where a parameter's local values live: everything else lays out, fills, points and reads
-# through them.
+# through them. (torch has no public way to re-point a DTensor at other storage; `_local_tensor` is
+# what its dispatch unwraps, so a view assigned there is what the module computes with.)
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The values this rank holds of `t`: a DTensor's local shard (a tensor-parallel parameter or its
