@@ -63,7 +63,10 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     lr_scheduler: a callable optimizer -> scheduler, stepped after every step that is not skipped.
     device_mesh: a 2-D torch DeviceMesh (replicate, shard) over the data-parallel ranks: model states
       are sharded along its second dimension and replicated along its first (as the config key
-      zero_optimization.mics_shard_size does with groups zerodp builds).
+      zero_optimization.mics_shard_size does with groups zerodp builds). Or a mesh over the world whose
+      dimension names give the roles: "dp" (or "dp_shard" with an optional "dp_replicate") is what ZeRO
+      partitions over, "tp" the dimension the model was tensor-parallelized over beforehand with
+      torch's parallelize_module(model, mesh["tp"], plan) (docs/CONFIG.md, "Tensor parallelism").
     stage3_unit: what stage 3 gathers and reduces as one unit, as zero_optimization.stage3_unit
       (which it replaces; give one of the two): "blocks", "module", a list of module classes, class
       names or module names, or a function module -> bool choosing the units' root modules.

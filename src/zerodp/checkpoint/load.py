@@ -17,6 +17,7 @@ from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
 from zerodp.checkpoint.pieces import owned_pieces, saved_pieces, signature, untrained
 from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
+from zerodp.engine.tensor_parallel import refuse
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
@@ -27,6 +28,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
+    refuse(engine.comm, "engine.load_checkpoint()")
     with engine.comm.names_peer_failure("in engine.load_checkpoint()"):
         return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 

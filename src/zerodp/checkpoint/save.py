@@ -30,6 +30,7 @@ from zerodp.checkpoint.errors import (
 )
 from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
 from zerodp.checkpoint.pieces import bucket_params, first_non_finite, group_states, local_state, signature
+from zerodp.engine.tensor_parallel import refuse
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -41,6 +42,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
+    refuse(engine.comm, "engine.save_checkpoint()")
     with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
         return _save(engine, save_dir, tag, client_state, keep_last)
 

@@ -73,8 +73,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
     if mpu is not None or mesh_param is not None:
-        raise ValueError("mpu / mesh_param (model or sequence parallelism) are not supported: zerodp is "
-                         "data parallel only")
+        raise ValueError("mpu / mesh_param (Megatron-style model or sequence parallelism) are not supported; "
+                         "for tensor parallelism, parallelize the model with torch's parallelize_module over "
+                         "mesh['tp'] of a (dp, tp) DeviceMesh and pass the mesh to zerodp.initialize(..., "
+                         "device_mesh=mesh)")
     if dist_init_required is False and not dist.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; initialise "
                            "it first, or pass dist_init_required=None")

@@ -164,7 +164,11 @@ class Comm:
     def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
                  traffic: Traffic | None = None, watchers: list[Watcher] | None = None):
         """mesh: a 2-D DeviceMesh (replicate, shard) whose groups are used for hierarchical
-        sharding instead of the ones `split` would build; its ranks must be the whole group's."""
+        sharding instead of the ones `split` would build; its ranks must be the whole group's. Or a
+        mesh whose dimension names give the roles (MESH_ROLES): then it covers the world, `group`
+        must be None, and the data-parallel group is its "dp" dimension (or "dp_replicate" x "dp_shard")."""
+        if _names_roles(mesh):
+            group = _named_mesh_dp_group(mesh, group)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -178,6 +182,12 @@ class Comm:
         self.shard: Comm = self            # where model states are partitioned
         self.replica: Comm | None = None   # the ranks holding the same shard (None: flat)
         self.mesh = mesh
+        # Tensor parallelism (a mesh with a "tp" dimension): the tp group, and the whole world of
+        # dp x tp ranks, where the step's decisions (norm, skip, used bits) and set-up agreements are
+        # made. Without tp, `everyone` is this group itself.
+        self.tp: Comm | None = None
+        self.tp_mesh = None
+        self.everyone: Comm = self
         if mesh is not None:
             self._adopt(mesh)
         teardown.register(self)  # at exit, the group goes while its gloo threads can still finish
@@ -215,10 +225,19 @@ class Comm:
         self._use(_subgroup(shard), _subgroup(replica))
 
     def _adopt(self, mesh) -> None:
-        if mesh.ndim != 2 or mesh.size() != self.world_size:
-            raise ValueError(f"the device mesh must be 2-D (replicate, shard) over all {self.world_size} "
-                             f"ranks of the data-parallel group, got shape {tuple(mesh.shape)}")
-        self._use(mesh.get_group(1), mesh.get_group(0))
+        names = mesh.mesh_dim_names
+        if not _names_roles(mesh):
+            if mesh.ndim != 2 or mesh.size() != self.world_size:
+                raise ValueError(f"the device mesh must be 2-D (replicate, shard) over all {self.world_size} "
+                                 f"ranks of the data-parallel group, got shape {tuple(mesh.shape)}")
+            self._use(mesh.get_group(1), mesh.get_group(0))
+            return
+        if "dp_shard" in names and "dp_replicate" in names:
+            self._use(mesh.get_group("dp_shard"), mesh.get_group("dp_replicate"))
+        if "tp" in names:
+            self.tp_mesh = mesh["tp"]
+            self.tp = Comm(mesh.get_group("tp"), name="tp", traffic=self.traffic, watchers=self.watchers)
+            self.everyone = Comm(dist.group.WORLD, name="dp x tp", traffic=self.traffic, watchers=self.watchers)
 
     def _use(self, shard: dist.ProcessGroup, replica: dist.ProcessGroup) -> None:
         self.shard = Comm(shard, name="shard", traffic=self.traffic, watchers=self.watchers)
@@ -247,6 +266,8 @@ class Comm:
         `raise_for(failures)` builds. Call it after the local work that may fail and before the
         collectives it guards, so a rank that failed never leaves the others waiting.
         """
+        if self.everyone is not self:  # a tensor-parallel peer's error must reach this dp group too
+            return self.everyone.agree(error, what, payload, raise_for)
         report = None if error is None else (f"{type(error).__module__}:{type(error).__qualname__}",
                                               _message(error))
         if self.world_size == 1 or self.backend == "fake":
@@ -390,6 +411,42 @@ class Comm:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+# The dimension names a device mesh may have, and what each is for.
+MESH_ROLES = {"dp": "data parallel: ZeRO partitions over it",
+              "dp_shard": "data parallel: ZeRO partitions over it (hierarchical sharding's shard groups)",
+              "dp_replicate": "data parallel: each shard is replicated over it (hierarchical sharding)",
+              "tp": "tensor parallel: the model was parallelize_module'd over it beforehand"}
+
+
+def _names_roles(mesh) -> bool:
+    """Whether the mesh's dimension names give zerodp roles; a mesh without them (no names, or names of
+    the user's own such as ("replicate", "shard")) is (replicate, shard) over the data-parallel ranks."""
+    return mesh is not None and bool(set(mesh.mesh_dim_names or ()) & set(MESH_ROLES))
+
+
+def _named_mesh_dp_group(mesh, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The data-parallel group of a mesh with named dimensions, after checking the names and that the mesh
+    covers the world (the same on every rank, before any collective)."""
+    names, world = mesh.mesh_dim_names, dist.get_world_size()
+    dp = [n for n in names if n in ("dp", "dp_shard")]
+    if (set(names) - set(MESH_ROLES) or len(set(names)) != len(names) or len(dp) != 1
+            or ("dp" in names and "dp_replicate" in names)):
+        roles = "; ".join(f"{k!r}: {v}" for k, v in MESH_ROLES.items())
+        raise ValueError(f"the device mesh's dimension names {names} do not name the roles zerodp knows: give "
+                         f"one 'dp' (or 'dp_shard', with an optional 'dp_replicate') and an optional 'tp' "
+                         f"({roles}); a 2-D mesh without any of these names is (replicate, shard) over the "
+                         "data-parallel ranks")
+    if mesh.size() != world:
+        raise ValueError(f"the device mesh {dict(zip(names, mesh.shape))} has {mesh.size()} ranks, but the world "
+                         f"has {world}: its sizes must multiply to the world size")
+    if group is not None:
+        raise ValueError("give either process_group or a device_mesh with named dimensions, not both: the "
+                         "mesh's data-parallel dimension is the data-parallel group")
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    return mesh.get_group(dp[0])
 
 
 def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup:

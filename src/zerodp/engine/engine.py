@@ -18,10 +18,10 @@ from torch.optim import Optimizer
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, device_of_backend, seed_everything
-from zerodp.engine import materialize
+from zerodp.engine import materialize, tensor_parallel
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import lay_out
+from zerodp.engine.flat import lay_out, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
@@ -174,7 +174,7 @@ class Engine:
         self._stepped_at = 0
         self._scale_used = self.scaler.scale
         self._grad_norm: torch.Tensor | None = None
-        self.non_finite = NonFinitePolicy(self.config, self.comm.rank)
+        self.non_finite = NonFinitePolicy(self.config, self.comm.everyone.rank)
         # non_finite.read_back: steps skipped on the device, their decision read a step later.
         self._on_device = decides_on_device(self.config, self.optimizer, self.partitioned_optimizer.offload,
                                             self.scaler, self.device)
@@ -260,7 +260,7 @@ class Engine:
         with self.monitor.span("reduce_wait"):
             self.reducer.wait()
         grads = self.reducer.shard_grads()
-        flags = step_flags(self._window_loss, self.comm.rank)
+        flags = step_flags(self._window_loss, self.comm.everyone.rank)  # (with tp: the rank in the world)
         if self.used_only is None:
             norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
         else:  # the used bits ride in the same all-reduce
@@ -425,6 +425,7 @@ class Engine:
         """fp32 master weights of every rank, keyed like module.state_dict() (collective). It gathers
         the whole model on every rank: files are written without that (zerodp.checkpoint.export_engine,
         from engine.weights.engine_weights, one bucket at a time)."""
+        tensor_parallel.refuse(self.comm, "engine.full_state_dict()")
         self.wait_for_parameters()
         values: dict[int, torch.Tensor] = {}
         for b, m in zip(self.partitioned_optimizer.buckets, self.partitioned_optimizer.masters):
@@ -511,6 +512,7 @@ class Engine:
             optimizer = config.optimizer.build
         groups = _trainable_groups(module, optimizer)
         _check_model(module, groups)
+        tensor_parallel.check(module, self.comm, config, source is not None)
         self.filling = materialize.filling_for(module, source, param_init_fn)
         self.units = find_units(module, unit_rule(zero, self._stage3_unit)) if self.stage == 3 else None
         self.device = _device_of(module, self.comm)
@@ -552,9 +554,9 @@ class Engine:
             if id(t) in trained:
                 continue
             if t.is_floating_point() and t.dtype != self.dtype:
-                t.data = t.data.to(self.dtype)
+                set_local(t, local(t).data.to(self.dtype))
             if id(t) not in read:
-                self.comm.broadcast(t.data)
+                self.comm.broadcast(local(t).data)
 
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:

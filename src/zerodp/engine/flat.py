@@ -13,10 +13,11 @@ loop and no copy (the layout FSDP and picotron use). Each rank still owns exactl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Every parameter and every shard starts on a 64-element boundary (128 B in bf16): aligned views
 # keep vectorised kernels and tensor-core GEMMs on their fast paths.
@@ -27,13 +28,48 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# ---- a parameter's local tensor -------------------------------------------------------------------
+# A tensor-parallel parameter (a DTensor from torch's parallelize_module) holds only its local shard;
+# ZeRO partitions that shard over the data-parallel ranks. The functions below are the one place that
+# knows where a parameter's local values live: everything else lays out, fills, points and reads
+# through them. (torch has no public way to re-point a DTensor at other storage; `_local_tensor` is
+# what its dispatch unwraps, so a view assigned there is what the module computes with.)
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of `t`: a DTensor's local shard (a tensor-parallel parameter or its
+    gradient), else `t` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def set_local(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Point p's local values at `view` (a DTensor keeps its placements: the module still sees one)."""
+    if isinstance(p, DTensor):
+        p._local_tensor = view
+    else:
+        p.data = view
+
+
+_set_data = torch.Tensor.data.__set__  # p.data = v, callable from map() without a Python frame
+
+
+def local_setter(params: list[torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """set_local for these parameters, as plain `p.data = v` (no Python frame per call) when none is a DTensor."""
+    return set_local if any(isinstance(p, DTensor) for p in params) else _set_data
+
+
+def tp_duplicate(p: torch.Tensor) -> bool:
+    """Whether every tensor-parallel rank holds the same values of p (a plain parameter, or a DTensor
+    Replicate on the tp mesh): its gradient is counted once in the global norm, not once per tp rank."""
+    return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+
+
 @dataclass
 class Slot:
     """One parameter's place in its bucket."""
 
     param: nn.Parameter
     offset: int
-    numel: int
+    numel: int          # of local(param): a tensor-parallel parameter's local shard
     shape: torch.Size
 
 
@@ -74,12 +110,23 @@ class Bucket:
         """Rank's equal slice of a bucket-sized tensor (padding falls on the last ranks)."""
         return t.view(self.partitions, self.shard_numel)[rank]
 
+    def duplicate_rows(self, rank: int) -> torch.Tensor:
+        """One flag per ALIGN-element row of rank's shard: True where the row belongs to a parameter that
+        every tensor-parallel rank holds alike (tp_duplicate). Every parameter starts a row, so no row
+        holds two parameters."""
+        rows = torch.zeros(self.shard_numel // ALIGN, dtype=torch.bool)
+        first = rank * self.shard_numel
+        for _, s, lo, hi in self.owned_slots(rank):
+            if tp_duplicate(s.param):
+                rows[(lo - first) // ALIGN:_round_up(hi - first, ALIGN) // ALIGN] = True
+        return rows
+
     def flatten(self, dtype: torch.dtype) -> torch.Tensor:
         """The current parameter values laid out as this bucket, gaps zeroed."""
         device = self.slots[0].param.device
         out = torch.zeros(self.numel, dtype=dtype, device=device)
         for s in self.slots:
-            out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            out[s.offset:s.offset + s.numel].copy_(local(s.param).detach().reshape(-1))
         return out
 
 
@@ -128,7 +175,7 @@ class FlatGroup:
                 b.data.copy_(full)
             b.views = [b.data[s.offset:s.offset + s.numel].view(s.shape) for s in b.slots]
             for s, view in zip(b.slots, b.views):
-                s.param.data = view
+                set_local(s.param, view)
             if not whole:  # stage 3 from a shard: the gathered buffer holds nothing until a gather fills it
                 b.data.untyped_storage().resize_(0)
             del full  # before the next bucket's values are made: one bucket staged at a time, not two
@@ -157,7 +204,7 @@ def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_nume
                 current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions, persistent=keep)
                 index += 1
             for p in run:
-                current.slots.append(Slot(p, _fill(current), p.numel(), p.shape))
+                current.slots.append(Slot(p, _fill(current), local(p).numel(), local(p).shape))
         if current is not None:
             start = _close(current, start)
             buckets.append(current)
@@ -180,7 +227,7 @@ def _runs(params: list[nn.Parameter], unit_of: dict[int, int] | None) -> list[li
 
 def _run_numel(run: list[nn.Parameter]) -> int:
     """Elements a run adds to a bucket: every parameter but the last aligned."""
-    return sum(_round_up(p.numel(), ALIGN) for p in run[:-1]) + run[-1].numel()
+    return sum(_round_up(local(p).numel(), ALIGN) for p in run[:-1]) + local(run[-1]).numel()
 
 
 def _fill(b: Bucket) -> int:

@@ -109,7 +109,7 @@ class GatheredStateDict:
         if self.comm.world_size == 1 or self.comm.backend == "fake":
             return
         store = dist.distributed_c10d._get_default_store()
-        key, world = f"{self.tag}/{self.calls}", self.comm.world_size
+        key, world = f"{self.tag}/{self.calls}", self.comm.everyone.world_size  # tp: every rank of the world
         self.calls += 1
         arrived = store.add(key, 1)
         if arrived < 0:

@@ -45,6 +45,12 @@ class PartitionedOptimizer:
         self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
         self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        # Tensor parallelism, tp rank > 0: 0 for the gradient rows of parameters that every tp rank holds
+        # alike (plain or Replicate: tp rank 0 counts them), 1 for tp shards; None: every row counts.
+        self.tp_counted = None
+        if comm.tp is not None and comm.tp.rank > 0 and self.buckets:
+            rows = torch.cat([b.duplicate_rows(self.rank) for b in self.buckets]).logical_not()
+            self.tp_counted = rows.float().to(self.buckets[0].data.device)
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
         # With stage 3's offload_param the working shard is in host memory: the master stays on the
         # device (unless offload) so that the optimizer does not follow it to the host.
@@ -103,7 +109,8 @@ class PartitionedOptimizer:
                 self.comm.all_reduce(flags)
             return local, flags
         both = torch.cat([local.reshape(1), flags])
-        self.comm.all_reduce(both)
+        # With tensor parallelism, over dp x tp: tp shards sum, and every rank makes one decision.
+        self.comm.everyone.all_reduce(both)
         return both[0], both[1:]
 
     def _local_norm_squared(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -113,8 +120,10 @@ class PartitionedOptimizer:
             # fp32 norms of ALIGN-element rows, summed in fp64: within 1e-8 (relative) of an fp64
             # norm with no fp64 copy of the gradients, and independent of the bucket layout, since
             # every parameter starts a row.
-            rows = [torch.linalg.vector_norm(g.view(-1, ALIGN), dim=1, dtype=torch.float32) for g in grads]
-            local = torch.cat(rows).double().square().sum()
+            rows = torch.cat([torch.linalg.vector_norm(g.view(-1, ALIGN), dim=1, dtype=torch.float32) for g in grads])
+            if self.tp_counted is not None:  # tp: rows every tp rank holds alike count on tp rank 0 only
+                rows = rows * self.tp_counted
+            local = rows.double().square().sum()
         return local
 
     def step(self, grads: list[torch.Tensor], coef: torch.Tensor | None, defer_gather: bool = False,

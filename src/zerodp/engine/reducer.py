@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup
+from zerodp.engine.flat import Bucket, FlatGroup, local
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
@@ -112,10 +112,11 @@ class Reducer:
         b, slot = self.buckets[k], self.buckets[k].slots[i]
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
         # Pool buffers and new gradient buffers start zeroed: a first arrival is a copy, not an add.
+        grad = local(p.grad).reshape(-1)  # a tensor-parallel parameter's gradient: its local shard
         if not self.arrived[k][i] and (self.sharded_grads or self.fresh):
-            target.copy_(p.grad.reshape(-1))
+            target.copy_(grad)
         else:
-            target.add_(p.grad.reshape(-1))
+            target.add_(grad)
         p.grad = None
         if not self.arrived[k][i]:
             self.arrived[k][i] = 1

@@ -37,11 +37,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket
+from zerodp.engine.flat import Bucket, local_setter
 from zerodp.engine.units import Units
 from zerodp.monitor.timers import gather_phase
-
-_set_data = torch.Tensor.data.__set__  # p.data = v, callable from map() without a Python frame
 
 
 def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
@@ -96,6 +94,7 @@ class Gatherer:
         self.back_window = (len(buckets) + 1, len(buckets) + 1)  # the same, walking back in the backward
         self.buckets = buckets
         self.params = {b.index: [s.param for s in b.slots] for b in buckets}
+        self._set = {k: local_setter(params) for k, params in self.params.items()}  # flat.set_local, per bucket
         self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
         self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
         self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
@@ -178,7 +177,7 @@ class Gatherer:
         storage, nbytes = b.data.untyped_storage(), b.numel * b.data.element_size()
         if storage.nbytes() != nbytes:  # (a resize reallocates and copies, even to the same size)
             storage.resize_(nbytes)
-        deque(map(_set_data, self.params[b.index], b.views), maxlen=0)
+        deque(map(self._set[b.index], self.params[b.index], b.views), maxlen=0)
         self.gathered.add(b.index)
         self.unfinished[b.index] = set(self.users.get(b.index, ()))
         source = b.owned
@@ -249,7 +248,7 @@ class Gatherer:
 
     def _free(self, b: Bucket) -> None:
         b.data.untyped_storage().resize_(0)
-        deque(map(_set_data, self.params[b.index], self._empty[b.index]), maxlen=0)
+        deque(map(self._set[b.index], self.params[b.index], self._empty[b.index]), maxlen=0)
         self.gathered.discard(b.index)
         self.unfinished.pop(b.index, None)
         if self.watcher is not None:
@@ -262,7 +261,7 @@ class Gatherer:
         memory (a crash). Without such a view the old storage is freed here all the same."""
         self._wait(b)
         dtype, device = b.data.dtype, b.data.device
-        deque(map(_set_data, self.params[b.index], self._empty[b.index]), maxlen=0)
+        deque(map(self._set[b.index], self.params[b.index], self._empty[b.index]), maxlen=0)
         b.data, b.views = None, []  # the last references this engine holds to the old storage
         b.data = torch.empty(b.numel, dtype=dtype, device=device)  # views are made while it is whole
         b.views = [b.data[s.offset:s.offset + s.numel].view(s.shape) for s in b.slots]

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zerodp.engine.tensor_parallel import refuse
+
 if TYPE_CHECKING:
     from zerodp.engine.engine import Engine
 
@@ -52,6 +54,7 @@ def engine_weights(engine: Engine) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
     floating buffers and frozen parameters in fp32, the rest as they are. Iterating the stream is a
     collective (stages 1-3 gather each bucket from its owners): every rank must iterate it to the end."""
+    refuse(engine.comm, "exporting the weights (engine_weights: the Hugging Face export, zerodp consolidate)")
     engine.wait_for_parameters()
     slots = {id(s.param): s for b in engine.partitioned_optimizer.buckets for s in b.slots}
     shapes, ties, first = {}, {}, {}

@@ -1,0 +1,286 @@
+"""ZeRO over the data-parallel dimension of a tensor-parallel model (torch's parallelize_module, DTensor
+parameters): the oracle is one process training the whole model on the whole batch.
+
+One 4-rank launch runs every check (the suite's budget): (dp 2, tp 2) at stages 1, 2 and 3, (dp 4, tp 1)
+and (dp 1, tp 4) at stage 2, and the set-up errors. Each rank also trains the reference itself (the
+model is tiny), so no result needs to travel between ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import zerodp
+from spawn import run_ranks
+
+D, HEAD_DIM, D_IN, D_OUT, SEQ, BATCH, STEPS, LR, CLIP = 16, 4, 6, 5, 3, 4, 5, 1e-3, 0.05
+TOL = 2e-5
+
+
+class Attention(nn.Module):
+    """Heads split across tp ranks: q/k/v column-parallel (each rank its heads), out row-parallel."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.v, self.o = (nn.Linear(D, D) for _ in range(3))
+        # No key bias: softmax is invariant to it, so its gradient is rounding noise, which AdamW's
+        # normalised step would turn into updates of size lr on both sides of the comparison.
+        self.k = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(D), Attention(), nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Net(nn.Module):
+    """A pre-norm transformer stack: the input projection, the final norm and the head are replicated."""
+
+    def __init__(self, sometimes: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, D_OUT)
+        if sometimes:  # a tensor-parallel pair that only odd steps use: no gradient, no step on the others
+            self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.use_sometimes = False
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        if self.use_sometimes:
+            h = h + self.down(torch.tanh(self.up(h)))
+        return F.mse_loss(self.head(self.norm(h)), y)
+
+
+def plan(sometimes: bool = False) -> dict:
+    out = {"up": ColwiseParallel(), "down": RowwiseParallel()} if sometimes else {}
+    for i in range(2):
+        out.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in "qkv"})
+        out.update({f"blocks.{i}.attn.o": RowwiseParallel(), f"blocks.{i}.fc1": ColwiseParallel(),
+                    f"blocks.{i}.fc2": RowwiseParallel()})
+    return out
+
+
+def build(sometimes: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(sometimes)
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, SEQ, D_IN, generator=g), torch.randn(BATCH, SEQ, D_OUT, generator=g)
+
+
+def optimizer(model: nn.Module, sgd: bool = False) -> torch.optim.Optimizer:
+    # AdamW's step is blind to a gradient's scale; SGD's is linear in it, so it checks the scale too.
+    if sgd:
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None) -> dict:
+    """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_; no update
+    at step `skip`."""
+    model = build(sometimes)
+    opt = optimizer(model, sgd)
+    losses, norms = [], []
+    for step in range(STEPS):
+        model.use_sometimes = sometimes and step % 2 == 1
+        loss = model(*data(step))
+        loss.backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if step != skip:
+            opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def config(stage: int, dp: int, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, **zero}}
+
+
+def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False,
+          poison: int | None = None) -> dict:
+    """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
+    names = mesh.mesh_dim_names
+    dp_dims = [n for n in names if n != "tp"]
+    dp = mesh[tuple(dp_dims)].size() if len(dp_dims) > 1 else mesh[dp_dims[0]].size()
+    model = build(sometimes)
+    if "tp" in names:
+        parallelize_module(model, mesh["tp"], plan(sometimes))
+    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp), device_mesh=mesh)
+    dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
+    lo = dp_rank * (BATCH // dp)
+    losses, norms, at = [], [], [0]
+    if poison is not None and dist.get_rank() == 1:  # a nan in one tp shard's gradient, on one rank only
+        model.blocks[0].fc1.weight.register_hook(lambda g: g * float("nan") if at[0] == poison else g)
+    for step in range(STEPS):
+        at[0] = step
+        model.use_sometimes = sometimes and step % 2 == 1
+        x, y = (t[lo:lo + BATCH // dp] for t in data(step))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # tp ranks of one dp rank hold the same loss: the world mean is the dp mean
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.grad_norm)
+    with engine.gathered_parameters():
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach().clone())
+                   for n, p in model.named_parameters()}
+    kinds = {n: type(p).__name__ for n, p in model.named_parameters()}
+    out = {"losses": losses, "norms": norms, "weights": weights, "kinds": kinds, "skipped": engine.skipped_steps}
+    if stage == 3:  # module.state_dict() gathers over dp: each DTensor entry joined over tp is whole
+        out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
+                             for n, t in model.state_dict().items()}
+    out["refusals"] = refusals(engine)
+    return out
+
+
+def refusals(engine) -> dict:
+    out = {}
+    for what, call in [("save_checkpoint", lambda: engine.save_checkpoint("/nonexistent/tp")),
+                       ("full_state_dict", engine.full_state_dict)]:
+        try:
+            call()
+            out[what] = "no error"
+        except NotImplementedError as e:
+            out[what] = str(e)
+    return out
+
+
+def set_up_error(model: nn.Module, mesh, stage: int = 2, **zero) -> str:
+    try:
+        zerodp.initialize(model, optimizer(model), config(stage, 2, **zero), device_mesh=mesh)
+    except Exception as e:  # noqa: BLE001 - the test reads its text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_inputs(mesh: DeviceMesh) -> dict:
+    out = {}
+    tp_model = build()
+    parallelize_module(tp_model, mesh["tp"], plan())
+    out["no mesh"] = set_up_error(tp_model, None)
+    other = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    out["other mesh"] = set_up_error(tp_model, init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp")))
+    wrong = build()
+    parallelize_module(wrong, other["tp"], plan())
+    out["model on another mesh"] = set_up_error(wrong, mesh)
+    out["sizes"] = set_up_error(build(), DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("dp", "tp")))
+    out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
+    out["offload"] = set_up_error(tp_model, mesh, offload_optimizer={"device": "cpu"})
+    out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
+    return out
+
+
+def _ranks(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {"reference": reference(), "reference sgd": reference(sgd=True), "bad": bad_inputs(mesh)}
+    for stage in (1, 2, 3):
+        out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
+    out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
+    out["reference sometimes"] = reference(sometimes=True)
+    out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
+    out["reference skip"] = reference(skip=2)
+    out["dp2 tp2 stage 2 skip"] = train(mesh, 2, poison=2)
+    # Hierarchical sharding by name: with tp (2 copies of 1 shard: replica and tp weights together), without
+    hier = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    out["dp_replicate2 dp_shard1 tp2 stage 2"] = train(hier, 2)
+    hier = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    out["dp_replicate2 dp_shard2 stage 3"] = train(hier, 3)
+    for dp, tp in ((4, 1), (1, 4)):
+        out[f"dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _results() -> list[dict]:
+    return run_ranks(_ranks, 4, timeout_s=120)
+
+
+RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
+        "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
+        "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3"]
+
+
+def _reference(run: str) -> str:
+    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip") if run.endswith(k)), "reference")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_tp_x_dp_matches_one_process_on_the_whole_batch(run):
+    for rank, result in enumerate(_results()):
+        ref, got = result[_reference(run)], result[run]
+        assert min(ref["norms"]) > CLIP  # clipping binds on every step
+        assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL), (run, rank)
+        diffs = sorted(((got["weights"][n] - w).abs().max().item(), n) for n, w in ref["weights"].items())
+        worst = diffs[-1][0]
+        print(f"{run} rank {rank}: largest weight difference {worst:.2e}, loss difference "
+              f"{max(abs(a - b) for a, b in zip(got['losses'], ref['losses'])):.2e}")
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, atol=TOL, rtol=TOL, msg=f"{run} rank {rank} {name}")
+        if "state_dict" in got:
+            for name, w in ref["weights"].items():
+                torch.testing.assert_close(got["state_dict"][name], w, atol=TOL, rtol=TOL, msg=f"{run} state_dict")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_global_norm_counts_tp_shards_once_and_replicated_parameters_once(run):
+    # Replicate DTensors (row-parallel biases) and plain parameters (norms, input and head) are held alike
+    # by every tp rank: counted once per tp rank, the norm would exceed clip_grad_norm_'s.
+    result = _results()[0]
+    kinds = set(result[run]["kinds"].values())
+    assert kinds == ({"DTensor", "Parameter"} if "tp" in run else {"Parameter"}), kinds
+    for r in _results():
+        ref, norms = r[_reference(run)], r[run]["norms"]
+        if run.endswith("skip"):  # the poisoned step's norm is nan on every rank of the world, and skipped
+            assert math.isnan(norms[2]) and r[run]["skipped"] == 1, (norms, r[run]["skipped"])
+            norms, ref = norms[:2] + norms[3:], {"norms": ref["norms"][:2] + ref["norms"][3:]}
+        assert norms == pytest.approx(ref["norms"], rel=1e-5), run
+
+
+def test_tp_setup_errors_on_every_rank_before_any_collective():
+    for rank, result in enumerate(_results()):
+        bad = result["bad"]
+        assert "is a DTensor" in bad["no mesh"] and "no device_mesh with a 'tp' dimension" in bad["no mesh"], rank
+        assert "is a DTensor on mesh" in bad["other mesh"], bad["other mesh"]
+        assert "is a DTensor on mesh" in bad["model on another mesh"], bad["model on another mesh"]
+        assert "must multiply to the world size" in bad["sizes"], bad["sizes"]
+        assert "do not name the roles" in bad["names"], bad["names"]
+        assert "offload" in bad["offload"] and "tensor parallelism" in bad["offload"], bad["offload"]
+        assert "stage 0" in bad["stage 0"], bad["stage 0"]
+
+
+def test_tp_refuses_what_it_does_not_support_yet():
+    for result in _results():
+        for what, text in result["dp2 tp2 stage 1"]["refusals"].items():
+            assert "not supported with tensor parallelism" in text, (what, text)
