@@ -86,20 +86,14 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
     """
     import zerodp.checkpoint as checkpoint_io
-    from zerodp.config import load_config
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
     from zerodp.engine.summary import log_set_up
     from zerodp.models import hf_folder
 
-    try:  # parsed before the group exists only to learn its timeout; the error itself is agreed
-        cfg, error = load_config(config), None
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
-        cfg, error = None, e
+    cfg, source, error = _local_inputs(config, weights, model)
     if param_init_fn is None:  # None still, unless a Hugging Face model is on meta
         param_init_fn = hf_folder.init_fn(model)
-    source, weights_error = _weights_source(weights, model) if error is None else (None, None)
-    error = error or weights_error
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh)
     if error is not None:
@@ -108,6 +102,19 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                     source=source, param_init_fn=param_init_fn)
     log_set_up(cfg, comm.world_size, engine.shard_size, comm.rank)
     return engine
+
+
+def _local_inputs(config, weights, model: nn.Module) -> tuple[Config | None, ParameterSource | None,
+                                                                 Exception | None]:
+    """The config and the weights' source, read before the process group exists (the config's timeout is
+    the group's); an error is returned, not raised, for every rank to agree on."""
+    from zerodp.config import load_config
+    try:
+        cfg = load_config(config)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        return None, None, e
+    source, error = _weights_source(weights, model)
+    return cfg, source, error
 
 
 def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, Exception | None]:
