@@ -1,24 +1,24 @@
 """The initialiser source: the values of a model built on `meta`, from each module's own initialiser.
 
-A module with a tensor on `meta` registered directly on it (a *unit*) is initialised by its
+A module with a tensor on `meta` registered directly on it is initialised by its
 `reset_parameters()` (torch's convention, which FSDP follows) or by the `param_init_fn(module)` the
 user passes (as FSDP1's). Units run one at a time on CPU, in `module.modules()` order (the order in
 which a model that creates its layers in registration order constructs them, and so draws its random
 numbers), starting from rank 0's CPU random state: each parameter then gets, bit for bit, the value a
-whole build with the same seed gives it, without the whole model ever existing. A unit keeps the
+whole build with the same seed gives it, without the whole model ever existing. A module keeps the
 values of the tensors it owns (first registers); what it draws for a tied weight that another module
 owns is only drawn, as the whole build draws it before tying.
 
-The random state before each unit is recorded as the walk first passes it, so the engine may ask for
-parameters in any order: going back re-runs one unit from its recorded state. Asked in module order,
-every unit runs once.
+The random state before each module is recorded as the walk first passes it, so the engine may ask for
+parameters in any order: going back re-runs one module from its recorded state. Asked in module order,
+every module runs once.
 
-Each unit's stand-ins are fresh heap blocks, and glibc often cannot reuse a freed one for the next unit's
+Each module's stand-ins are fresh heap blocks, and glibc often cannot reuse a freed one for the next module's
 (torch asks posix_memalign for a little more than the block, and the block's trimmed tail, kept in the
-thread cache, stops it from joining the heap's top): the heap would grow by one stand-in per unit until
+thread cache, stops it from joining the heap's top): the heap would grow by one stand-in per module until
 the engine's trim after the bucket, on ranks where the cache happens to have room. A Linear(2048, 2048)
-stack on meta kept up to 0.6 GiB more on such ranks. Handing the freed pages back before each large unit
-runs holds every rank to one unit's stand-ins.
+stack on meta kept up to 0.6 GiB more on such ranks. Handing the freed pages back before each large module
+runs holds every rank to one module's stand-ins.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from zerodp.distributed.device import return_freed_host_memory
 
 ParamInitFn = Callable[[nn.Module], None]
 
-# A unit with at least this many bytes of stand-ins first hands the freed heap pages back (malloc_trim,
-# ~0.1-2 ms): below it, a unit's retained stand-ins are small next to the cost of trimming before each.
+# A module with at least this many bytes of stand-ins first hands the freed heap pages back (malloc_trim,
+# ~0.1-2 ms): below it, a module's retained stand-ins are small next to the cost of trimming before each.
 TRIM_BYTES = 1 << 20
 
 
@@ -51,11 +51,11 @@ class ModuleInit:
 
     def __init__(self, module: nn.Module, param_init_fn: ParamInitFn | None = None):
         self.param_init_fn = param_init_fn
-        self.units: list[nn.Module] = []
-        self.unit_names: list[str] = []
-        self.unit_of: dict[str, int] = {}  # a meta parameter's name -> the unit that owns it
-        self.buffer_units: list[int] = []  # units with a meta buffer of their own
-        self.unit_bytes: list[int] = []  # the bytes of each unit's CPU stand-ins
+        self.modules: list[nn.Module] = []
+        self.module_names: list[str] = []
+        self.module_of: dict[str, int] = {}  # a meta parameter's name -> the module that owns it
+        self.buffer_modules: list[int] = []  # modules with a meta buffer of their own
+        self.module_bytes: list[int] = []  # the bytes of each module's CPU stand-ins
         self.built: dict[int, tuple[torch.Size, torch.dtype]] = {}
         first = {id(p): n for n, p in module.named_parameters()}
         self.real = {n: p for n, p in module.named_parameters() if not p.is_meta}  # a partly meta model
@@ -63,32 +63,32 @@ class ModuleInit:
             direct = list(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
             if not any(t.is_meta for t in direct):
                 continue
-            k = len(self.units)
-            self.units.append(m)
-            self.unit_names.append(mname)
+            k = len(self.modules)
+            self.modules.append(m)
+            self.module_names.append(mname)
             for p in m.parameters(recurse=False):
                 # As built: the engine may give a parameter another shape (a flat view) and dtype.
                 self.built[id(p)] = (p.shape, p.dtype)
                 if p.is_meta:
-                    self.unit_of.setdefault(first[id(p)], k)
+                    self.module_of.setdefault(first[id(p)], k)
             if any(b.is_meta for b in m.buffers(recurse=False)):
-                self.buffer_units.append(k)
-            self.unit_bytes.append(sum(t.numel() * t.element_size() for t in direct))
-        self.states: list[torch.Tensor] = []  # states[k]: the CPU random state before unit k
-        # As zerodp.initialize found it: set-up may draw random numbers before the units run.
+                self.buffer_modules.append(k)
+            self.module_bytes.append(sum(t.numel() * t.element_size() for t in direct))
+        self.states: list[torch.Tensor] = []  # states[k]: the CPU random state before module k
+        # As zerodp.initialize found it: set-up may draw random numbers before the modules run.
         self.initial_state = torch.get_rng_state()
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
     # ---- checks (local: no collective) ----------------------------------------------------------
     def uninitialisable(self, names: list[str]) -> list[str]:
-        """Those of the given parameter/buffer names whose unit has no initialiser."""
+        """Those of the given parameter/buffer names whose module has no initialiser."""
         if self.param_init_fn is not None:
             return []
         wanted, out = set(names), []
-        bare = {k for k, m in enumerate(self.units) if not _has_initialiser(m)}
+        bare = {k for k, m in enumerate(self.modules) if not _has_initialiser(m)}
         for k in sorted(bare):
-            prefix = self.unit_names[k] + "." if self.unit_names[k] else ""
-            m = self.units[k]
+            prefix = self.module_names[k] + "." if self.module_names[k] else ""
+            m = self.modules[k]
             for n, t in itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False)):
                 if t.is_meta and prefix + n in wanted:
                     out.append(prefix + n)
@@ -105,49 +105,49 @@ class ModuleInit:
         self.states = [state]
 
     def finish(self, advance: bool) -> None:
-        """With `advance` (the initialisers gave the parameters), draw whatever units were not asked for
+        """With `advance` (the initialisers gave the parameters), draw whatever modules were not asked for
         (a tied head), one at a time, and leave the CPU random state where the whole build leaves it;
         otherwise the rank's own state is restored."""
         self._cached = None
-        while advance and len(self.states) <= len(self.units):
+        while advance and len(self.states) <= len(self.modules):
             self._run(len(self.states) - 1)
         torch.set_rng_state(self.states[-1] if advance else self.initial_state)
         self._cached = None
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
-        if name not in self.unit_of:
+        if name not in self.module_of:
             return self.real[name].detach().reshape(-1)[start:stop]
-        return self._values(self.unit_of[name])[name].reshape(-1)[start:stop]
+        return self._values(self.module_of[name])[name].reshape(-1)[start:stop]
 
     def buffers(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
-        """(module, buffer name, value) for every buffer that was on meta, unit by unit."""
-        for k in self.buffer_units:
+        """(module, buffer name, value) for every buffer that was on meta, module by module."""
+        for k in self.buffer_modules:
             values = self._values(k)
-            m = self.units[k]
+            m = self.modules[k]
             for n, b in list(m.named_buffers(recurse=False)):
-                key = f"{self.unit_names[k]}.{n}" if self.unit_names[k] else n
+                key = f"{self.module_names[k]}.{n}" if self.module_names[k] else n
                 if key in values:
                     yield m, n, values[key]
 
     def _values(self, k: int) -> dict[str, torch.Tensor]:
-        """Unit k's own tensors, initialised (the last unit's are kept: slots of one module come together)."""
+        """Module k's own tensors, initialised (the last module's are kept: slots of one module come together)."""
         if self._cached is not None and self._cached[0] == k:
             return self._cached[1]
-        self._cached = None  # one unit's values at a time
-        while len(self.states) <= k:  # first pass over the units before k: draw, to learn their states
+        self._cached = None  # one module's values at a time
+        while len(self.states) <= k:  # first pass over the modules before k: draw, to learn their states
             self._run(len(self.states) - 1)
         values = self._run(k)
         self._cached = (k, values)
         return values
 
     def _run(self, k: int) -> dict[str, torch.Tensor]:
-        """Run unit k's initialiser on CPU stand-ins for its own tensors; the module is left as it was
+        """Run module k's initialiser on CPU stand-ins for its own tensors; the module is left as it was
         (meta, or the places the engine has given them already: a tied weight may be in a flat buffer)."""
-        m, prefix = self.units[k], (self.unit_names[k] + "." if self.unit_names[k] else "")
-        if self.unit_bytes[k] >= TRIM_BYTES:
-            # The last unit's stand-ins, before this unit's are made: freed blocks inside the heap go
-            # back; as much of the heap's top as this unit needs stays for it (~10 ms less per 16 MiB).
-            return_freed_host_memory(keep=self.unit_bytes[k])
+        m, prefix = self.modules[k], (self.module_names[k] + "." if self.module_names[k] else "")
+        if self.module_bytes[k] >= TRIM_BYTES:
+            # The last module's stand-ins, before this module's are made: freed blocks inside the heap go
+            # back; as much of the heap's top as this module needs stays for it (~10 ms less per 16 MiB).
+            return_freed_host_memory(keep=self.module_bytes[k])
         torch.set_rng_state(self.states[k])
         # swap_tensors keeps each Parameter object (the optimizer and the engine hold them by identity).
         swapped = [(p, _cpu_stand_in(p, *self.built[id(p)])) for p in m.parameters(recurse=False)]
@@ -160,11 +160,11 @@ class ModuleInit:
             with torch.no_grad():
                 if self.param_init_fn is not None:
                     self.param_init_fn(m)
-                elif _has_initialiser(m):  # else it holds only tensors that other units own (a tied weight)
+                elif _has_initialiser(m):  # else it holds only tensors that other modules own (a tied weight)
                     m.reset_parameters()
             values = {prefix + n: b.detach() for n, b in m.named_buffers(recurse=False)}
             for n, p in m.named_parameters(recurse=False):
-                if self.unit_of.get(prefix + n) == k:
+                if self.module_of.get(prefix + n) == k:
                     values[prefix + n] = p.detach()
         finally:
             for p, stand_in in swapped:

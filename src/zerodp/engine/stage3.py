@@ -121,16 +121,16 @@ class Gatherer:
     # collective are not graph ops, and a gather traced into a module's graph rewrites the bucket that
     # graph saved for backward ("modified by an inplace operation"). Disabled, each hook runs eagerly
     # between the compiled pieces of the forward (one graph break per unit).
-    def _pre_hook(self, unit: int, units: list[Bucket]):
+    def _pre_hook(self, unit: int, buckets: list[Bucket]):
         @torch.compiler.disable
         def hook(module, args):
             if not self.traced:
                 self.unit_order.setdefault(unit)
-            self.gather(units)
-            self._prefetch_after(units[-1])
+            self.gather(buckets)
+            self._prefetch_after(buckets[-1])
         return hook
 
-    def _post_hook(self, unit: int, units: list[Bucket]):
+    def _post_hook(self, unit: int, buckets: list[Bucket]):
         @torch.compiler.disable
         def hook(module, args, output):
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -138,9 +138,9 @@ class Gatherer:
             # does a unit recomputed inside the backward (activation checkpointing), which runs its
             # backward next; the reducer releases its buckets once their gradients are in.
             keep = tensors and (unit in (self.outer, self.last_unit) or torch._C._current_graph_task_id() != -1)
-            self._finished(unit, units, keep)
+            self._finished(unit, buckets, keep)
             if tensors:  # backward through this unit needs its parameters again
-                register_multi_grad_hook(tensors, lambda grads: self._backward_gather(units), mode="any")
+                register_multi_grad_hook(tensors, lambda grads: self._backward_gather(buckets), mode="any")
         return hook
 
     def _finished(self, unit: int, units: list[Bucket], keep: bool) -> None:
