@@ -24,9 +24,10 @@ and then the next while it is ready too; finish_backward() makes every bucket re
 gradient reached takes part as zeros) and launches the rest.
 Retire rule: reductions retire oldest first: at once without overlap_comm, when a new pool buffer
 would exceed the pool, and all of them at wait() (before the step; at the end of each backward with
-sharded gradients; before a REDUCED window is reopened). Retiring applies the post factor and puts
-the result in the gradient: copied in an EMPTY window, added in a SUMMED one, or nothing when the
-reduce_scatter wrote straight into it (`InFlight.into_grad`); the pool buffer goes back to the pool.
+sharded gradients; before a REDUCED window is reopened). Retiring applies the post factor; a full
+bucket sent as a copy (another dtype) takes its reduced values back; a reduced shard goes into the
+gradient, copied in an EMPTY window, added in a SUMMED one, or already there when the reduce_scatter
+wrote straight into it (`InFlight.into_grad`), and its pool buffer goes back to the pool.
 
 The mean over ranks is taken as DeepSpeed takes it: each rank divides its gradients by the predivide
 factor f before the sum and the sum is multiplied by f / N after it; `prescale_gradients` divides by
