@@ -88,3 +88,43 @@ def test_backward_step_pattern_matches_pytorch_accumulate_then_step(name, settin
     assert ours.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(ours[k], ref[k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+STATE_RUNS = {  # (stage, gradient_accumulation_steps): what "bbs" goes through
+    # full buckets: summed locally, reduced at the boundary, reopened by a further backward
+    (1, 2): [("ACCUMULATE", "EMPTY", "SUMMED"), ("REDUCE", "SUMMED", "REDUCED"), (None, None, "EMPTY")],
+    (1, 1): [("REDUCE", "EMPTY", "REDUCED"), ("REDUCE", "SUMMED", "REDUCED"), (None, None, "EMPTY")],
+    # sharded gradients: every backward reduces, the shards hold the sum
+    (2, 2): [("REDUCE", "EMPTY", "SUMMED"), ("REDUCE", "SUMMED", "SUMMED"), (None, None, "EMPTY")],
+}
+
+
+def _states_run(rank: int, world: int) -> dict:
+    """Per setting and op of "bbs": (the reducer's Pass and Window during the backward, its Window after)."""
+    out = {}
+    for stage, gas in STATE_RUNS:
+        torch.manual_seed(0)
+        model = Toy()
+        engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+            "zero_optimization": {"stage": stage}})
+        reducer, seen = engine.reducer, []
+        model.register_full_backward_pre_hook(
+            lambda *_: seen.append((reducer.backward_pass.name, reducer.window.name)))
+        x, y = _batches("bb", world)[0]
+        ops = []
+        for op in "bbs":
+            seen.clear()
+            if op == "b":
+                engine.backward(engine(x[:MICRO], y[:MICRO]))
+            else:
+                engine.step()
+            assert reducer.backward_pass.name == "IDLE"
+            ops.append((*(seen[0] if seen else (None, None)), reducer.window.name))
+        out[stage, gas] = ops
+    return out
+
+
+def test_reducer_states_follow_backward_and_step():
+    for ours in run_ranks(_states_run, 2):
+        assert ours == STATE_RUNS

@@ -83,6 +83,15 @@ def test_wall_clock_breakdown_times_every_phase_of_the_last_step(stage, caplog):
     assert re.search(r"\| ms: forward \S+ backward \S+ reduce_wait \S+ step \S+ gather \S+", step_lines(caplog)[-1])
 
 
+def test_the_optimizer_and_stage3_gatherer_share_one_gather_timing_protocol():
+    from zerodp.engine.optimizer import PartitionedOptimizer
+    from zerodp.engine.stage3 import Gatherer
+    from zerodp.monitor.timers import TimedGathers
+
+    for cls in (PartitionedOptimizer, Gatherer):
+        assert issubclass(cls, TimedGathers) and "time_gathers" not in vars(cls), cls
+
+
 def test_timings_are_empty_without_wall_clock_breakdown():
     engine, _ = train({}, steps=1)
     assert engine.timings() == {}

@@ -49,7 +49,7 @@ def snapshot(engine, model) -> dict:
     return {"master": [m.detach().clone() for m in engine.partitioned_optimizer.masters], "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
             "lr": engine.get_lr(), "skipped": engine.skipped_steps, "steps": engine.global_steps,
-            "grads_freed": all(a is None for a in engine.reducer.acc)}
+            "grads_freed": all(a is None for a in engine.reducer.grads)}
 
 
 def train_with_bad_step(rank: int, world: int, stage: int, dtype: str, kind: str | None,

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from zerodp.distributed import teardown
 from zerodp.distributed.device import backend as device_backend
@@ -64,6 +63,9 @@ def init_fake(world_size: int) -> None:
     """Initialise torch.distributed as rank 0 of `world_size` ranks that send nothing (torch's "fake"
     backend): one process plans or measures one rank's share of a larger job. Comm gives its
     collectives the values of a world whose every rank holds this rank's data (see Comm)."""
+    # Importing it registers the backend; only a planning or measuring process needs it.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
@@ -159,6 +161,7 @@ class Comm:
     gathered stage-3 bucket would hold whatever the allocator last kept there, on a GPU often nan,
     and every step would be skipped. With these values every number is finite and deterministic: the
     gradients of stages 0-2 are a world of one's; stage 3 gathers rank 0's chunk into every place.
+    `is_fake` is the one place the rest of the package asks about it.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
@@ -197,6 +200,14 @@ class Comm:
         (teardown.release_at_exit), after which it runs no collective."""
         self.group = None
         self.mesh = None
+
+    def is_fake(self, value: torch.Tensor | None = None) -> bool:
+        """Whether this group is the fake backend's (init_fake: one process stands for rank 0 of N, so
+        there is no peer to agree with); given `value`, whether it is also a fake tensor, a shape with
+        no data that the host cannot read (plan/peak.py runs a step on them, always on this backend)."""
+        if self.backend != "fake":
+            return False
+        return value is None or torch._subclasses.fake_tensor.is_fake(value)
 
     # ---- hierarchical sharding ------------------------------------------------------------------
     @property
@@ -270,7 +281,7 @@ class Comm:
             return self.everyone.agree(error, what, payload, raise_for)
         report = None if error is None else (f"{type(error).__module__}:{type(error).__qualname__}",
                                               _message(error))
-        if self.world_size == 1 or self.backend == "fake":
+        if self.world_size == 1 or self.is_fake():
             results = [(report, payload)]
         else:
             results = [None] * self.world_size
@@ -332,7 +343,7 @@ class Comm:
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()), self.name)
         if self.world_size == 1:
             return _Done() if async_op else None
-        if self.backend == "fake":
+        if self.is_fake():
             t.mul_(self.world_size)
             return _Done() if async_op else None
         return dist.all_reduce(t, group=self.group, async_op=async_op)
@@ -346,7 +357,7 @@ class Comm:
         self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
-        if self.backend == "fake":  # out may be this rank's chunk of inp itself: mul with out= allows that
+        if self.is_fake():  # out may be this rank's chunk of inp itself: mul with out= allows that
             torch.mul(inp.view(self.world_size, -1)[self.rank], self.world_size, out=out)
             return _Done() if async_op else None
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
@@ -360,7 +371,7 @@ class Comm:
         self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()), self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
-        if self.backend == "fake":
+        if self.is_fake():
             self._fake_gather(out, inp)
             return _Done() if async_op else None
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)

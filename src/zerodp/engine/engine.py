@@ -276,7 +276,7 @@ class Engine:
         """The decision read here (read_back same_step), and acted on at once."""
         # The one host sync of the step, in every precision, on values every rank agrees on: a
         # non-finite norm (fp16 overflow, a nan/inf gradient) or loss anywhere skips the step.
-        skip = not step_is_finite(norm_sq, flags)
+        skip = not step_is_finite(norm_sq, flags, self.comm)
         if skip:
             self._skipped += 1
         else:
@@ -524,7 +524,7 @@ class Engine:
 
     def _check_same_everywhere(self) -> None:
         """Every rank must wrap the same model with the same config, or collectives would mismatch."""
-        if self.comm.world_size == 1 or self.comm.backend == "fake":
+        if self.comm.world_size == 1 or self.comm.is_fake():
             return
         sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
                for n, p in self.module.named_parameters()]

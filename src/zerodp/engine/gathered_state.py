@@ -106,7 +106,7 @@ class GatheredStateDict:
         Each rank adds 1 to the call's count; the last to arrive marks it complete. A rank that stops
         waiting subtracts _GAVE_UP in the same atomic add, so it and any rank arriving later agree on
         whether every rank had arrived (then all gather) or not (then all that arrive raise)."""
-        if self.comm.world_size == 1 or self.comm.backend == "fake":
+        if self.comm.world_size == 1 or self.comm.is_fake():
             return
         store = dist.distributed_c10d._get_default_store()
         key, world = f"{self.tag}/{self.calls}", self.comm.everyone.world_size  # tp: every rank of the world

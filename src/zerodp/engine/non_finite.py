@@ -41,6 +41,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerodp.config import Config, ConfigError
+from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import HostCopy, is_accelerator
 from zerodp.engine.precision import LossScaler
 
@@ -68,10 +69,10 @@ def step_flags(loss: torch.Tensor | None, rank: int) -> torch.Tensor:
     return torch.stack([bad, bad * (rank + 1)])
 
 
-def step_is_finite(norm_sq: torch.Tensor, flags: torch.Tensor | None) -> bool:
+def step_is_finite(norm_sq: torch.Tensor, flags: torch.Tensor | None, comm: Comm) -> bool:
     """The step's one host sync: whether the agreed global squared norm is finite and no rank's loss
     was non-finite (the agreed `flags`; None where they are unknown)."""
-    if torch._subclasses.fake_tensor.is_fake(norm_sq):  # peak.py measures memory on fake tensors
+    if comm.is_fake(norm_sq):  # peak.py measures memory on fake tensors: nothing to read
         return True
     finite = torch.isfinite(norm_sq)
     if flags is not None and flags.numel():

@@ -16,7 +16,6 @@ Adam/AdamW that chose no implementation steps with its fused CPU kernel.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import AbstractContextManager, nullcontext
 from typing import Callable
 
 import torch
@@ -27,12 +26,12 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
 from zerodp.engine.offload import HostShards, use_fused_kernel
 from zerodp.engine.unused import UsedParameters
-from zerodp.monitor.timers import gather_phase
+from zerodp.monitor.timers import TimedGathers, gather_phase
 
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 
-class PartitionedOptimizer:
+class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
@@ -41,7 +40,6 @@ class PartitionedOptimizer:
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
-        self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
         self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
         self.rank = comm.shard_rank if stage > 0 else 0
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
@@ -195,10 +193,6 @@ class PartitionedOptimizer:
         if grad_dtype == torch.float32:
             return 0
         return max((4 * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
-
-    def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
-        """Run the parameter gathers inside span() (wall_clock_breakdown's 'gather' phase)."""
-        self.gather_span = span
 
     @gather_phase
     def all_gather(self, defer: bool = False) -> None:

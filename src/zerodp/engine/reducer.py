@@ -11,6 +11,24 @@ while backward goes on (`overlap_comm`):
 Buckets are launched strictly in index order so that every rank issues the same collectives in the
 same order, whatever order its hooks fire in (unused parameters differ between ranks).
 
+Two states, each a named type, decide what happens (FSDP2's TrainingState / ShardedState):
+  `Pass`   what a gradient arriving now does: IDLE outside engine.backward() (an error), ACCUMULATE
+           (summed into its bucket; stages 0, 1 before the boundary micro-step), REDUCE (summed, and
+           its bucket becomes ready once its last gradient is in).
+  `Window` what the gradient buffers hold since zero(): EMPTY (the window's first backward: the first
+           gradient into each place is copied, not added), SUMMED (local sums of full buckets, or this
+           rank's reduced shards), REDUCED (full buckets hold the reduced mean; the next backward()
+           first reopens them, `_reopen`).
+Launch rule: in a REDUCE pass the lowest bucket not yet launched is launched as soon as it is ready,
+and then the next while it is ready too; finish_backward() makes every bucket ready (a bucket no
+gradient reached takes part as zeros) and launches the rest.
+Retire rule: reductions retire oldest first: at once without overlap_comm, when a new pool buffer
+would exceed the pool, and all of them at wait() (before the step; at the end of each backward with
+sharded gradients; before a REDUCED window is reopened). Retiring applies the post factor; a full
+bucket sent as a copy (another dtype) takes its reduced values back; a reduced shard goes into the
+gradient, copied in an EMPTY window, added in a SUMMED one, or already there when the reduce_scatter
+wrote straight into it (`InFlight.into_grad`), and its pool buffer goes back to the pool.
+
 The mean over ranks is taken as DeepSpeed takes it: each rank divides its gradients by the predivide
 factor f before the sum and the sum is multiplied by f / N after it; `prescale_gradients` divides by
 N before instead. Unset, f is DeepSpeed's: 1 in stage 0 (its engine sums, then divides), N in stages
@@ -21,7 +39,8 @@ N before instead. Unset, f is DeepSpeed's: 1 in stage 0 (its engine sums, then d
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from enum import Enum, auto
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -35,6 +54,31 @@ from zerodp.engine.flat import Bucket, FlatGroup, local
 POOL_BUFFERS = 3
 
 
+class Pass(Enum):
+    """What a gradient arriving now does; begin() sets it for a backward, finish_backward() ends it."""
+
+    IDLE = auto()        # outside engine.backward(): an error (loss.backward() was called directly)
+    ACCUMULATE = auto()  # summed into its bucket; nothing is launched (a micro-step before the boundary)
+    REDUCE = auto()      # summed, and its bucket launched by the launch rule once its last gradient is in
+
+
+class Window(Enum):
+    """What the gradient buffers hold, from one zero() to the next (an accumulation window)."""
+
+    EMPTY = auto()    # nothing: in the window's first backward each first arrival is copied, not added
+    SUMMED = auto()   # earlier micro-steps' gradients (full buckets' local sums, or reduced shards)
+    REDUCED = auto()  # full buckets (stages 0, 1) hold the reduced mean: a further backward reopens them
+
+
+class InFlight(NamedTuple):
+    """A launched reduction, until it retires."""
+
+    bucket: int             # its index
+    work: object            # the async collective's handle
+    into_grad: bool         # the reduce_scatter writes this rank's gradient shard itself: no copy after
+    sent: torch.Tensor      # what was sent: the reduce buffer, or a copy of it in the reduction's dtype
+
+
 class Reducer:
     def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
@@ -45,8 +89,9 @@ class Reducer:
         # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
         # "bucket": a reduce buffer of the pool): the memory planner (plan/peak.py) labels them.
         self.on_new_buffer: list[Callable[[torch.Tensor, str], None]] = []
-        # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
-        # with no bucket pool and no copy out of it.
+        # Fixed, not a state: True keeps this rank's shard of each bucket's gradient (stages 2, 3),
+        # the micro-step's gradients passing through a pooled buffer; False keeps full buckets, summed
+        # in place (stages 0, 1). With one rank a shard is the whole bucket: full buckets, no pool.
         self.sharded_grads = stage >= 2 and comm.shard_size > 1
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
@@ -65,32 +110,31 @@ class Reducer:
         # the step, so the next forward and the start of backward (where activations peak) run
         # without it.
         self.acc_dtype = acc_dtype
-        self.acc: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.buckets)  # by bucket; None: freed
+        # With sharded gradients, the pool buffer each bucket's gradients are summed in this micro-step.
         self.buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         # Reduce buffers: made during backward, freed at its end for the same reason.
         self.pool: list[torch.Tensor] = []
         self.live: list[int] = []  # sizes of the pool buffers that exist now (free or in use)
         self.pool_peak = 0         # most elements the pool has held at once
         self.pool_numel = None if bucket_numel is None else POOL_BUFFERS * bucket_numel
-        self.inflight: deque = deque()
-        # `fresh`: the accumulation window has just begun: a first arrival is copied, not added.
-        self.fresh = True
-        # `reduced`: a full bucket (stages 0, 1) already holds this window's reduced gradients.
-        self.reduced = False
-        self.active = False
-        self.communicate = False
-        self._handles = []
-        for b in self.buckets:
-            for i, s in enumerate(b.slots):
-                self._handles.append(s.param.register_post_accumulate_grad_hook(
-                    self._make_hook(b.index, i)))
+        self.inflight: deque[InFlight] = deque()  # launched, not retired: oldest first
+        self.window = Window.EMPTY          # what `grads` hold (the launch and retire rules read it)
+        self.backward_pass = Pass.IDLE      # what a gradient arriving now does
+        # This backward's progress, by bucket (begin() resets it):
+        self.pending: list[int] = []         # gradients still to arrive
+        self.arrived: list[bytearray] = []   # per slot: 1 once its gradient arrived (unused.py reads it)
+        self.ready = bytearray()             # 1: may be launched (all arrived, or the backward ended)
+        self.next_launch = 0                 # the lowest bucket not launched yet
+        self._handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, i))
+                         for b in self.buckets for i, s in enumerate(b.slots)]
 
     # ---- backward -------------------------------------------------------------------------------
     def begin(self, communicate: bool) -> None:
         """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""
-        if self.reduced:
+        if self.window is Window.REDUCED:
             self._reopen()
-        self.active, self.communicate = True, communicate or self.sharded_grads
+        self.backward_pass = Pass.REDUCE if communicate or self.sharded_grads else Pass.ACCUMULATE
         self.pending = [len(b.slots) for b in self.buckets]
         self.arrived = [bytearray(len(b.slots)) for b in self.buckets]
         self.ready = bytearray(len(self.buckets))
@@ -102,7 +146,7 @@ class Reducer:
         return hook
 
     def _on_grad(self, k: int, i: int, p: torch.nn.Parameter) -> None:
-        if not self.active:
+        if self.backward_pass is Pass.IDLE:
             raise RuntimeError("a gradient arrived outside engine.backward(): call "
                                "engine.backward(loss) rather than loss.backward()")
         if self.ready[k]:
@@ -113,7 +157,7 @@ class Reducer:
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
         # Pool buffers and new gradient buffers start zeroed: a first arrival is a copy, not an add.
         grad = local(p.grad).reshape(-1)  # a tensor-parallel parameter's gradient: its local shard
-        if not self.arrived[k][i] and (self.sharded_grads or self.fresh):
+        if not self.arrived[k][i] and (self.sharded_grads or self.window is Window.EMPTY):
             target.copy_(grad)
         else:
             target.add_(grad)
@@ -124,7 +168,7 @@ class Reducer:
             if self.pending[k] == 0:
                 if self.on_bucket_done is not None:
                     self.on_bucket_done(b)
-                if self.communicate:
+                if self.backward_pass is Pass.REDUCE:
                     self._mark_ready(k)
 
     def _target(self, k: int) -> torch.Tensor:
@@ -143,7 +187,7 @@ class Reducer:
 
     def finish_backward(self) -> None:
         """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
-        if self.communicate:
+        if self.backward_pass is Pass.REDUCE:
             for k in range(self.next_launch, len(self.buckets)):
                 if self.sharded_grads:
                     self._target(k)  # a bucket nobody touched still takes part, as zeros
@@ -151,12 +195,13 @@ class Reducer:
             while self.next_launch < len(self.buckets):
                 self._launch(self.next_launch)
                 self.next_launch += 1
-        self.active = False
+        reduced = self.backward_pass is Pass.REDUCE and not self.sharded_grads
+        self.backward_pass = Pass.IDLE
         if self.sharded_grads:
             self.wait()
             self.pool.clear()
             self.live.clear()
-        self.fresh = False
+        self.window = Window.REDUCED if reduced else Window.SUMMED
 
     def _reopen(self) -> None:
         """Another backward() in a window whose full buckets were already reduced (two backward()
@@ -166,26 +211,26 @@ class Reducer:
         all_reduce of (mean + g) / N sums back; stage 1's reduce_scatter left only the owned chunk
         reduced (the rest is this rank's own gradient / N): that chunk becomes N x mean, the rest 0."""
         self.wait()
-        self.reduced = False
+        self.window = Window.SUMMED
         if self.stage == 0 or self.comm.world_size == 1:
             return
-        for b, acc in zip(self.buckets, self.acc):
-            if acc is not None:
+        for b, grad in zip(self.buckets, self.grads):
+            if grad is not None:
                 # (S x mean on each of the N/S copies of the chunk when sharding is hierarchical)
-                owned = b.shard(acc, self.rank) * self.comm.shard_size
-                acc.zero_()
-                b.shard(acc, self.rank).copy_(owned)
+                owned = b.shard(grad, self.rank) * self.comm.shard_size
+                grad.zero_()
+                b.shard(grad, self.rank).copy_(owned)
 
     def _grad(self, k: int) -> torch.Tensor:
         """Bucket k's gradient buffer, made on first use in a window: zeroed for a full bucket (its
         padding and any parameter without a gradient must read 0); a shard is wholly overwritten."""
-        if self.acc[k] is None:
+        if self.grads[k] is None:
             b = self.buckets[k]
             make = torch.empty if self.sharded_grads else torch.zeros
-            self.acc[k] = make(b.shard_numel if self.sharded_grads else b.numel, dtype=self.acc_dtype,
-                               device=b.data.device)
-            self._made(self.acc[k], "grad")
-        return self.acc[k]
+            self.grads[k] = make(b.shard_numel if self.sharded_grads else b.numel, dtype=self.acc_dtype,
+                                 device=b.data.device)
+            self._made(self.grads[k], "grad")
+        return self.grads[k]
 
     def _made(self, buffer: torch.Tensor, kind: str) -> None:
         for callback in self.on_new_buffer:
@@ -199,34 +244,33 @@ class Reducer:
         sent = buf if buf.dtype == self.dtype else buf.to(self.dtype)
         if self.pre != 1.0:
             sent.mul_(self.pre)
-        # In a fresh window a shard of the right dtype is reduced straight into `acc` (no copy after).
-        direct = self.sharded_grads and self.fresh and self.acc_dtype == buf.dtype
+        # In an EMPTY window a shard of the right dtype is reduced straight into the gradient.
+        into_grad = self.sharded_grads and self.window is Window.EMPTY and self.acc_dtype == buf.dtype
         if self.stage == 0:
             work = self.comm.all_reduce(sent, async_op=True)
         else:
-            out = self._grad(k) if direct else b.shard(sent, self.rank)
+            out = self._grad(k) if into_grad else b.shard(sent, self.rank)
             work = self.comm.shard_reduce(out, sent, async_op=True)
-        self.reduced = not self.sharded_grads
-        self.inflight.append((k, work, direct, sent))
+        self.inflight.append(InFlight(k, work, into_grad, sent))
         if not self.overlap:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        k, work, direct, sent = self.inflight.popleft()
+        k, work, into_grad, sent = self.inflight.popleft()
         work.wait()
         b = self.buckets[k]
         if not self.sharded_grads:  # the reduced values: the whole bucket (stage 0) or the owned chunk
             reduced = sent if self.stage == 0 else b.shard(sent, self.rank)
             if self.post != 1.0:
                 reduced.mul_(self.post)
-            if sent is not self.acc[k]:
-                (self.acc[k] if self.stage == 0 else b.shard(self.acc[k], self.rank)).copy_(reduced)
+            if sent is not self.grads[k]:
+                (self.grads[k] if self.stage == 0 else b.shard(self.grads[k], self.rank)).copy_(reduced)
         else:
-            shard = self._grad(k) if direct else b.shard(self._target(k), self.rank)
+            shard = self._grad(k) if into_grad else b.shard(self._target(k), self.rank)
             if self.post != 1.0:
                 shard.mul_(self.post)
-            if not direct:
-                if self.fresh:
+            if not into_grad:
+                if self.window is Window.EMPTY:
                     self._grad(k).copy_(shard)
                 else:
                     self._grad(k).add_(shard)
@@ -234,7 +278,7 @@ class Reducer:
             self.buffers[k] = None
 
     def wait(self) -> None:
-        """Every launched reduction has finished and its result is in `acc`."""
+        """Every launched reduction has finished and its result is in `grads`."""
         while self.inflight:
             self._retire_oldest()
 
@@ -267,13 +311,12 @@ class Reducer:
 
     def zero(self) -> None:
         """Free the gradients (set_to_none) and start a new accumulation window."""
-        self.acc = [None] * len(self.buckets)
-        self.fresh = True
-        self.reduced = False
+        self.grads = [None] * len(self.buckets)
+        self.window = Window.EMPTY
 
     def bytes(self) -> dict[str, int]:
         """Bytes of the gradients while they exist, and the most the reduce-buffer pool has held."""
         size = torch.empty((), dtype=self.acc_dtype).element_size()
-        acc = sum((b.shard_numel if self.sharded_grads else b.numel) * size for b in self.buckets)
+        grads = sum((b.shard_numel if self.sharded_grads else b.numel) * size for b in self.buckets)
         pool = self.pool_peak * torch.empty((), dtype=self.dtype).element_size()
-        return {"gradients": acc, "reduce_buckets": pool}
+        return {"gradients": grads, "reduce_buckets": pool}

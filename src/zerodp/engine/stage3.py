@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from enum import Enum
 from typing import Callable
 
@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, local_setter
 from zerodp.engine.units import Units
-from zerodp.monitor.timers import gather_phase
+from zerodp.monitor.timers import TimedGathers, gather_phase
 
 
 def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
@@ -75,11 +75,10 @@ class BucketState(Enum):
     GATHERED = "gathered"    # whole on this rank
 
 
-class Gatherer:
+class Gatherer(TimedGathers):
     def __init__(self, units: Units, buckets: list[Bucket], comm: Comm, prefetch_numel: int,
                  host_shards: bool = False):
         self.comm = comm
-        self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
         self.persistent = {b.index for b in buckets if b.persistent}
@@ -157,10 +156,6 @@ class Gatherer:
         self._prefetch_before(units[0])
 
     # ---- gather / release -----------------------------------------------------------------------
-    def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
-        """Run the parameter gathers inside span() (wall_clock_breakdown's 'gather' phase)."""
-        self.gather_span = span
-
     @gather_phase
     def gather(self, units: list[Bucket]) -> None:
         for b in units:

@@ -82,7 +82,7 @@ class UsedParameters:
         norm_sq, flags = partitioned.grad_norm_squared(grads, flags)
         n = flags.numel() - bits.numel()
         flags, agreed = flags[:n], flags[n:]
-        if local_all or torch._subclasses.fake_tensor.is_fake(agreed):
+        if local_all or self.comm.is_fake(agreed):
             self.used = None  # this rank used everything, so every rank did: nothing to read back
         else:  # the host picks the ranges to step: a read of the agreed bits (this step's one sync)
             used = agreed.cpu() > 0

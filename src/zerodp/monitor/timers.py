@@ -10,7 +10,8 @@ already complete, so timing adds no host sync) and with the host clock on the CP
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Callable
 
 import torch
 
@@ -61,10 +62,21 @@ class PhaseTimers:
         return done
 
 
+class TimedGathers:
+    """The gather-timing protocol, for a class whose parameter gathers are methods marked
+    `@gather_phase` (the partitioned optimizer's, stage 3's gatherer's): they run inside
+    `gather_span()`, free (nullcontext) until the step monitor calls `time_gathers` with its timer's
+    span because wall_clock_breakdown is on; then they are timed as the 'gather' phase."""
+
+    gather_span: Callable[[], AbstractContextManager] = nullcontext
+
+    def time_gathers(self, span: Callable[[], AbstractContextManager]) -> None:
+        """Run the parameter gathers inside span() (wall_clock_breakdown's 'gather' phase)."""
+        self.gather_span = span
+
+
 def gather_phase(method):
-    """The method runs inside its object's `gather_span()`: wall_clock_breakdown times it as the
-    'gather' phase. The object starts with `gather_span = nullcontext` (free) and offers
-    `time_gathers(span)`, which the step monitor calls with its timer's span when timing is on."""
+    """The method of a `TimedGathers` runs inside its object's `gather_span()`."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self.gather_span():
