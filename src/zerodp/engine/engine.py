@@ -1,5 +1,5 @@
 """The engine: ties flat buffers, gradient reduction, the partitioned optimizer and the loss scaler
-into forward / backward / step. See DESIGN.md, "One training step, as data"."""
+into forward / backward / step. See DESIGN.md, "One set-up and one training step, as data"."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from zerodp.config import Config, ConfigError
+from zerodp.config import BatchSizes, Config
 from zerodp.distributed.comm import Comm
-from zerodp.distributed.device import can_pin, device_of_backend, seed_everything
+from zerodp.distributed.device import can_pin, seed_everything
 from zerodp.engine import materialize, tensor_parallel
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
@@ -25,6 +25,7 @@ from zerodp.engine.flat import lay_out, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
+from zerodp.engine.materialize import Filling
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
     NonFiniteError,
@@ -44,12 +45,12 @@ from zerodp.engine.optimizer import (
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
 from zerodp.engine.source import ParameterSource
+from zerodp.engine.spec import EngineSpec, local_check
 from zerodp.engine.stage3 import Gatherer
-from zerodp.engine.units import UnitRule, find_units, unit_rule
+from zerodp.engine.units import UnitRule, Units
 from zerodp.engine.units import layout as stage3_layout
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
-from zerodp.monitor.writers import check_available
 
 
 def _names_peer_failure(where: str):
@@ -85,104 +86,164 @@ class Engine:
         """source: where the parameters' values come from (a model built on meta, or weights read from
         files), asked for the ranges this rank keeps; None: the module's own values, or, for tensors on
         meta, their modules' initialisers (reset_parameters, or param_init_fn(module))."""
-        self.config, self.comm, self.module = config, comm, module
-        self._stage3_unit = stage3_unit
-        self.checkpoint_io = checkpoint_io
-        optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn)
+        self.config = config  # the validated configuration, the same on every rank
+        self.comm = comm  # the engine's process group: every collective of the engine goes through it
+        self.module = module  # the user's model: its trained parameters become views into flat buckets
+        self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load methods
+        spec, optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn, stage3_unit)
+        self.spec: EngineSpec = spec  # stage, batch, shard size, dtype, device, units: decided once, read after
         self._cast_and_sync_untrained(groups)
+        # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
         layout, fp32_shards = self._flat_buffers(groups)
-        self._step_parts(optimizer, layout, fp32_shards)
-        del fp32_shards
-        self.scaler = LossScaler.from_config(config)
-        if lr_scheduler is None and config.scheduler is not None:
-            lr_scheduler = config.scheduler.build
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.clip = config.gradient_clipping
-        self._start_counters()
-        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor).
-        self.monitor = StepMonitor(config, comm, self.device)
-        self.monitor.instrument_gathers(self.partitioned_optimizer, self.gatherer)
-
-    # ---- set-up, in the order __init__ runs it ---------------------------------------------------
-    def _agreed_set_up(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
-                       param_init_fn: ParamInitFn | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
-        """The local checks, then the first collective: a set-up error on any rank raises on every rank
-        (zerodp.initialize meets this agreement directly when its config failed to load)."""
-        error = None
-        try:
-            optimizer, groups = self._local_checks(optimizer, source, param_init_fn)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
-            error = e
-        self.comm.agree(error, "zerodp.initialize")
-        self._check_same_everywhere()
-        warn_if_slow_bf16(self.device, self.dtype, self.comm.rank)
-        self.comm.split(self.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        materialize.start(self.filling, self.comm, self.device, {id(p) for g in groups for p in g})
-        return optimizer, groups
-
-    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
-        """The parameters become views into flat buckets holding rank 0's weights; returns the layout
-        and this rank's fp32 values, bucket by bucket, which the masters start from."""
-        zero, comm = self.config.zero_optimization, self.comm
-        # Stage 3's offload_param: this rank's parameter shards live in host memory (config/zero_optimization.py
-        # resets it below stage 3); each gather copies one to the device first.
-        self.offload_param = zero.offload_param.device == "cpu"
-        layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
-                  else stage3_layout(groups, self.units, comm.shard_size, zero))
-        rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = materialize.fill(layout, self.filling, comm, rank, self.dtype, self.device, self.stage == 3,
-                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
-        if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
-            seed_everything(self.config.seed + comm.rank)
-        self.flat_groups = layout
-        return layout, fp32_shards
-
-    def _step_parts(self, optimizer: OptimizerLike, layout: list, fp32_shards: list[torch.Tensor]) -> None:
-        """The partitioned optimizer, the used-parameter tracker, stage 3's gatherer, overlap_param_gather's
-        forward order and the gradient reducer, over one layout."""
-        config, comm, zero = self.config, self.comm, self.config.zero_optimization
+        self.flat_groups = layout  # the flat groups of buckets the trained parameters are views into
         buckets = [b for g in layout for b in g.buckets]
-        # Steps only the parameters that got a gradient (PyTorch's semantics, unused.py); None when
-        # step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's).
-        self.used_only = (None if zero.step_unused_parameters else
-                          UsedParameters(buckets, comm.shard_rank if self.stage > 0 else 0, comm, self.stage))
-        offload = zero.offload_optimizer
-        partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
-                                           offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
-                                           self.used_only)
-        self.partitioned_optimizer = partitioned
-        self.optimizer: Optimizer = partitioned.optimizer
-        # Stage 0 gathers nothing and stage 3 gathers per unit already.
-        self.forward_order = (ForwardOrder(self.module, partitioned)
-                              if zero.overlap_param_gather and 0 < self.stage < 3 else None)
-        self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
-                                 self.offload_param) if self.stage == 3 else None
-        # Stage 3: module.state_dict() gathers the parameters it would otherwise hold empty.
-        self.gathered_state = (GatheredStateDict(self.module, self.gatherer, comm, config.comm_timeout_s)
+        self.used_only = self._used_parameters(buckets)  # the parameters a step updates (unused.py); None: all
+        # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
+        self.partitioned_optimizer = self._partitioned(optimizer, layout, fp32_shards)
+        self.optimizer: Optimizer = self.partitioned_optimizer.optimizer  # the torch optimizer it steps
+        self.forward_order = self._forward_order()  # overlap_param_gather's gather order; None without it
+        self.gatherer = self._gatherer(buckets)  # stage 3's gather and release of each unit; None below stage 3
+        # stage 3: module.state_dict() gathers the parameters it would otherwise hold empty; None below it
+        self.gathered_state = (GatheredStateDict(module, self.gatherer, comm, config.comm_timeout_s)
                                if self.gatherer is not None else None)
-        acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
-        done = None if self.gatherer is None else self.gatherer.gradients_done
-        self.reducer = Reducer(layout, comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
-                               comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                               predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
-
-    def _start_counters(self) -> None:
-        """Steps, the accumulation window and no_sync's state, all at zero; the byte tally too."""
-        self.micro_steps = self.global_steps = self._skipped = 0
-        self._stepped_at = 0
-        self._scale_used = self.scaler.scale
-        self._grad_norm: torch.Tensor | None = None
-        self.non_finite = NonFinitePolicy(self.config, self.comm.everyone.rank)
-        # non_finite.read_back: steps skipped on the device, their decision read a step later.
-        self._on_device = decides_on_device(self.config, self.optimizer, self.partitioned_optimizer.offload,
+        self.reducer = self._reducer(layout)  # gradients into buckets during backward, reduced (-scattered)
+        del fp32_shards
+        self.scaler = LossScaler.from_config(config)  # fp16's dynamic loss scale; a fixed 1 otherwise
+        self.lr_scheduler = self._scheduler(lr_scheduler)  # stepped after each step taken; None: none
+        self.clip = config.gradient_clipping  # the global gradient norm is clipped to this (0: no clipping)
+        self.micro_steps = self.global_steps = 0  # backward() calls, optimizer steps (taken or skipped)
+        self._stepped_at = 0  # micro_steps at the last update: the accumulation window starts there
+        self._skipped = 0  # steps skipped for a non-finite gradient norm or loss
+        self._scale_used = self.scaler.scale  # the loss scale this window's backward() calls multiplied by
+        self._grad_norm: torch.Tensor | None = None  # the last step's global norm, before clipping
+        self.non_finite = NonFinitePolicy(config, comm.everyone.rank)  # what a non-finite step does: skip, log, raise
+        # non_finite.read_back: steps skipped on the device, their decision read a step later
+        self._on_device = decides_on_device(config, self.optimizer, self.partitioned_optimizer.offload,
                                             self.scaler, self.device)
         self._pending: PendingStep | None = None  # the last such step, until the host has read it
         self._refused: NonFiniteError | None = None  # the policy's error from a settled step, for step() to raise
         self._window_loss: torch.Tensor | None = None  # the window's losses summed, for step_flags
         self._no_sync = self._unsynced = False  # inside no_sync(); gradients not yet reduced since
-        self.comm.traffic.reset()
+        comm.traffic.reset()  # the byte tally counts training, not set-up
+        # steps_per_print, wall_clock_breakdown, monitors, comms_logger (zerodp.monitor)
+        self.monitor = StepMonitor(config, comm, self.device)
+        self.monitor.instrument_gathers(self.partitioned_optimizer, self.gatherer)
+
+    # ---- set-up, in the order __init__ runs it ---------------------------------------------------
+    def _agreed_set_up(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
+                       param_init_fn: ParamInitFn | None, stage3_unit: UnitRule | None
+                       ) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
+        """The local check (spec.local_check) and the module moved to its device, then the first
+        collective: a set-up error on any rank raises on every rank (zerodp.initialize meets this
+        agreement directly when its config failed to load)."""
+        error = spec = None
+        try:
+            spec, optimizer, groups = local_check(self.config, self.comm, self.module, optimizer, source,
+                                                  param_init_fn, stage3_unit)
+            if any(t.device != spec.device and not t.is_meta
+                   for t in itertools.chain(self.module.parameters(), self.module.buffers())):
+                # only when needed: a model already there may hold fake tensors
+                materialize.move_to(self.module, spec.device)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+            error = e
+        self.comm.agree(error, "zerodp.initialize")
+        self._check_same_everywhere(spec.filling)
+        warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
+        self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
+        materialize.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
+        return spec, optimizer, groups
+
+    def _check_same_everywhere(self, filling: Filling) -> None:
+        """Every rank must wrap the same model with the same config, or collectives would mismatch."""
+        if self.comm.world_size == 1 or self.comm.is_fake():
+            return
+        sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
+               for n, p in self.module.named_parameters()]
+        sig.append(("the values come from", filling.origin))  # a broadcast, or each rank's own reads
+        text = repr(sig) + self.config.model_dump_json()
+        digests = self.comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
+        if len(set(digests)) == 1:
+            return
+        sigs = self.comm.all_gather_object((sig, self.config.model_dump()))
+        for r, (other, cfg) in enumerate(sigs):
+            if cfg != sigs[0][1]:
+                raise ValueError(f"rank {r} was given a different config from rank 0; every rank "
+                                 "must pass the same config")
+            for a, b in zip(sigs[0][0], other):
+                if a != b:
+                    raise ValueError(f"rank {r} has a different model from rank 0: parameter "
+                                     f"{b} where rank 0 has {a}")
+            if len(other) != len(sigs[0][0]):
+                raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
+
+    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
+        """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
+        read from weights are every rank's already: materialize.start read them)."""
+        trained = {id(p) for g in groups for p in g}
+        read = {id(p) for p in self.module.parameters()} if self.spec.filling.from_files else set()
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            if id(t) in trained:
+                continue
+            if t.is_floating_point() and t.dtype != self.dtype:
+                set_local(t, local(t).data.to(self.dtype))
+            if id(t) not in read:
+                self.comm.broadcast(local(t).data)
+
+    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+        """The parameters become views into flat buckets holding rank 0's weights; returns the layout
+        and this rank's fp32 values, bucket by bucket, which the masters start from."""
+        zero, comm = self.config.zero_optimization, self.comm
+        layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
+                  else stage3_layout(groups, self.units, comm.shard_size, zero))
+        rank = comm.shard_rank if self.stage > 0 else 0
+        fp32_shards = materialize.fill(layout, self.spec.filling, comm, rank, self.dtype, self.device, self.stage == 3,
+                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
+        if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
+            seed_everything(self.config.seed + comm.rank)
+        return layout, fp32_shards
+
+    def _used_parameters(self, buckets: list) -> UsedParameters | None:
+        """Steps only the parameters that got a gradient (PyTorch's semantics); None when
+        step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's)."""
+        if self.config.zero_optimization.step_unused_parameters:
+            return None
+        return UsedParameters(buckets, self.comm.shard_rank if self.stage > 0 else 0, self.comm, self.stage)
+
+    def _partitioned(self, optimizer: OptimizerLike, layout: list,
+                     fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
+        zero = self.config.zero_optimization
+        offload = zero.offload_optimizer
+        return PartitionedOptimizer(optimizer, layout, fp32_shards, self.comm, self.stage, offload.device == "cpu",
+                                    offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
+                                    self.used_only)
+
+    def _forward_order(self) -> ForwardOrder | None:
+        """Stage 0 gathers nothing and stage 3 gathers per unit already."""
+        if self.config.zero_optimization.overlap_param_gather and 0 < self.stage < 3:
+            return ForwardOrder(self.module, self.partitioned_optimizer)
+        return None
+
+    def _gatherer(self, buckets: list) -> Gatherer | None:
+        if self.stage != 3:
+            return None
+        return Gatherer(self.units, buckets, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
+                        self.offload_param)
+
+    def _reducer(self, layout: list) -> Reducer:
+        config, zero = self.config, self.config.zero_optimization
+        acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
+        done = None if self.gatherer is None else self.gatherer.gradients_done
+        return Reducer(layout, self.comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
+                       comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
+                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
+
+    def _scheduler(self, lr_scheduler: Callable | None):
+        """The given scheduler factory, else the config's, built on the partitioned optimizer."""
+        if lr_scheduler is None and self.config.scheduler is not None:
+            lr_scheduler = self.config.scheduler.build
+        return lr_scheduler(self.optimizer) if lr_scheduler is not None else None
 
     # ---- the training step ----------------------------------------------------------------------
     @_names_peer_failure("the forward pass (stage 3 / overlap_param_gather wait for parameter gathers)")
@@ -360,6 +421,40 @@ class Engine:
         self._settle()
         self.partitioned_optimizer.wait_for_parameters()
 
+    # ---- the spec's facts, read by name (zerodp.deepspeed, checkpoint/, plan/, the tests) ------------
+    @property
+    def stage(self) -> int:
+        return self.spec.stage
+
+    @property
+    def batch(self) -> BatchSizes:
+        return self.spec.batch
+
+    @property
+    def gas(self) -> int:
+        """Gradient accumulation steps: backward() calls per optimizer step."""
+        return self.spec.gas
+
+    @property
+    def shard_size(self) -> int:
+        return self.spec.shard_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def units(self) -> Units | None:
+        return self.spec.units
+
+    @property
+    def offload_param(self) -> bool:
+        return self.spec.offload_param
+
     # ---- state ----------------------------------------------------------------------------------
     @property
     def grad_norm(self) -> float | None:
@@ -483,126 +578,3 @@ class Engine:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
         return memory_report(self)
-
-    # ---- set-up checks --------------------------------------------------------------------------
-    def _local_checks(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
-                      param_init_fn: ParamInitFn | None) -> tuple[OptimizerLike, list[list[nn.Parameter]]]:
-        """Everything about the set-up that this rank can check alone, and the local moves (the module
-        to its device). No collective here: whatever raises is agreed on by every rank just after."""
-        config, module = self.config, self.module
-        self.stage = config.zero_optimization.stage
-        self.batch = config.batch(self.comm.world_size)
-        self.gas = self.batch.gradient_accumulation_steps
-        zero = config.zero_optimization
-        self.shard_size = zero.shard_size(self.comm.world_size)
-        if self.comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
-            if zero.mics_shard_size not in (-1, self.comm.shard_size):
-                raise ConfigError(f"zero_optimization.mics_shard_size {zero.mics_shard_size} disagrees with the "
-                                  f"device mesh's shard dimension {self.comm.shard_size}; give one of them, "
-                                  "or the same S in both")
-            if self.stage == 0:
-                raise ConfigError("a device mesh shards model states, which stage 0 does not do; use stage 1, "
-                                  "2 or 3, or leave device_mesh out")
-            self.shard_size = self.comm.shard_size
-        self.dtype = config.dtype
-        if optimizer is None:
-            if config.optimizer is None:
-                raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
-                                  "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
-            optimizer = config.optimizer.build
-        groups = _trainable_groups(module, optimizer)
-        _check_model(module, groups)
-        tensor_parallel.check(module, self.comm, config, source is not None)
-        self.filling = materialize.filling_for(module, source, param_init_fn)
-        self.units = find_units(module, unit_rule(zero, self._stage3_unit)) if self.stage == 3 else None
-        self.device = _device_of(module, self.comm)
-        check_available(config)  # an enabled monitor's package is missing: every rank hears of it
-        if any(t.device != self.device and not t.is_meta
-               for t in itertools.chain(module.parameters(), module.buffers())):
-            materialize.move_to(module, self.device)  # only when needed: a model already there may hold fake tensors
-        return optimizer, groups
-
-    def _check_same_everywhere(self) -> None:
-        """Every rank must wrap the same model with the same config, or collectives would mismatch."""
-        if self.comm.world_size == 1 or self.comm.is_fake():
-            return
-        sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
-               for n, p in self.module.named_parameters()]
-        sig.append(("the values come from", self.filling.origin))  # a broadcast, or each rank's own reads
-        text = repr(sig) + self.config.model_dump_json()
-        digests = self.comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
-        if len(set(digests)) == 1:
-            return
-        sigs = self.comm.all_gather_object((sig, self.config.model_dump()))
-        for r, (other, cfg) in enumerate(sigs):
-            if cfg != sigs[0][1]:
-                raise ValueError(f"rank {r} was given a different config from rank 0; every rank "
-                                 "must pass the same config")
-            for a, b in zip(sigs[0][0], other):
-                if a != b:
-                    raise ValueError(f"rank {r} has a different model from rank 0: parameter "
-                                     f"{b} where rank 0 has {a}")
-            if len(other) != len(sigs[0][0]):
-                raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
-
-    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
-        """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
-        read from weights are every rank's already: materialize.start read them)."""
-        trained = {id(p) for g in groups for p in g}
-        read = {id(p) for p in self.module.parameters()} if self.filling.from_files else set()
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            if id(t) in trained:
-                continue
-            if t.is_floating_point() and t.dtype != self.dtype:
-                set_local(t, local(t).data.to(self.dtype))
-            if id(t) not in read:
-                self.comm.broadcast(local(t).data)
-
-
-def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
-    """What this rank can tell about the model on its own, before any collective. (Tensors on meta are
-    materialize.filling_for's to check.)"""
-    if not any(groups):
-        raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
-                         "optimizer holds none), so there is nothing to train; set requires_grad=True on "
-                         "the parameters to train before zerodp.initialize")
-
-
-def _device_of(module: nn.Module, comm: Comm) -> torch.device:
-    devices = {p.device for p in module.parameters() if not p.is_meta}
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
-                         "zerodp needs the whole model on one device per rank")
-    on_backend = device_of_backend(comm.backend)  # an accelerator's backend: its current device
-    if on_backend is not None:
-        return on_backend
-    return devices.pop() if devices else torch.device("cpu")
-
-
-def _trainable_groups(module: nn.Module, optimizer: OptimizerLike) -> list[list[nn.Parameter]]:
-    """The trainable parameters of each optimizer param group, checked against the model."""
-    params = list(module.parameters())
-    names = {id(p): n for n, p in module.named_parameters()}
-    if not isinstance(optimizer, Optimizer):
-        if not callable(optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> "
-                            f"Optimizer, got {type(optimizer).__name__}")
-        return [[p for p in params if p.requires_grad]]
-    groups, seen = [], set()
-    for i, group in enumerate(optimizer.param_groups):
-        kept = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} "
-                                 "that is not a parameter of the model")
-            if id(p) in seen:
-                raise ValueError(f"parameter '{names[id(p)]}' appears in more than one optimizer param group")
-            seen.add(id(p))
-            if p.requires_grad:
-                kept.append(p)
-        groups.append(kept)
-    for p in params:
-        if p.requires_grad and id(p) not in seen:
-            raise ValueError(f"parameter '{names[id(p)]}' requires grad but is in no optimizer param "
-                             "group; add it to the optimizer or set requires_grad=False")
-    return groups

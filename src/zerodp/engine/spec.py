@@ -1,0 +1,130 @@
+"""The engine's derived facts, made once by one local check: the ZeRO stage, the batch sizes, the shard
+size, the working precision, the device, where the parameters' values come from and stage 3's units.
+
+`local_check` runs on each rank alone, before any collective: whatever it raises, the engine's set-up
+agreement (Comm.agree) makes every rank raise, so no rank is left waiting in a collective. What it
+returns is frozen: the rest of the engine reads these facts and never derives them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from zerodp.config import BatchSizes, Config, ConfigError
+from zerodp.distributed.comm import Comm
+from zerodp.distributed.device import device_of_backend
+from zerodp.engine import tensor_parallel
+from zerodp.engine.init_source import ParamInitFn
+from zerodp.engine.materialize import Filling, filling_for
+from zerodp.engine.optimizer import OptimizerLike
+from zerodp.engine.source import ParameterSource
+from zerodp.engine.units import UnitRule, Units, find_units, unit_rule
+from zerodp.monitor.writers import check_available
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine is, decided before it builds anything."""
+
+    stage: int  # ZeRO stage 0-3: what is sharded (nothing, optimizer states, + gradients, + parameters)
+    batch: BatchSizes  # micro batch, gradient accumulation steps and global batch at this world size
+    shard_size: int  # ranks one copy of the model states is sharded over (< world: hierarchical, MiCS)
+    dtype: torch.dtype  # working precision of parameters and gradients (the masters are fp32)
+    device: torch.device  # this rank's device: the module's, or the backend's accelerator
+    filling: Filling  # where the parameters' values come from: rank 0's module, initialisers or files
+    units: Units | None  # stage 3's units, gathered and released together; None below stage 3
+    offload_param: bool  # stage 3's offload_param: this rank's parameter shards live in host memory
+
+    @property
+    def gas(self) -> int:
+        """Gradient accumulation steps: backward() calls per optimizer step."""
+        return self.batch.gradient_accumulation_steps
+
+
+def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: OptimizerLike | None,
+                source: ParameterSource | None, param_init_fn: ParamInitFn | None,
+                stage3_unit: UnitRule | None) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
+    """Everything about the set-up that this rank can check alone: the spec, the optimizer (the config's
+    when none is given) and the trained parameters of each optimizer param group. No collective."""
+    zero = config.zero_optimization
+    stage = zero.stage
+    batch = config.batch(comm.world_size)
+    shard_size = zero.shard_size(comm.world_size)
+    if comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
+        if zero.mics_shard_size not in (-1, comm.shard_size):
+            raise ConfigError(f"zero_optimization.mics_shard_size {zero.mics_shard_size} disagrees with the "
+                              f"device mesh's shard dimension {comm.shard_size}; give one of them, "
+                              "or the same S in both")
+        if stage == 0:
+            raise ConfigError("a device mesh shards model states, which stage 0 does not do; use stage 1, "
+                              "2 or 3, or leave device_mesh out")
+        shard_size = comm.shard_size
+    if optimizer is None:
+        if config.optimizer is None:
+            raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
+                              "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
+        optimizer = config.optimizer.build
+    groups = _trainable_groups(module, optimizer)
+    _check_model(module, groups)
+    tensor_parallel.check(module, comm, config, source is not None)
+    filling = filling_for(module, source, param_init_fn)
+    units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
+    device = _device_of(module, comm)
+    check_available(config)  # an enabled monitor's package is missing: every rank hears of it
+    # config/zero_optimization.py resets offload_param below stage 3.
+    spec = EngineSpec(stage, batch, shard_size, config.dtype, device, filling, units,
+                      zero.offload_param.device == "cpu")
+    return spec, optimizer, groups
+
+
+def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
+    """What this rank can tell about the model on its own, before any collective. (Tensors on meta are
+    materialize.filling_for's to check.)"""
+    if not any(groups):
+        raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
+                         "optimizer holds none), so there is nothing to train; set requires_grad=True on "
+                         "the parameters to train before zerodp.initialize")
+
+
+def _device_of(module: nn.Module, comm: Comm) -> torch.device:
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
+                         "zerodp needs the whole model on one device per rank")
+    on_backend = device_of_backend(comm.backend)  # an accelerator's backend: its current device
+    if on_backend is not None:
+        return on_backend
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _trainable_groups(module: nn.Module, optimizer: OptimizerLike) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each optimizer param group, checked against the model."""
+    params = list(module.parameters())
+    names = {id(p): n for n, p in module.named_parameters()}
+    if not isinstance(optimizer, Optimizer):
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> "
+                            f"Optimizer, got {type(optimizer).__name__}")
+        return [[p for p in params if p.requires_grad]]
+    groups, seen = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        kept = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {i} holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"parameter '{names[id(p)]}' appears in more than one optimizer param group")
+            seen.add(id(p))
+            if p.requires_grad:
+                kept.append(p)
+        groups.append(kept)
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            raise ValueError(f"parameter '{names[id(p)]}' requires grad but is in no optimizer param "
+                             "group; add it to the optimizer or set requires_grad=False")
+    return groups
