@@ -21,10 +21,11 @@ from zerodp.distributed.device import can_pin, device_of_backend, seed_everythin
 from zerodp.engine import materialize
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import lay_out
+from zerodp.engine.flat import Bucket
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
+from zerodp.engine.layout import Layout
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
     NonFiniteError,
@@ -44,9 +45,8 @@ from zerodp.engine.optimizer import (
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
 from zerodp.engine.source import ParameterSource
-from zerodp.engine.stage3 import Gatherer
+from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, find_units, unit_rule
-from zerodp.engine.units import layout as stage3_layout
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
 from zerodp.monitor.writers import check_available
@@ -122,32 +122,29 @@ class Engine:
         materialize.start(self.filling, self.comm, self.device, {id(p) for g in groups for p in g})
         return optimizer, groups
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
         # Stage 3's offload_param: this rank's parameter shards live in host memory (config/zero_optimization.py
         # resets it below stage 3); each gather copies one to the device first.
         self.offload_param = zero.offload_param.device == "cpu"
-        layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
-                  else stage3_layout(groups, self.units, comm.shard_size, zero))
-        rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = materialize.fill(layout, self.filling, comm, rank, self.dtype, self.device, self.stage == 3,
-                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
+        layout = Layout.build(groups, self.stage, self.units, comm, zero)
+        fp32_shards = materialize.fill(layout.groups, self.filling, comm, layout.rank, self.dtype, self.device,
+                                       self.stage == 3, self.offload_param, zero.offload_param.pin_memory and can_pin())
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
-        self.flat_groups = layout
+        self.layout = layout
         return layout, fp32_shards
 
-    def _step_parts(self, optimizer: OptimizerLike, layout: list, fp32_shards: list[torch.Tensor]) -> None:
+    def _step_parts(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor]) -> None:
         """The partitioned optimizer, the used-parameter tracker, stage 3's gatherer, overlap_param_gather's
         forward order and the gradient reducer, over one layout."""
         config, comm, zero = self.config, self.comm, self.config.zero_optimization
-        buckets = [b for g in layout for b in g.buckets]
         # Steps only the parameters that got a gradient (PyTorch's semantics, unused.py); None when
         # step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's).
         self.used_only = (None if zero.step_unused_parameters else
-                          UsedParameters(buckets, comm.shard_rank if self.stage > 0 else 0, comm, self.stage))
+                          UsedParameters(layout, comm, self.stage))
         offload = zero.offload_optimizer
         partitioned = PartitionedOptimizer(optimizer, layout, fp32_shards, comm, self.stage, offload.device == "cpu",
                                            offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
@@ -157,7 +154,7 @@ class Engine:
         # Stage 0 gathers nothing and stage 3 gathers per unit already.
         self.forward_order = (ForwardOrder(self.module, partitioned)
                               if zero.overlap_param_gather and 0 < self.stage < 3 else None)
-        self.gatherer = Gatherer(self.units, buckets, comm, zero.stage3_prefetch_bucket_size,
+        self.gatherer = Gatherer(self.units, layout, comm, zero.stage3_prefetch_bucket_size,
                                  self.offload_param) if self.stage == 3 else None
         # Stage 3: module.state_dict() gathers the parameters it would otherwise hold empty.
         self.gathered_state = (GatheredStateDict(self.module, self.gatherer, comm, config.comm_timeout_s)
@@ -481,7 +478,38 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
-        return memory_report(self)
+        return memory_report(self, self.reducer, self.partitioned_optimizer, self.gatherer is not None)
+
+    # ---- the layout's model states, for checkpoint/, plan/ and the compatibility layers -----------
+    # (self.layout: the buckets, this rank's shard, every trained parameter's slot; layout.py)
+    def master_shards(self) -> list[torch.Tensor]:
+        """This rank's fp32 master of each bucket, by bucket index (the whole bucket in stage 0). Written
+        in place, they become the weights at the next weights_from_masters()."""
+        return self.partitioned_optimizer.masters
+
+    @property
+    def masters_are_copies(self) -> bool:
+        """The fp32 masters are tensors of their own (mixed precision, offload), not the working shards."""
+        return self.partitioned_optimizer.separate
+
+    def full_master(self, b: Bucket) -> torch.Tensor:
+        """Bucket b's fp32 master values from every rank (collective in stages 1-3)."""
+        return self.partitioned_optimizer.full_master(b, self.partitioned_optimizer.masters[b.index])
+
+    def weights_from_masters(self) -> None:
+        """The working parameters from the fp32 masters, on every rank (collective): after the masters
+        were written (a checkpoint loaded)."""
+        self.partitioned_optimizer.all_gather()
+        if self.gatherer is not None:
+            self.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+
+    def on_new_gradient_buffer(self, callback: Callable[[torch.Tensor, str], None]) -> None:
+        """callback(tensor, "grad" or "bucket") with each gradient or reduce buffer the reducer makes."""
+        self.reducer.on_new_buffer.append(callback)
+
+    def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
+        """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
+        self.gatherer.watch(watcher)
 
     # ---- set-up checks --------------------------------------------------------------------------
     def _local_checks(self, optimizer: OptimizerLike | None, source: ParameterSource | None,

@@ -24,7 +24,8 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin
-from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
+from zerodp.engine.flat import ALIGN, Bucket
+from zerodp.engine.layout import Layout
 from zerodp.engine.offload import HostShards, use_fused_kernel
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import gather_phase
@@ -33,7 +34,7 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 
 class PartitionedOptimizer:
-    def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
+    def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
                  used_only: UsedParameters | None = None):
@@ -43,8 +44,8 @@ class PartitionedOptimizer:
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.gather_span: Callable[[], AbstractContextManager] = nullcontext  # time_gathers
         self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
-        self.rank = comm.shard_rank if stage > 0 else 0
-        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.rank = layout.rank
+        self.buckets: list[Bucket] = layout.buckets
         # `separate`: the master is its own fp32 tensor, so updates must be copied to the working buffer.
         # With stage 3's offload_param the working shard is in host memory: the master stays on the
         # device (unless offload) so that the optimizer does not follow it to the host.
@@ -60,7 +61,7 @@ class PartitionedOptimizer:
             # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
             self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
         self.set_gather_order(list(range(len(self.buckets))))
-        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
+        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in layout.groups]
         if isinstance(optimizer, Optimizer):
             if len(optimizer.state) > 0:
                 raise ValueError("the optimizer already has state; pass a freshly built optimizer "

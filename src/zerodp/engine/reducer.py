@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup
+from zerodp.engine.flat import Bucket
+from zerodp.engine.layout import Layout
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
@@ -36,7 +37,7 @@ POOL_BUFFERS = 3
 
 
 class Reducer:
-    def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
+    def __init__(self, layout: Layout, comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False,
                  predivide: float | None = None, bucket_numel: int | None = None):
@@ -48,7 +49,7 @@ class Reducer:
         # With one rank a shard is the whole bucket: gradients then sum in place, as in stage 1,
         # with no bucket pool and no copy out of it.
         self.sharded_grads = stage >= 2 and comm.shard_size > 1
-        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.buckets: list[Bucket] = layout.buckets
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
         self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
         world = comm.world_size  # the mean is over every rank, also with hierarchical sharding
@@ -58,7 +59,7 @@ class Reducer:
         self.pre, self.post = (1.0 / world, 1.0) if prescale else (1.0 / predivide, predivide / world)
         if world == 1:
             self.pre = self.post = 1.0
-        self.rank = comm.shard_rank if stage > 0 else 0
+        self.rank = layout.rank
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
         # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`. Like PyTorch's
         # zero_grad(set_to_none=True) it exists only from a window's first gradient to the end of
