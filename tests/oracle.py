@@ -248,12 +248,12 @@ def stage3_releases(rank: int, world: int) -> dict:
     x, y = batches(world, 1)[0][0]
     engine.backward(engine(x[:MICRO], y[:MICRO]))
     engine.step()
-    held = sum(b.data.untyped_storage().nbytes() for g in engine.flat_groups for b in g.buckets)
+    held = sum(b.data.untyped_storage().nbytes() for g in engine.layout.groups for b in g.buckets)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     with engine.gathered_parameters():
         whole = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    owned = sum(g.data.numel() for g in engine.flat_groups)
-    total = sum(b.numel for g in engine.flat_groups for b in g.buckets)
+    owned = sum(g.data.numel() for g in engine.layout.groups)
+    total = sum(b.numel for g in engine.layout.groups for b in g.buckets)
     return {"held": held, "shapes": shapes, "whole": whole, "owned": owned, "total": total}
 
 

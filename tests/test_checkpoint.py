@@ -131,9 +131,24 @@ def wrong_model_run(rank: int, world: int, stage: int, path: str) -> list[str]:
     return errors
 
 
+# A checkpoint written by older code (tests/data/zerodp_checkpoint/make_fixture.py says which and how).
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "zerodp_checkpoint")
+
+
+def fixture_run(rank: int, world: int, path: str) -> dict:
+    """Load the fixture into a fresh engine (other initial weights), save it again to `path` at once,
+    then train one step: the weights after the load and after that step."""
+    engine = make_engine(world, 2, "bf16", seed=1)
+    engine.load_checkpoint(os.path.join(FIXTURE, "ckpt"))
+    loaded = engine.full_state_dict()
+    engine.save_checkpoint(path, "step2")
+    train(engine, rank, world, range(SAVE_AT, SAVE_AT + 1))
+    return {"loaded": loaded, "after": engine.full_state_dict()}
+
+
 def run_jobs(rank: int, world: int, jobs: list[tuple]) -> dict:
-    """Many runs in one set of ranks, in order: ('save'|'resume'|'wrong', key, stage, path, ...)."""
-    fns = {"save": save_run, "resume": resume_run, "wrong": wrong_model_run}
+    """Many runs in one set of ranks, in order: ('save'|'resume'|'wrong'|'fixture', key, stage or path, ...)."""
+    fns = {"save": save_run, "resume": resume_run, "wrong": wrong_model_run, "fixture": fixture_run}
     return {job[1]: fns[job[0]](rank, world, *job[2:]) for job in jobs}
 
 
@@ -181,7 +196,7 @@ def runs() -> dict:
         ("resume", "offloadto3", 3, ckpt("off")),
         ("save", "bf16_save", 2, ckpt("bf16"), "bf16"), ("resume", "bf16_resume", 1, ckpt("bf16"), "bf16"),
         ("save", "fp16_save", 1, ckpt("fp16"), "fp16"), ("resume", "fp16_resume", 2, ckpt("fp16"), "fp16"),
-        ("wrong", "wrong", 2, ckpt("w4")),
+        ("wrong", "wrong", 2, ckpt("w4")), ("fixture", "fixture", ckpt("fixture")),
     ]))
     return out
 
@@ -259,6 +274,30 @@ def reseeded_draws(seed: int) -> list[float]:
     random.setstate(states[1])
     np.random.set_state(states[2])
     return draws
+
+
+def _saved_tensors(path: str, tmp) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(path, str(tmp / "all.pt"))
+    return torch.load(str(tmp / "all.pt"), weights_only=True)
+
+
+def test_reads_a_checkpoint_saved_before_and_writes_it_unchanged(tmp_path):
+    """A checkpoint saved by older code (the fixture) loads to the weights that code had, training goes
+    on from it as it did, and saving it again writes the same tensors and zerodp.json."""
+    expected = torch.load(os.path.join(FIXTURE, "expected.pt"), weights_only=True)
+    got = runs()[2]["fixture"][0]
+    assert_identical(got["loaded"], expected["saved"])
+    assert_identical(got["after"], expected["after"])
+    old, new = os.path.join(FIXTURE, "ckpt", "step2"), os.path.join(ckpt("fixture"), "step2")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    assert_identical(_saved_tensors(new, tmp_path / "new"), _saved_tensors(old, tmp_path / "old"))
+    with open(os.path.join(old, "zerodp.json")) as f, open(os.path.join(new, "zerodp.json")) as g:
+        before, after = json.load(f), json.load(g)
+    for meta in (before, after):
+        del meta["files"]  # sizes and checksums of the DCP files, which carry pickled write plans
+    assert after == before
 
 
 def test_bf16_round_trip_masters_exact_working_params_rounded():

@@ -61,8 +61,8 @@ def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str, shard: 
         engine.units, engine.partitioned_optimizer.buckets, engine.gatherer.last_unit)
     return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi, "by_group": dict(traffic.by_group),
             "gathered": gathered,
-            "bucket_numels": [b.numel for fg in engine.flat_groups for b in fg.buckets],
-            "slots": sum(len(b.slots) for fg in engine.flat_groups for b in fg.buckets), "world": world,
+            "bucket_numels": [b.numel for fg in engine.layout.groups for b in fg.buckets],
+            "slots": sum(len(b.slots) for fg in engine.layout.groups for b in fg.buckets), "world": world,
             "element_size": torch.empty((), dtype=DTYPES[dtype]).element_size()}
 
 

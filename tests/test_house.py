@@ -259,6 +259,56 @@ def private_reexports(src: Path, root: str = "zerodp") -> list[str]:
     return out
 
 
+# The engine's parts: engine.py builds and drives them; everything else reads the engine's public methods
+# and `engine.layout` (engine/layout.py), so that the parts can change without their readers.
+ENGINE_PARTS = {"partitioned_optimizer", "reducer", "gatherer"}
+ENGINE_OWNER = "engine/engine.py"
+
+
+def engine_part_chains(src: Path, root: str = "zerodp", owner: str = ENGINE_OWNER) -> list[str]:
+    """'file:line x.part' for every reach into one of the engine's parts outside its owner: an attribute
+    `.partitioned_optimizer` / `.reducer` / `.gatherer` of anything but `self` (an object's own part of
+    that name is its business), or getattr(x, "part")."""
+    out = []
+    for path in sorted((src / root).rglob("*.py")):
+        if path.relative_to(src / root).as_posix() == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                out.append(f"{path.relative_to(src)}:{node.lineno} {_dotted(node) or '(...).' + node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                  and node.args[1].value in ENGINE_PARTS):
+                out.append(f"{path.relative_to(src)}:{node.lineno} getattr(..., {node.args[1].value!r})")
+    return out
+
+
+# The engine's internals, by module: the names a package above the engine may import from each.
+ENGINE_INTERNALS = {"engine.reducer": set(), "engine.optimizer": {"OptimizerLike"}}
+
+
+def internals_imported_from_above(src: Path, root: str = "zerodp", above: set[str] | None = None) -> list[str]:
+    """'file:line module.name' for every import of an engine internal (ENGINE_INTERNALS) by a module of a
+    package above the engine (every top-level entry but engine and what it stands on, by default)."""
+    above = ABOVE_THE_ENGINE if above is None else above
+    internals = {f"{root}.{m}": names for m, names in ENGINE_INTERNALS.items()}
+    out = []
+    for name, path in module_files(src, root).items():
+        parts = name.split(".")
+        if (parts[1] if len(parts) > 1 else root) not in above:
+            continue
+        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found = [(a.name, "*") for a in node.names if a.name in internals]
+            elif node.module in internals:
+                found = [(node.module, a.name) for a in node.names if a.name not in internals[node.module]]
+            else:
+                found = [(f"{node.module}.{a.name}", "*") for a in node.names if f"{node.module}.{a.name}" in internals]
+            out += [f"{path.relative_to(src)}:{node.lineno} {m}.{n}" for m, n in found]
+    return out
+
+
 def _describe(found: list[list[str]]) -> str:
     return "; ".join(" -> ".join(c) for c in found)
 
@@ -287,6 +337,17 @@ def test_the_engine_imports_nothing_above_it():
 def test_no_function_over_60_lines():
     found = long_functions(SRC)
     assert not found, "functions over 60 lines: " + ", ".join(found)
+
+
+def test_nothing_reaches_into_the_engines_parts():
+    found = engine_part_chains(SRC)
+    assert not found, ("the engine's parts reached into outside engine.py (use engine.layout or a public method of "
+                       "the engine, adding one if it is missing): " + ", ".join(found))
+
+
+def test_nothing_above_the_engine_imports_its_internals():
+    found = internals_imported_from_above(SRC)
+    assert not found, "engine internals imported from above the engine: " + ", ".join(found)
 
 
 def _outside_files() -> list[Path]:
@@ -381,6 +442,39 @@ def test_checker_reports_a_private_name_through_a_face(tmp_path):
         "pkg/engine/core.py:1 _Section from pkg.config", "pkg/engine/dotted.py:2 _Section from pkg.config",
         "pkg/engine/late.py:2 _Section from pkg.config", "tests/test_x.py:1 _Section from pkg.config"]
     assert private_reexports(src, "pkg") == ["pkg/config/__init__.py:1 _Section", "pkg/engine/__init__.py:1 _hidden"]
+
+
+def test_checker_reports_a_chain_into_the_engines_parts(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/engine.py": "class Engine:\n    def f(self, engine):\n        return engine.reducer.on_new_buffer\n",
+        "pkg/engine/order.py": "class Order:\n    def f(self):\n        return self.partitioned_optimizer.buckets\n",
+        "pkg/checkpoint/save.py": ("def save(engine):\n    part = engine.partitioned_optimizer\n"
+                                   "    return part.masters, engine.engine.gatherer, getattr(engine, 'reducer', None)\n"),
+        "pkg/plan/peak.py": "def label(engine):\n    return engine.layout.buckets, engine.master_shards()\n",
+    })
+    assert engine_part_chains(tmp_path, "pkg") == [
+        "pkg/checkpoint/save.py:2 engine.partitioned_optimizer", "pkg/checkpoint/save.py:3 engine.engine.gatherer",
+        "pkg/checkpoint/save.py:3 getattr(..., 'reducer')"]
+
+
+def test_checker_reports_an_engine_internal_imported_from_above(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "from pkg.engine.optimizer import OptimizerLike\n",
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/memory.py": "from pkg.engine.reducer import POOL_BUFFERS\n",  # inside the engine: its own
+        "pkg/engine/optimizer.py": "OptimizerLike = object\nclass PartitionedOptimizer: ...\n",
+        "pkg/engine/reducer.py": "POOL_BUFFERS = 3\n",
+        "pkg/plan/__init__.py": "",
+        "pkg/plan/peak.py": "from pkg.engine.reducer import POOL_BUFFERS\nfrom pkg.engine import optimizer\n",
+        "pkg/checkpoint/__init__.py": "",
+        "pkg/checkpoint/apply.py": "def f():\n    from pkg.engine.optimizer import OptimizerLike, PartitionedOptimizer\n",
+    })
+    found = internals_imported_from_above(tmp_path, "pkg", {"pkg", "plan", "checkpoint"})
+    assert sorted(found) == ["pkg/checkpoint/apply.py:2 pkg.engine.optimizer.PartitionedOptimizer",
+                             "pkg/plan/peak.py:1 pkg.engine.reducer.POOL_BUFFERS",
+                             "pkg/plan/peak.py:2 pkg.engine.optimizer.*"]
 
 
 @pytest.mark.parametrize("rule", ["circle", "long", "face"])

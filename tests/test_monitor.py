@@ -183,8 +183,8 @@ def test_comms_logger_counts_every_collective_with_its_message_size(caplog):
     # one step of stage 2: the gradient bucket's reduce_scatter, the norm's all_reduce (with the two
     # non-finite flags and one used bit per parameter tensor: fp64 values), the parameters' all_gather;
     # sizes are the whole fp32 bucket
-    full = sum(b.numel * 4 for g in engine.flat_groups for b in g.buckets)
-    tensors = sum(len(b.slots) for g in engine.flat_groups for b in g.buckets)
+    full = sum(b.numel * 4 for g in engine.layout.groups for b in g.buckets)
+    tensors = sum(len(b.slots) for g in engine.layout.groups for b in g.buckets)
     assert stats == {"all_gather": (1, full), "all_reduce": (1, 24 + 8 * tensors), "reduce_scatter": (1, full)}
     assert {k: c for k, (c, _) in stats.items()} == dict(engine.comm.traffic.calls)
 

@@ -63,7 +63,7 @@ def _train(model, engine, steps: int = 2):
 def test_stage3_offload_param_keeps_the_shards_in_host_memory_and_reports_them_there():
     model, engine = _engine(offload_param=True)
     _train(model, engine)
-    assert all(g.data.device.type == "cpu" for g in engine.flat_groups)
+    assert all(g.data.device.type == "cpu" for g in engine.layout.groups)
     report = engine.memory_report()
     assert report["gathered_params"] == 0, "between steps nothing is gathered"
     assert report["host_model_states"] == report["working_params"] > 0
@@ -87,9 +87,9 @@ def test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device(
     del model, on_device
     model, engine = _engine(offload_param=True, device="cuda")
     offloaded_bytes = torch.cuda.memory_allocated() - base
-    shard = sum(g.data.numel() * g.data.element_size() for g in engine.flat_groups)
-    assert all(g.data.device.type == "cpu" and g.data.is_pinned() for g in engine.flat_groups)
-    assert all(b.data.device.type == "cuda" for g in engine.flat_groups for b in g.buckets)
+    shard = sum(g.data.numel() * g.data.element_size() for g in engine.layout.groups)
+    assert all(g.data.device.type == "cpu" and g.data.is_pinned() for g in engine.layout.groups)
+    assert all(b.data.device.type == "cuda" for g in engine.layout.groups for b in g.buckets)
     assert offloaded_bytes <= device_bytes - shard + 4096  # the bf16 shards left the device
     _train(model, engine)
     assert engine.memory_report()["gathered_params"] == 0

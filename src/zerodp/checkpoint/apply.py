@@ -34,18 +34,15 @@ class Staged:
 
 def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
     """Write what was staged into the engine; parts says what besides the weights."""
-    part = engine.partitioned_optimizer
     with torch.no_grad():
-        for m, new in zip(part.masters, staged.masters):
+        for m, new in zip(engine.master_shards(), staged.masters):
             m.copy_(new.view(m.shape))
         for name, t in untrained(engine).items():
             if name in staged.untrained:
                 t.data.copy_(staged.untrained[name])
     if parts.optimizer:
         _apply_optimizer(engine, meta, staged)
-    part.all_gather()  # working params from the masters, on every rank
-    if getattr(engine, "gatherer", None) is not None:
-        engine.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+    engine.weights_from_masters()
     engine.drop_gradients()
     if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None and parts.lr_scheduler:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
@@ -60,11 +57,11 @@ def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
 def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
-    part, opt = engine.partitioned_optimizer, engine.optimizer
+    opt, masters = engine.optimizer, engine.master_shards()
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
-    for i, (b, m) in enumerate(zip(part.buckets, part.masters)):
+    for i, (b, m) in enumerate(zip(engine.layout.buckets, masters)):
         entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
         entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
                       if k.split("/", 1)[0] == str(b.group)})
@@ -78,7 +75,7 @@ def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
     opt.load_state_dict(sd)
     if engine.used_only is not None:
         names = {id(p): n for n, p in engine.module.named_parameters()}
-        engine.used_only.after_load(opt, part.masters, names, meta.get("step_counts"))
+        engine.used_only.after_load(opt, masters, names, meta.get("step_counts"))
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:

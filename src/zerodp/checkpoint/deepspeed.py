@@ -368,8 +368,7 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
 
 def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
-    part = engine.partitioned_optimizer
-    kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters] for k in ckpt.parts}
+    kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in engine.master_shards()] for k in ckpt.parts}
     for pc in owned_pieces(engine):
         for kind, dests in kinds.items():
             ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])

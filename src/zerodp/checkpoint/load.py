@@ -88,14 +88,14 @@ def _check_model(engine, path: str, meta: dict) -> None:
 def _stage(engine, path: str, meta: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
-    part, rank = engine.partitioned_optimizer, engine.comm.rank
-    masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in part.masters]
+    shards, rank = engine.master_shards(), engine.comm.rank
+    masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in shards]
     keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
     states = {}
     for key in sorted(keys):
         dtype = next(md.properties.dtype for k, md in metadata.state_dict_metadata.items()
                      if k.startswith(f"optim/{key}/"))
-        states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in part.masters]
+        states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
     copies: dict[str, list] = {}  # saved piece -> [(source offset, destination, its offset, numel)]
     saved = {"master": saved_pieces(metadata, "master/")}
     saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in keys})

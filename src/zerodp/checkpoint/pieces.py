@@ -29,10 +29,10 @@ class Piece:
 def owned_pieces(engine) -> list[Piece]:
     """The parameter pieces this rank's master shards hold (every piece of the model in stage 0)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    part, pieces = engine.partitioned_optimizer, []
-    for i, b in enumerate(part.buckets):
-        lo_r = part.rank * b.shard_numel
-        for _, s, lo, hi in b.owned_slots(part.rank):
+    layout, pieces = engine.layout, []
+    for i, b in enumerate(layout.buckets):
+        lo_r = layout.shard_start(b)
+        for _, s, lo, hi in layout.owned_slots(b):
             pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
     return pieces
 
@@ -55,9 +55,10 @@ def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]
 
 def signature(engine) -> list[dict]:
     """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
-    trained = {id(s.param): b.group for b in engine.partitioned_optimizer.buckets for s in b.slots}
+    layout = engine.layout
+    trained = {id(s.param): b.group for b, s in layout.slots()}
     # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
-    shapes = {id(s.param): s.shape for b in engine.partitioned_optimizer.buckets for s in b.slots}
+    shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}
     out = []
@@ -78,7 +79,7 @@ def untrained(engine) -> dict[str, torch.Tensor]:
 def group_states(engine) -> dict[int, dict]:
     """The optimizer state of the first master of each param group (its per-group scalars)."""
     out: dict[int, dict] = {}
-    for b, m in zip(engine.partitioned_optimizer.buckets, engine.partitioned_optimizer.masters):
+    for b, m in zip(engine.layout.buckets, engine.master_shards()):
         if b.group not in out and m in engine.optimizer.state:
             out[b.group] = engine.optimizer.state[m]
     return out
@@ -87,13 +88,13 @@ def group_states(engine) -> dict[int, dict]:
 def local_state(engine) -> dict[str, torch.Tensor]:
     """The DCP tensors this rank writes (CPU copies): its master/optimizer pieces and, on rank 0,
     the replicated tensors. Also what tests compare: the union over ranks is layout-free."""
-    comm, part = engine.comm, engine.partitioned_optimizer
+    comm, masters = engine.comm, engine.master_shards()
     writes_replicated = comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Hierarchical sharding: the first copy of each shard writes it (the others hold the same values).
     if (engine.stage > 0 and comm.replica_rank == 0) or writes_replicated:
         for pc in owned_pieces(engine):
-            m = part.masters[pc.master]
+            m = masters[pc.master]
             out[f"master/{pc.name}@{pc.start}"] = _cpu(m.detach()[pc.offset:pc.offset + pc.numel])
             for key, v in engine.optimizer.state.get(m, {}).items():
                 if torch.is_tensor(v) and v.shape == m.shape:
@@ -117,7 +118,7 @@ def first_non_finite(engine) -> str | None:
     One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
     all sums come to the host in one sync); only a master whose sum is non-finite is searched.
     """
-    masters = engine.partitioned_optimizer.masters
+    masters = engine.master_shards()
     if not masters:
         return None
     sums = torch.stack([m.detach().sum() for m in masters])

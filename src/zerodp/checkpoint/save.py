@@ -130,7 +130,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
                               f"bools, None): {e}") from None
-    for b, m in zip(engine.partitioned_optimizer.buckets, engine.partitioned_optimizer.masters):
+    for m in engine.master_shards():
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
                 raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
@@ -165,7 +165,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
                         engine.used_only.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
-                   for b in engine.partitioned_optimizer.buckets],
+                   for b in engine.layout.buckets],
     }
 
 

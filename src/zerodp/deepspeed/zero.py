@@ -52,23 +52,23 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     flat view of this rank's shard: empty, part or all of it, since zerodp shards buckets, not each
     parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are not partitioned
     (every rank holds them whole) and get none, as DeepSpeed's unpartitioned parameters."""
-    gatherer = engine.engine.gatherer
-    if gatherer is None:
+    inner = engine.engine
+    if inner.stage != 3:
         return
-    index = {id(p): i for i, p in enumerate(engine.engine.module.parameters())}
-    rank = engine.engine.comm.shard_rank
-    for b in gatherer.buckets:
-        first = rank * b.shard_numel
+    index = {id(p): i for i, p in enumerate(inner.module.parameters())}
+    layout = inner.layout
+    for b in layout.buckets:
+        first = layout.shard_start(b)
         for s in b.slots:
             lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
             s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
             s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
-    params = {b.index: [s.param for s in b.slots] for b in gatherer.buckets}
+    params = {b.index: [s.param for s in b.slots] for b in layout.buckets}
 
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
-    gatherer.watch(status)
-    engine.engine.gathered_state.advice = _ADVICE
+    inner.watch_gathers(status)
+    inner.gathered_state.advice = _ADVICE
 
 
 @contextmanager

@@ -1,5 +1,7 @@
 """One training step, sharded: the engine (engine.py) and the pieces it ties together, each named as
-in the ZeRO paper. spec.py decides the engine's facts once (EngineSpec), by a check local to each rank. flat.py lays parameters out in flat padded buffers and partitions them; reducer.py
+in the ZeRO paper. spec.py decides the engine's facts once (EngineSpec), by a check local to each
+rank. flat.py lays parameters out in flat padded buffers and partitions them, and layout.py holds that
+layout once, with this rank's shard, for everything that reads it; reducer.py
 buckets gradients and reduce-scatters them during backward; optimizer.py steps the user's optimizer on
 the fp32 master shard and all-gathers the result; units.py and stage3.py choose stage 3's units and
 gather them before use, release them after, and gathered_state.py gathers them for module.state_dict();

@@ -21,10 +21,11 @@ from zerodp.distributed.device import can_pin, seed_everything
 from zerodp.engine import materialize, tensor_parallel
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import lay_out, local, set_local
+from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
 from zerodp.engine.init_source import ParamInitFn
+from zerodp.engine.layout import Layout
 from zerodp.engine.materialize import Filling
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
@@ -46,9 +47,8 @@ from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
 from zerodp.engine.source import ParameterSource
 from zerodp.engine.spec import EngineSpec, local_check
-from zerodp.engine.stage3 import Gatherer
+from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, Units
-from zerodp.engine.units import layout as stage3_layout
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.step import StepMonitor
 
@@ -97,14 +97,13 @@ class Engine:
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
         layout, fp32_shards = self._flat_buffers(groups)
-        self.flat_groups = layout  # the flat groups of buckets the trained parameters are views into
-        buckets = [b for g in layout for b in g.buckets]
-        self.used_only = self._used_parameters(buckets)  # the parameters a step updates (unused.py); None: all
+        self.layout: Layout = layout  # the buckets the trained parameters are views into, this rank's shard
+        self.used_only = self._used_parameters(layout)  # the parameters a step updates (unused.py); None: all
         # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
         self.partitioned_optimizer = self._partitioned(optimizer, layout, fp32_shards)
         self.optimizer: Optimizer = self.partitioned_optimizer.optimizer  # the torch optimizer it steps
         self.forward_order = self._forward_order()  # overlap_param_gather's gather order; None without it
-        self.gatherer = self._gatherer(buckets)  # stage 3's gather and release of each unit; None below stage 3
+        self.gatherer = self._gatherer(layout)  # stage 3's gather and release of each unit; None below stage 3
         # stage 3: module.state_dict() gathers the parameters it would otherwise hold empty; None below it
         self.gathered_state = (GatheredStateDict(module, self.gatherer, comm, config.comm_timeout_s)
                                if self.gatherer is not None else None)
@@ -191,27 +190,25 @@ class Engine:
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = (lay_out(groups, comm.shard_size if self.stage > 0 else 1, zero.reduce_bucket_size) if self.stage < 3
-                  else stage3_layout(groups, self.units, comm.shard_size, zero))
-        rank = comm.shard_rank if self.stage > 0 else 0
-        fp32_shards = materialize.fill(layout, self.spec.filling, comm, rank, self.dtype, self.device, self.stage == 3,
+        layout = Layout.build(groups, self.stage, self.units, comm, zero)
+        fp32_shards = materialize.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
                                        self.offload_param, zero.offload_param.pin_memory and can_pin())
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
         return layout, fp32_shards
 
-    def _used_parameters(self, buckets: list) -> UsedParameters | None:
+    def _used_parameters(self, layout: Layout) -> UsedParameters | None:
         """Steps only the parameters that got a gradient (PyTorch's semantics); None when
         step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's)."""
         if self.config.zero_optimization.step_unused_parameters:
             return None
-        return UsedParameters(buckets, self.comm.shard_rank if self.stage > 0 else 0, self.comm, self.stage)
+        return UsedParameters(layout, self.comm, self.stage)
 
-    def _partitioned(self, optimizer: OptimizerLike, layout: list,
+    def _partitioned(self, optimizer: OptimizerLike, layout: Layout,
                      fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
         zero = self.config.zero_optimization
         offload = zero.offload_optimizer
@@ -225,13 +222,13 @@ class Engine:
             return ForwardOrder(self.module, self.partitioned_optimizer)
         return None
 
-    def _gatherer(self, buckets: list) -> Gatherer | None:
+    def _gatherer(self, layout: Layout) -> Gatherer | None:
         if self.stage != 3:
             return None
-        return Gatherer(self.units, buckets, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
+        return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
                         self.offload_param)
 
-    def _reducer(self, layout: list) -> Reducer:
+    def _reducer(self, layout: Layout) -> Reducer:
         config, zero = self.config, self.config.zero_optimization
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
@@ -577,4 +574,35 @@ class Engine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by category, counted from the tensors the engine owns."""
-        return memory_report(self)
+        return memory_report(self, self.reducer, self.partitioned_optimizer, self.gatherer is not None)
+
+    # ---- the layout's model states, for checkpoint/, plan/ and the compatibility layers -----------
+    # (self.layout: the buckets, this rank's shard, every trained parameter's slot; layout.py)
+    def master_shards(self) -> list[torch.Tensor]:
+        """This rank's fp32 master of each bucket, by bucket index (the whole bucket in stage 0). Written
+        in place, they become the weights at the next weights_from_masters()."""
+        return self.partitioned_optimizer.masters
+
+    @property
+    def masters_are_copies(self) -> bool:
+        """The fp32 masters are tensors of their own (mixed precision, offload), not the working shards."""
+        return self.partitioned_optimizer.separate
+
+    def full_master(self, b: Bucket) -> torch.Tensor:
+        """Bucket b's fp32 master values from every rank (collective in stages 1-3)."""
+        return self.partitioned_optimizer.full_master(b, self.partitioned_optimizer.masters[b.index])
+
+    def weights_from_masters(self) -> None:
+        """The working parameters from the fp32 masters, on every rank (collective): after the masters
+        were written (a checkpoint loaded)."""
+        self.partitioned_optimizer.all_gather()
+        if self.gatherer is not None:
+            self.gatherer.refresh_persistent()  # stage 3 keeps small parameters whole
+
+    def on_new_gradient_buffer(self, callback: Callable[[torch.Tensor, str], None]) -> None:
+        """callback(tensor, "grad" or "bucket") with each gradient or reduce buffer the reducer makes."""
+        self.reducer.on_new_buffer.append(callback)
+
+    def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
+        """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
+        self.gatherer.watch(watcher)

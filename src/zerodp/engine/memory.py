@@ -1,7 +1,7 @@
 """Per-rank memory: what the engine holds (measured) and what DESIGN.md's table predicts (formula).
 `zerodp estimate` (estimate.py) puts the two side by side for any world size.
 
-Measured: `memory_report(engine)` counts the bytes of the tensors the engine owns, by category.
+Measured: `memory_report(engine, ...)` (engine.memory_report()) counts the bytes of the tensors the engine owns, by category.
 Formula: `formula(num_params, world, stage)` is the ZeRO paper's model-state table (Ψ parameters,
 N ranks, Adam): stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
 `activation_estimate` is the activation side of the same budget, estimated, not measured.
@@ -28,7 +28,8 @@ from zerodp.activations import attached
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
 from zerodp.engine.offload import pinned_bytes
-from zerodp.engine.reducer import POOL_BUFFERS
+from zerodp.engine.optimizer import PartitionedOptimizer
+from zerodp.engine.reducer import POOL_BUFFERS, Reducer
 
 GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
@@ -42,8 +43,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_report(engine) -> dict[str, int]:
-    """Bytes this rank holds, by category, counted from the tensors the engine owns.
+def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, gathers: bool) -> dict[str, int]:
+    """Bytes this rank holds, by category, counted from the tensors the engine owns: its layout, its
+    reducer and partitioned optimizer, and (`gathers`, stage 3) the gathered copies.
 
     model_states = working params (flat buffers, padding included) + frozen params and buffers +
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
@@ -52,23 +54,22 @@ def memory_report(engine) -> dict[str, int]:
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
-    flat = {id(s.param) for g in engine.flat_groups for b in g.buckets for s in b.slots}
+    layout = engine.layout
+    flat = layout.by_param()
     untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
                  if id(t) not in flat}
-    grads = engine.reducer.bytes()
-    opt = engine.partitioned_optimizer
+    grads, opt = reducer.bytes(), partitioned
     report = {
-        "working_params": sum(_nbytes(g.data) for g in engine.flat_groups if g.data is not None),
+        "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": grads["gradients"],
-        **engine.partitioned_optimizer.bytes(),
+        **opt.bytes(),
         "reduce_buckets": grads["reduce_buckets"],
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": 0 if engine.gatherer is None else sum(
-            b.data.untyped_storage().nbytes() for g in engine.flat_groups for b in g.buckets),
+        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.buckets),
         # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
         # sub_group_size elements at a time.
-        "step_transient": opt.step_copy_bytes([b.shard_numel for b in opt.buckets], engine.reducer.acc_dtype),
+        "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,

@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin
-from zerodp.engine.flat import ALIGN, Bucket, FlatGroup
+from zerodp.engine.flat import ALIGN, Bucket
+from zerodp.engine.layout import Layout
 from zerodp.engine.offload import HostShards, use_fused_kernel
 from zerodp.engine.unused import UsedParameters
 from zerodp.monitor.timers import TimedGathers, gather_phase
@@ -32,7 +33,7 @@ OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 
 class PartitionedOptimizer(TimedGathers):
-    def __init__(self, optimizer: OptimizerLike, groups: list[FlatGroup], fp32_shards: list[torch.Tensor],
+    def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
                  used_only: UsedParameters | None = None):
@@ -41,8 +42,8 @@ class PartitionedOptimizer(TimedGathers):
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
         self.used_only = used_only  # parameters without a gradient are not stepped (None: all are)
-        self.rank = comm.shard_rank if stage > 0 else 0
-        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.rank = layout.rank
+        self.buckets: list[Bucket] = layout.buckets
         # Tensor parallelism, tp rank > 0: 0 for the gradient rows of parameters that every tp rank holds
         # alike (plain or Replicate: tp rank 0 counts them), 1 for tp shards; None: every row counts.
         self.tp_counted = None
@@ -64,7 +65,7 @@ class PartitionedOptimizer(TimedGathers):
             # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
             self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
         self.set_gather_order(list(range(len(self.buckets))))
-        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in groups]
+        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in layout.groups]
         if isinstance(optimizer, Optimizer):
             if len(optimizer.state) > 0:
                 raise ValueError("the optimizer already has state; pass a freshly built optimizer "

@@ -45,7 +45,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup, local
+from zerodp.engine.flat import Bucket, local
+from zerodp.engine.layout import Layout
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
@@ -80,7 +81,7 @@ class InFlight(NamedTuple):
 
 
 class Reducer:
-    def __init__(self, groups: list[FlatGroup], comm: Comm, stage: int, acc_dtype: torch.dtype,
+    def __init__(self, layout: Layout, comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False,
                  predivide: float | None = None, bucket_numel: int | None = None):
@@ -93,7 +94,7 @@ class Reducer:
         # the micro-step's gradients passing through a pooled buffer; False keeps full buckets, summed
         # in place (stages 0, 1). With one rank a shard is the whole bucket: full buckets, no pool.
         self.sharded_grads = stage >= 2 and comm.shard_size > 1
-        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.buckets: list[Bucket] = layout.buckets
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
         self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
         world = comm.world_size  # the mean is over every rank, also with hierarchical sharding
@@ -103,7 +104,7 @@ class Reducer:
         self.pre, self.post = (1.0 / world, 1.0) if prescale else (1.0 / predivide, predivide / world)
         if world == 1:
             self.pre = self.post = 1.0
-        self.rank = comm.shard_rank if stage > 0 else 0
+        self.rank = layout.rank
         # The gradient that survives until the step: a full bucket (stages 0, 1) or the rank's
         # shard (stages 2, 3), accumulated across micro-steps in `acc_dtype`. Like PyTorch's
         # zero_grad(set_to_none=True) it exists only from a window's first gradient to the end of

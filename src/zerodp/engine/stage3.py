@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, local_setter
+from zerodp.engine.layout import Layout
 from zerodp.engine.units import Units
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
@@ -76,9 +77,10 @@ class BucketState(Enum):
 
 
 class Gatherer(TimedGathers):
-    def __init__(self, units: Units, buckets: list[Bucket], comm: Comm, prefetch_numel: int,
+    def __init__(self, units: Units, layout: Layout, comm: Comm, prefetch_numel: int,
                  host_shards: bool = False):
         self.comm = comm
+        buckets = layout.buckets
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
         self.persistent = {b.index for b in buckets if b.persistent}

@@ -32,14 +32,15 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin
-from zerodp.engine.flat import Bucket
+from zerodp.engine.layout import Layout
 
 
 class UsedParameters:
     """The window's used bits, their agreement across ranks, and a step that leaves the rest alone."""
 
-    def __init__(self, buckets: list[Bucket], rank: int, comm: Comm, stage: int):
+    def __init__(self, layout: Layout, comm: Comm, stage: int):
         self.comm, self.stage = comm, stage
+        buckets, rank = layout.buckets, layout.rank
         self.first = []  # global slot id of each bucket's first slot
         self.params = [s.param for b in buckets for s in b.slots]  # by slot id
         total = 0

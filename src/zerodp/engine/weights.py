@@ -56,11 +56,12 @@ def engine_weights(engine: Engine) -> Weights:
     collective (stages 1-3 gather each bucket from its owners): every rank must iterate it to the end."""
     refuse(engine.comm, "exporting the weights (engine_weights: the Hugging Face export, zerodp consolidate)")
     engine.wait_for_parameters()
-    slots = {id(s.param): s for b in engine.partitioned_optimizer.buckets for s in b.slots}
+    layout = engine.layout
+    slots = layout.by_param()
     shapes, ties, first = {}, {}, {}
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) in slots:
-            shapes[name] = (slots[id(t)].shape, torch.float32)
+            shapes[name] = (layout.shape_of(slots[id(t)][1]), torch.float32)
         else:
             shapes[name] = (t.shape, torch.float32 if t.is_floating_point() else t.dtype)
         if id(t) in first:
@@ -71,13 +72,12 @@ def engine_weights(engine: Engine) -> Weights:
 
 
 def _stream(engine: Engine, first: dict[int, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    partitioned = engine.partitioned_optimizer
     trained = set()
-    for b, m in zip(partitioned.buckets, partitioned.masters):
-        full = partitioned.full_master(b, m)  # one bucket, fp32, on every rank
+    for b in engine.layout.buckets:
+        full = engine.full_master(b)  # one bucket, fp32, on every rank
         for s in b.slots:
             trained.add(id(s.param))
-            yield first[id(s.param)], full[s.offset:s.offset + s.numel].view(s.shape)
+            yield first[id(s.param)], full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
         del full
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) not in trained and first.get(id(t)) == name:

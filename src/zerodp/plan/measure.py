@@ -19,7 +19,6 @@ import torch
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.comm import init_fake
 from zerodp.distributed.device import local, reset_peak_memory_stats
-from zerodp.engine.memory import memory_report
 
 
 def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -80,7 +79,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
         out = engine(*inputs(spec["micro_batch"], seq, device))
         engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
         engine.step()
-    report = memory_report(engine)
+    report = engine.memory_report()
     del engine, model
     dist.destroy_process_group()
     return {"num_params": psi, "report": report, "device": str(device),

@@ -231,19 +231,19 @@ def _zerodp_engine(spec: dict[str, Any], device: torch.device):
 def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
     """Each tensor the engine holds, under its column; the reducer's buffers as it makes them."""
     tracker.track_external(engine.module)
-    for g in engine.flat_groups:
+    for g in engine.layout.groups:
         if g.data is not None:
             tracker.label(g.data, Ref.PARAM)
-        for b in g.buckets if engine.gatherer is not None else ():
+        for b in g.buckets if engine.stage == 3 else ():
             tracker.label(b.data, Ref.GATHERED)
-    if engine.partitioned_optimizer.separate:  # in fp32 the master is the working buffer's shard itself
-        for m in engine.partitioned_optimizer.masters:
+    if engine.masters_are_copies:  # in fp32 the master is the working buffer's shard itself
+        for m in engine.master_shards():
             tracker.label(m, Ref.MASTER)
     for t in batch or ():
         if isinstance(t, torch.Tensor):
             tracker.label(t, Ref.OTH)
     # gradient and reduce buffers are made on first use in each window
-    engine.reducer.on_new_buffer.append(
+    engine.on_new_gradient_buffer(
         lambda t, kind: tracker.label(t, Ref.GRAD if kind == "grad" else Ref.BUCKET))
     return tracker
 

@@ -1,0 +1,70 @@
+"""The bucket layout: which parameters sit in which bucket of which group, and which shard is this rank's.
+
+Made once by the engine (`Layout.build`) and handed to the reducer, the partitioned optimizer, the
+used-parameter tracker and stage 3's gatherer; `checkpoint/`, `plan/` and `memory.py` read it as
+`engine.layout`. Nothing else derives the bucket list or this rank's shard index again.
+
+Shapes: a slot's shape is the shape of the tensor this rank holds for the parameter, and every reader
+of a trained parameter's shape asks `shape_of` (a stage-3 parameter between uses is an empty tensor,
+so its own `.shape` says nothing). Tensor parallelism puts a parameter's local shard here: `build` lays
+out what this rank holds, and `shape_of` is where a local shape and the global one part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from zerodp.config import ZeroConfig
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import Bucket, FlatGroup, Slot, lay_out
+from zerodp.engine.units import Units
+from zerodp.engine.units import layout as stage3_layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every optimizer param group's buckets, and this rank's place in their shards."""
+
+    groups: list[FlatGroup]    # one flat buffer of buckets per optimizer param group
+    rank: int                  # this rank's shard of every bucket (0 in stage 0, which shards nothing)
+    buckets: list[Bucket] = field(init=False)  # every group's buckets, by index (launch order)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buckets", [b for g in self.groups for b in g.buckets])
+
+    @classmethod
+    def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
+              zero: ZeroConfig) -> Layout:
+        """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
+        (units.layout). Allocates nothing: materialize.fill makes the buffers."""
+        if stage < 3:
+            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size)
+        else:
+            groups = stage3_layout(param_groups, units, comm.shard_size, zero)
+        return cls(groups, comm.shard_rank if stage > 0 else 0)
+
+    def slots(self) -> Iterator[tuple[Bucket, Slot]]:
+        """Every trained parameter's slot with its bucket, in bucket order."""
+        for b in self.buckets:
+            for s in b.slots:
+                yield b, s
+
+    def by_param(self) -> dict[int, tuple[Bucket, Slot]]:
+        """id(parameter) -> its bucket and slot, for every trained parameter."""
+        return {id(s.param): (b, s) for b, s in self.slots()}
+
+    def shape_of(self, s: Slot) -> torch.Size:
+        """The shape of the parameter in slot `s`, as saved and exported."""
+        return s.shape
+
+    def owned_slots(self, b: Bucket) -> Iterator[tuple[int, Slot, int, int]]:
+        """Bucket.owned_slots for this rank's shard: (i, slot i, lo, hi), [lo, hi) in bucket coordinates."""
+        return b.owned_slots(self.rank)
+
+    def shard_start(self, b: Bucket) -> int:
+        """Where this rank's shard of bucket `b` starts, in bucket coordinates."""
+        return self.rank * b.shard_numel
