@@ -139,7 +139,7 @@ class FlatGroup:
     numel: int
     data: torch.Tensor | None = None
 
-    def materialize(self, dtype: torch.dtype, fp32_buckets: Iterable[torch.Tensor], rank: int,
+    def allocate(self, dtype: torch.dtype, fp32_buckets: Iterable[torch.Tensor], rank: int,
                     sharded: bool = False, host_shards: bool = False, pin: bool = False) -> None:
         """Allocate the flat buffer, fill it, and turn every parameter into a view of it.
 

@@ -108,7 +108,7 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
                     swap_tensors(s.param, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
                                                        requires_grad=s.param.requires_grad))
-        g.materialize(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else None),
+        g.allocate(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else None),
                       rank, sharded=sharded, host_shards=host_shards, pin=pin)
         if not fresh:
             shards += [b.owned for b in g.buckets]
