@@ -7,7 +7,7 @@ in fresh processes, one at a time:
   config  this tree: the model built whole from config.json, initialize(weights=FOLDER) reads the buckets
   meta    the model built under torch.device("meta"), initialize(weights=FOLDER, param_init_fn=HF's
           _init_weights for the buffers): each rank reads only what its stage keeps (needs the meta set-up
-          of zerodp.engine.materialize)
+          of zerodp.engine.setup)
 
     python benchmarks/setup_memory_hf.py make --root /tmp/hf350      # GPT-2 medium shape, fp32 + bf16, sharded
     python benchmarks/setup_memory_hf.py run --root /tmp/hf350 --worlds 2 4 --stages 2 3 --folders fp32 bf16 \\

@@ -1,5 +1,5 @@
 """Weights read from files a range at a time, never whole on a rank: `open_weights(path, model)` gives the
-engine a ParameterSource (zerodp.engine.source) over a Hugging Face folder (one `model.safetensors`, or
+engine a ParameterSource (zerodp.engine.setup.source) over a Hugging Face folder (one `model.safetensors`, or
 shards with `model.safetensors.index.json`), a `.safetensors` file, a zerodp checkpoint or a DeepSpeed
 ZeRO checkpoint; the engine asks it for the element ranges this rank keeps.
 

@@ -184,7 +184,7 @@ def return_freed_host_memory(keep: int = 0) -> None:
     freed) in the heap, and which rank keeps how much depends on its heap's history: materialising a
     350M GPT on 4 ranks, one random rank kept up to 0.7 GiB more than the others, 1.5x its live
     tensors. Called once per bucket at set-up, and before each large module initialiser runs
-    (init_source.py), it holds every rank to its live tensors. `keep`: bytes left at the heap's top for
+    (engine/setup/initialisers.py), it holds every rank to its live tensors. `keep`: bytes left at the heap's top for
     an allocation about to be made, which then reuses them instead of faulting fresh pages in."""
     trim = _malloc_trim()
     if trim is not None:

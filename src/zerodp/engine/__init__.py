@@ -7,7 +7,8 @@ the fp32 master shard and all-gathers the result; units.py and stage3.py choose 
 gather them before use, release them after, and gathered_state.py gathers them for module.state_dict();
 precision.py and non_finite.py hold the loss scale and
 the skipped step; unused.py, forward_order.py and buffers.py handle parameters a step leaves unused,
-the gather order of the next forward, and floating buffers. At set-up, materialize.py fills the
-buffers bucket by bucket from a source.py ParameterSource (init_source.py: each module's initialiser,
-for a model built on meta); weights.py streams them back out, one bucket at a time, for export.
-memory.py measures what all of it holds; summary.py says what runs."""
+the gather order of the next forward, and floating buffers. At set-up, setup/ fills the buffers bucket
+by bucket from a ParameterSource (read top to bottom: setup/source.py, setup/initialisers.py for a
+model built on meta, setup/fill.py; its docstring lists every reader and writer of weight files);
+weights.py streams them back out, one bucket at a time, for export. memory.py measures what all of it
+holds; summary.py says what runs."""

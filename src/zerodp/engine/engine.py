@@ -18,15 +18,13 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
-from zerodp.engine import materialize, tensor_parallel
+from zerodp.engine import tensor_parallel
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
-from zerodp.engine.init_source import ParamInitFn
 from zerodp.engine.layout import Layout
-from zerodp.engine.materialize import Filling
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
     NonFiniteError,
@@ -45,7 +43,10 @@ from zerodp.engine.optimizer import (
 )
 from zerodp.engine.precision import LossScaler, cast_floating
 from zerodp.engine.reducer import Reducer
-from zerodp.engine.source import ParameterSource
+from zerodp.engine.setup import fill
+from zerodp.engine.setup.fill import Filling
+from zerodp.engine.setup.initialisers import ParamInitFn
+from zerodp.engine.setup.source import ParameterSource
 from zerodp.engine.spec import EngineSpec, local_check
 from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, Units
@@ -144,14 +145,14 @@ class Engine:
             if any(t.device != spec.device and not t.is_meta
                    for t in itertools.chain(self.module.parameters(), self.module.buffers())):
                 # only when needed: a model already there may hold fake tensors
-                materialize.move_to(self.module, spec.device)
+                fill.move_to(self.module, spec.device)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
         self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere(spec.filling)
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        materialize.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
+        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
         return spec, optimizer, groups
 
     def _check_same_everywhere(self, filling: Filling) -> None:
@@ -179,7 +180,7 @@ class Engine:
 
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
         """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
-        read from weights are every rank's already: materialize.start read them)."""
+        read from weights are every rank's already: fill.start read them)."""
         trained = {id(p) for g in groups for p in g}
         read = {id(p) for p in self.module.parameters()} if self.spec.filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
@@ -195,7 +196,7 @@ class Engine:
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
         layout = Layout.build(groups, self.stage, self.units, comm, zero)
-        fp32_shards = materialize.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
+        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
                                        self.offload_param, zero.offload_param.pin_memory and can_pin())
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)

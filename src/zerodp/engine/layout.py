@@ -40,7 +40,7 @@ class Layout:
     def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
               zero: ZeroConfig) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
-        (units.layout). Allocates nothing: materialize.fill makes the buffers."""
+        (units.layout). Allocates nothing: setup/fill.py's fill() makes the buffers."""
         if stage < 3:
             groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size)
         else:

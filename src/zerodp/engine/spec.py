@@ -18,10 +18,10 @@ from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
 from zerodp.engine import tensor_parallel
-from zerodp.engine.init_source import ParamInitFn
-from zerodp.engine.materialize import Filling, filling_for
 from zerodp.engine.optimizer import OptimizerLike
-from zerodp.engine.source import ParameterSource
+from zerodp.engine.setup.fill import Filling, filling_for
+from zerodp.engine.setup.initialisers import ParamInitFn
+from zerodp.engine.setup.source import ParameterSource
 from zerodp.engine.units import UnitRule, Units, find_units, unit_rule
 from zerodp.monitor.writers import check_available
 
@@ -83,7 +83,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
     """What this rank can tell about the model on its own, before any collective. (Tensors on meta are
-    materialize.filling_for's to check.)"""
+    fill.filling_for's to check.)"""
     if not any(groups):
         raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
                          "optimizer holds none), so there is nothing to train; set requires_grad=True on "

@@ -5,7 +5,7 @@ starts the fp32 master). One bucket at a time: no rank ever holds the whole mode
 
 Parameters outside the flat buffers (frozen ones) and buffers are small next to the model and are kept
 whole on every rank, as for a model built whole: frozen parameters from the source, buffers from their
-modules' initialisers (init_source.ModuleInit).
+modules' initialisers (initialisers.ModuleInit).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from torch.utils import swap_tensors
 from zerodp.distributed.device import return_freed_host_memory
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, FlatGroup
-from zerodp.engine.init_source import (
+from zerodp.engine.setup.initialisers import (
     ModuleInit,
     ParamInitFn,
     meta_names,
     missing_initialiser,
 )
-from zerodp.engine.source import ParameterSource
+from zerodp.engine.setup.source import ParameterSource
 
 
 @dataclass
@@ -81,7 +81,7 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
     if filling.inits is not None:
         state = filling.inits.initial_state.to(device)
         comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
-        filling.inits.start(state.cpu())
+        filling.inits.seed(state.cpu())
     for name, p in filling.module.named_parameters():
         if id(p) in trained or not (p.is_meta or filling.from_files):
             continue
@@ -126,9 +126,9 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
             values = b.flatten(torch.float32)
             comm.broadcast(values)  # every rank starts from rank 0's weights
         elif sharded:
-            values = _read(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling.source, names)
+            values = _bucket_elements(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling.source, names)
         else:
-            values = _read(b, 0, b.numel, filling.source, names)
+            values = _bucket_elements(b, 0, b.numel, filling.source, names)
         if shards is not None:
             shards.append(values if values.numel() == b.shard_numel else b.shard(values, rank).clone())
         yield values
@@ -136,7 +136,7 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
         return_freed_host_memory()  # the bucket's staging and its initialisers' stand-ins
 
 
-def _read(b: Bucket, lo: int, hi: int, source: ParameterSource, names: dict[int, str]) -> torch.Tensor:
+def _bucket_elements(b: Bucket, lo: int, hi: int, source: ParameterSource, names: dict[int, str]) -> torch.Tensor:
     """Elements [lo, hi) of bucket b, padding zero, each parameter's range asked of the source."""
     out = torch.zeros(hi - lo, dtype=torch.float32)
     for s in reversed(b.slots):  # registration order: a module initialiser's source runs each unit once

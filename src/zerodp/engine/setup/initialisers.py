@@ -100,7 +100,7 @@ class ModuleInit:
             raise ValueError(missing_initialiser(missing))
 
     # ---- values ---------------------------------------------------------------------------------
-    def start(self, state: torch.Tensor) -> None:
+    def seed(self, state: torch.Tensor) -> None:
         """Begin from this CPU random state (rank 0's, so that every rank draws the same values)."""
         self.states = [state]
 
