@@ -157,3 +157,36 @@ def test_a_source_missing_a_tensor_on_one_rank_is_an_error_on_every_rank(ranks):
     assert "blocks.1.mlp.c_fc.weight" in results[1]["missing"]["error"]
     assert "failed on rank 1" in results[0]["missing"]["error"]
     assert "blocks.1.mlp.c_fc.weight" in results[0]["missing"]["error"]
+
+
+def test_set_up_is_one_package_that_names_every_weight_file_reader_and_writer():
+    """engine/setup/ holds set-up in reading order, and its docstring is the one place that finds every
+    file that reads or writes weight files: each file and name it lists exists. The documented
+    `zerodp.engine.source.ParameterSource` (initialize's weights=) is the package's protocol."""
+    import importlib
+    import re
+
+    import zerodp.engine.setup as setup
+    from zerodp.engine.setup.source import ParameterSource
+    from zerodp.engine.source import ParameterSource as documented
+
+    assert documented is ParameterSource
+    for module in ("source", "initialisers", "fill"):
+        assert f"{module}.py" in setup.__doc__
+        importlib.import_module(f"zerodp.engine.setup.{module}")
+    fill = importlib.import_module("zerodp.engine.setup.fill")
+    for step in ("filling_for", "move_to", "start", "fill"):
+        assert callable(getattr(fill, step)) and setup.__doc__.count(f"`{step}`") == 1
+    listed: dict[str, list[str]] = {}  # file -> the names listed with it
+    path = None
+    for line in setup.__doc__.split("Everything that reads or writes weight files")[1].splitlines():
+        found = re.search(r"(zerodp/\S+)\.py", line)
+        if found:
+            path, line = found.group(1), line[found.end():]
+        if path is not None:
+            listed.setdefault(path, []).extend(re.findall(r"`(\w+)`", line))
+    assert set(listed) == {"zerodp/checkpoint/weights", "zerodp/models/hf_folder",
+                           "zerodp/engine/weights", "zerodp/models/weight_files"}
+    for path, names in listed.items():
+        module = importlib.import_module(path.replace("/", "."))
+        assert names and all(hasattr(module, n) for n in names), (path, names)
