@@ -350,13 +350,14 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
-    def init(mpu, stage=2, **kw):
+    def init(mpu, stage=2, zero=None, **kw):
         model = split_by_hand(build(), tp_group, "tensor_model_parallel")
-        return lambda: zerodp.initialize(model, optimizer(model), config(stage, 2), mpu=mpu, **kw)
+        return lambda: zerodp.initialize(model, optimizer(model), config(stage, 2, **(zero or {})), mpu=mpu, **kw)
     return {"mpu sizes": error(init(ParallelState(dist.group.WORLD, tp_group))),
             "mpu and mesh": error(init(ParallelState(dp_group, tp_group), device_mesh=mesh)),
             "mpu lacks groups": error(init(object())),
-            "mpu stage 0": error(init(ParallelState(dp_group, tp_group), stage=0))}
+            "mpu stage 0": error(init(ParallelState(dp_group, tp_group), stage=0)),
+            "mpu hierarchical": error(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1}))}
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -449,6 +450,7 @@ def test_mpu_setup_errors_on_every_rank_before_any_collective():
         assert "not both" in bad["mpu and mesh"], bad["mpu and mesh"]
         assert "get_data_parallel_group()" in bad["mpu lacks groups"], bad["mpu lacks groups"]
         assert "stage 0" in bad["mpu stage 0"], bad["mpu stage 0"]
+        assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
 
 
 @pytest.mark.parametrize("run", ["dp2 tp2 stage 1", "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"])

@@ -81,11 +81,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
       zerodp.engine.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
       files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
-    mpu: instead of device_mesh, for a Megatron-style model whose tensor-parallel parameters are already
-      plain local shards (marked `tensor_model_parallel=True`, or DeepSpeed's `model_parallel=True`):
-      Megatron's parallel_state or an object with its get_data_parallel_group() and
-      get_tensor_model_parallel_group() (or DeepSpeed's get_model_parallel_group()); ZeRO partitions over
-      the data-parallel group (docs/CONFIG.md, "Tensor parallelism").
+    mpu: instead of device_mesh, Megatron's parallel_state or DeepSpeed's mpu (its data- and tensor-parallel
+      groups), for a model whose tp parameters are plain local shards marked `tensor_model_parallel=True`
+      (or `model_parallel=True`); ZeRO partitions over the dp group (docs/CONFIG.md, "Tensor parallelism").
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).

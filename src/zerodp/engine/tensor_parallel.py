@@ -8,6 +8,10 @@ flat.set_local: the module keeps its DTensor parameters); stage 3 gathers over d
 norm, skip decision, loss scale and used bits are agreed over every rank of the world
 (Comm.everyone), each tp shard's gradient summed over the tp group and each parameter that the tp
 ranks hold alike counted once (flat.tp_duplicate, PartitionedOptimizer.tp_counted).
+
+A Megatron-style model, split by hand into plain local shards, comes with an `mpu` instead (Comm's
+mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `model_parallel` where
+they are tp shards (flat.tp_duplicate), and no mesh.
 """
 
 from __future__ import annotations
