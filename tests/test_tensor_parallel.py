@@ -2,7 +2,8 @@
 parameters): the oracle is one process training the whole model on the whole batch.
 
 One 4-rank launch runs every check (the suite's budget): (dp 2, tp 2) at stages 1, 2 and 3, (dp 4, tp 1)
-and (dp 1, tp 4) at stage 2, and the set-up errors. Each rank also trains the reference itself (the
+and (dp 1, tp 4) at stage 2, the same model split by hand the Megatron way and given with an `mpu` (both
+initializes, both spellings), and the set-up errors. Each rank also trains the reference itself (the
 model is tiny), so no result needs to travel between ranks.
 """
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import zerodp
+import zerodp.deepspeed as zds
 from spawn import run_ranks
 
 D, HEAD_DIM, D_IN, D_OUT, SEQ, BATCH, STEPS, LR, CLIP = 16, 4, 6, 5, 3, 4, 5, 1e-3, 0.05
@@ -201,10 +203,170 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     return out
 
 
+# ---- Megatron-style: plain local shards, marked, and an mpu ------------------------------------------
+
+class _CopyToTp(torch.autograd.Function):
+    """Megatron's f: identity forward; backward sums the input's gradient over the tp group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    """Megatron's g: forward sums the partial outputs over the tp group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class SplitLinear(nn.Module):
+    """One tp rank's part of a whole nn.Linear, cut by hand: column-parallel (rows of the weight, and of the
+    bias) or row-parallel (columns of the weight; the bias whole, replicated, added after the sum)."""
+
+    def __init__(self, whole: nn.Linear, column: bool, group, marking: str):
+        super().__init__()
+        self.column, self.group = column, group
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        dim = 0 if column else 1
+        self.weight = nn.Parameter(whole.weight.detach().chunk(tp, dim)[r].clone())
+        setattr(self.weight, marking, True)
+        self.bias = None
+        if whole.bias is not None:
+            self.bias = nn.Parameter(whole.bias.detach().chunk(tp)[r].clone() if column else whole.bias.detach().clone())
+            if column:
+                setattr(self.bias, marking, True)
+
+    def forward(self, x):
+        if self.column:
+            return F.linear(_CopyToTp.apply(x, self.group), self.weight, self.bias)
+        out = _ReduceFromTp.apply(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+    def whole(self) -> dict:
+        """The whole weight and bias, joined over the tp group (the model's original names' values)."""
+        out = {}
+        for name, p in (("weight", self.weight), ("bias", self.bias)):
+            if p is None:
+                continue
+            if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False):
+                parts = [torch.empty_like(p) for _ in range(dist.get_world_size(self.group))]
+                dist.all_gather(parts, p.detach().contiguous(), group=self.group)
+                out[name] = torch.cat(parts, 0 if self.column else 1)
+            else:
+                out[name] = p.detach().clone()
+        return out
+
+
+def split_by_hand(model: Net, group, marking: str) -> Net:
+    for block in model.blocks:
+        for n in "qkvo":
+            setattr(block.attn, n, SplitLinear(getattr(block.attn, n), n != "o", group, marking))
+        block.fc1 = SplitLinear(block.fc1, True, group, marking)
+        block.fc2 = SplitLinear(block.fc2, False, group, marking)
+    return model
+
+
+class ParallelState:
+    """Megatron parallel_state's spelling of an mpu."""
+
+    def __init__(self, dp, tp):
+        self.dp, self.tp = dp, tp
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp
+
+
+class DeepSpeedMpu:
+    """DeepSpeed's older spelling: the tensor-parallel group is the "model-parallel" one."""
+
+    def __init__(self, dp, tp):
+        self.dp, self.tp = dp, tp
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_model_parallel_group(self):
+        return self.tp
+
+
+def train_mpu(mesh: DeviceMesh, deepspeed: bool) -> dict:
+    """(dp 2, tp 2) at stage 2, the model split by hand and given with an mpu (DeepSpeed's spelling and
+    marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize)."""
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+    marking = "model_parallel" if deepspeed else "tensor_model_parallel"
+    model = split_by_hand(build(), tp_group, marking)
+    opt, cfg = optimizer(model), config(2, 2)
+    if deepspeed:
+        engine, *_ = zds.initialize(model=model, optimizer=opt, config=cfg,
+                                    mpu=DeepSpeedMpu(dp_group, tp_group))
+    else:
+        engine = zerodp.initialize(model, opt, cfg, mpu=ParallelState(dp_group, tp_group))
+    lo = mesh.get_local_rank("dp") * (BATCH // 2)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = (t[lo:lo + BATCH // 2] for t in data(step))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.grad_norm)
+    weights = {}
+    with engine.gathered_parameters():
+        for name, module in model.named_modules():
+            if isinstance(module, SplitLinear):
+                weights.update({f"{name}.{k}": v for k, v in module.whole().items()})
+        weights.update({n: p.detach().clone() for n, p in model.named_parameters() if n not in weights})
+    return {"losses": losses, "norms": norms, "weights": weights, "kinds": {"Parameter": "Parameter"},
+            "skipped": engine.skipped_steps, "refusals": refusals(engine)}
+
+
+def bad_mpu(mesh: DeviceMesh) -> dict:
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+
+    def error(call) -> str:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - the test reads its text
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def init(mpu, stage=2, zero=None, **kw):
+        model = split_by_hand(build(), tp_group, "tensor_model_parallel")
+        return lambda: zerodp.initialize(model, optimizer(model), config(stage, 2, **(zero or {})), mpu=mpu, **kw)
+    return {"mpu sizes": error(init(ParallelState(dist.group.WORLD, tp_group))),
+            "mpu and mesh": error(init(ParallelState(dp_group, tp_group), device_mesh=mesh)),
+            "mpu lacks groups": error(init(object())),
+            "mpu stage 0": error(init(ParallelState(dp_group, tp_group), stage=0)),
+            "mpu hierarchical": error(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1}))}
+
+
 def _ranks(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    out = {"reference": reference(), "reference sgd": reference(sgd=True), "bad": bad_inputs(mesh)}
+    out = {"reference": reference(), "reference sgd": reference(sgd=True), "bad": bad_inputs(mesh),
+           "bad mpu": bad_mpu(mesh)}
+    out["mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=False)
+    out["deepspeed mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=True)
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
@@ -229,7 +391,8 @@ def _results() -> list[dict]:
 
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
         "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
-        "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3"]
+        "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3",
+        "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"]
 
 
 def _reference(run: str) -> str:
@@ -259,7 +422,7 @@ def test_global_norm_counts_tp_shards_once_and_replicated_parameters_once(run):
     # by every tp rank: counted once per tp rank, the norm would exceed clip_grad_norm_'s.
     result = _results()[0]
     kinds = set(result[run]["kinds"].values())
-    assert kinds == ({"DTensor", "Parameter"} if "tp" in run else {"Parameter"}), kinds
+    assert kinds == ({"DTensor", "Parameter"} if "tp" in run and "mpu" not in run else {"Parameter"}), kinds
     for r in _results():
         ref, norms = r[_reference(run)], r[run]["norms"]
         if run.endswith("skip"):  # the poisoned step's norm is nan on every rank of the world, and skipped
@@ -280,7 +443,18 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
 
 
-def test_tp_refuses_what_it_does_not_support_yet():
+def test_mpu_setup_errors_on_every_rank_before_any_collective():
+    for rank, result in enumerate(_results()):
+        bad = result["bad mpu"]
+        assert "dp x tp must be the world" in bad["mpu sizes"] and "has 4 ranks" in bad["mpu sizes"], bad
+        assert "not both" in bad["mpu and mesh"], bad["mpu and mesh"]
+        assert "get_data_parallel_group()" in bad["mpu lacks groups"], bad["mpu lacks groups"]
+        assert "stage 0" in bad["mpu stage 0"], bad["mpu stage 0"]
+        assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
+
+
+@pytest.mark.parametrize("run", ["dp2 tp2 stage 1", "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"])
+def test_tp_refuses_what_it_does_not_support_yet(run):
     for result in _results():
-        for what, text in result["dp2 tp2 stage 1"]["refusals"].items():
+        for what, text in result[run]["refusals"].items():
             assert "not supported with tensor parallelism" in text, (what, text)

@@ -51,7 +51,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
                lr_scheduler: Callable | None = None, device_mesh=None,
                stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None,
                param_init_fn: Callable[[nn.Module], None] | None = None,
-               weights: str | os.PathLike | ParameterSource | None = None) -> Engine:
+               weights: str | os.PathLike | ParameterSource | None = None, mpu=None) -> Engine:
     """Wrap `model` for ZeRO training.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
@@ -81,6 +81,9 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
       zerodp.engine.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
       files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
+    mpu: instead of device_mesh, Megatron's parallel_state or DeepSpeed's mpu (its data- and tensor-parallel
+      groups), for a model whose tp parameters are plain local shards marked `tensor_model_parallel=True`
+      (or `model_parallel=True`); ZeRO partitions over the dp group (docs/CONFIG.md, "Tensor parallelism").
 
     A set-up error on any rank (config, device, optimizer, ...) raises on every rank: the first
     collective is an agreement in which every rank reports ok or its error (Comm.agree).
@@ -95,7 +98,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     if param_init_fn is None:  # None still, unless a Hugging Face model is on meta
         param_init_fn = hf_folder.init_fn(model)
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
-    comm = Comm(process_group, mesh=device_mesh)
+    comm = Comm(process_group, mesh=device_mesh, mpu=mpu)
     if error is not None:
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
     engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,

@@ -72,11 +72,11 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     """
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("mpu / mesh_param (Megatron-style model or sequence parallelism) are not supported; "
-                         "for tensor parallelism, parallelize the model with torch's parallelize_module over "
-                         "mesh['tp'] of a (dp, tp) DeviceMesh and pass the mesh to zerodp.initialize(..., "
-                         "device_mesh=mesh)")
+    if mesh_param is not None:
+        raise ValueError("mesh_param (sequence parallelism) is not supported; for tensor parallelism pass "
+                         "mpu= (Megatron-style local shards), or parallelize the model with torch's "
+                         "parallelize_module over mesh['tp'] of a (dp, tp) DeviceMesh and pass the mesh to "
+                         "zerodp.initialize(..., device_mesh=mesh)")
     if dist_init_required is False and not dist.is_initialized():
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; initialise "
                            "it first, or pass dist_init_required=None")
@@ -90,7 +90,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
     elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
         optimizer = optimizer(model_parameters)  # DeepSpeed calls the factory on model_parameters
-    engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler), weights=weights)
+    engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler), weights=weights,
+                               mpu=mpu)
     loader = None
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=engine.comm.world_size, rank=engine.comm.rank)

@@ -165,11 +165,16 @@ class Comm:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, mesh=None, name: str = "world",
-                 traffic: Traffic | None = None, watchers: list[Watcher] | None = None):
+                 traffic: Traffic | None = None, watchers: list[Watcher] | None = None, mpu=None):
         """mesh: a 2-D DeviceMesh (replicate, shard) whose groups are used for hierarchical
         sharding instead of the ones `split` would build; its ranks must be the whole group's. Or a
         mesh whose dimension names give the roles (MESH_ROLES): then it covers the world, `group`
-        must be None, and the data-parallel group is its "dp" dimension (or "dp_replicate" x "dp_shard")."""
+        must be None, and the data-parallel group is its "dp" dimension (or "dp_replicate" x "dp_shard").
+        mpu: Megatron's / DeepSpeed's model-parallel unit instead of a mesh (mpu_groups): its
+        data-parallel group is this one, its tensor-parallel group `tp`."""
+        tp_group = None
+        if mpu is not None:
+            group, tp_group = mpu_groups(mpu, group, mesh)
         if _names_roles(mesh):
             group = _named_mesh_dp_group(mesh, group)
         self.group = group if group is not None else dist.group.WORLD
@@ -193,6 +198,8 @@ class Comm:
         self.everyone: Comm = self
         if mesh is not None:
             self._adopt(mesh)
+        if tp_group is not None:
+            self._tensor_parallel(tp_group)
         teardown.register(self)  # at exit, the group goes while its gloo threads can still finish
 
     def release_groups(self) -> None:
@@ -247,8 +254,11 @@ class Comm:
             self._use(mesh.get_group("dp_shard"), mesh.get_group("dp_replicate"))
         if "tp" in names:
             self.tp_mesh = mesh["tp"]
-            self.tp = Comm(mesh.get_group("tp"), name="tp", traffic=self.traffic, watchers=self.watchers)
-            self.everyone = Comm(dist.group.WORLD, name="dp x tp", traffic=self.traffic, watchers=self.watchers)
+            self._tensor_parallel(mesh.get_group("tp"))
+
+    def _tensor_parallel(self, tp_group: dist.ProcessGroup) -> None:
+        self.tp = Comm(tp_group, name="tp", traffic=self.traffic, watchers=self.watchers)
+        self.everyone = Comm(dist.group.WORLD, name="dp x tp", traffic=self.traffic, watchers=self.watchers)
 
     def _use(self, shard: dist.ProcessGroup, replica: dist.ProcessGroup) -> None:
         self.shard = Comm(shard, name="shard", traffic=self.traffic, watchers=self.watchers)
@@ -458,6 +468,32 @@ def _named_mesh_dp_group(mesh, group: dist.ProcessGroup | None) -> dist.ProcessG
     if "dp_replicate" in names:
         return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
     return mesh.get_group(dp[0])
+
+
+# An mpu's methods, in Megatron's parallel_state spelling first, then DeepSpeed's older one.
+_MPU_TP_GROUP = ("get_tensor_model_parallel_group", "get_model_parallel_group")
+
+
+def mpu_groups(mpu, group: dist.ProcessGroup | None, mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(data-parallel group, tensor-parallel group) of a Megatron-style mpu (Megatron's parallel_state or
+    DeepSpeed's duck type: get_data_parallel_group() and get_tensor_model_parallel_group() or
+    get_model_parallel_group()), after checking, with no collective, that dp x tp ranks are the world."""
+    if mesh is not None or group is not None:
+        raise ValueError("give either mpu or a device_mesh / process_group, not both: the mpu's data-parallel "
+                         "and tensor-parallel groups are the groups zerodp uses")
+    get_dp = getattr(mpu, "get_data_parallel_group", None)
+    get_tp = next((getattr(mpu, m) for m in _MPU_TP_GROUP if callable(getattr(mpu, m, None))), None)
+    if not callable(get_dp) or get_tp is None:
+        raise TypeError(f"mpu {type(mpu).__name__} lacks get_data_parallel_group() and one of "
+                        f"{' / '.join(m + '()' for m in _MPU_TP_GROUP)}: give Megatron's parallel_state or an "
+                        "object with those methods returning process groups")
+    dp, tp = get_dp(), get_tp()
+    dp_size, tp_size, world = dist.get_world_size(dp), dist.get_world_size(tp), dist.get_world_size()
+    if dp_size * tp_size != world:
+        raise ValueError(f"the mpu's data-parallel group has {dp_size} ranks and its tensor-parallel group "
+                         f"{tp_size}, but the world has {world}: dp x tp must be the world (pipeline "
+                         "parallelism is not supported)")
+    return dp, tp
 
 
 def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup:

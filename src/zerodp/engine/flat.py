@@ -59,8 +59,12 @@ def local_setter(params: list[torch.Tensor]) -> Callable[[torch.Tensor, torch.Te
 
 def tp_duplicate(p: torch.Tensor) -> bool:
     """Whether every tensor-parallel rank holds the same values of p (a plain parameter, or a DTensor
-    Replicate on the tp mesh): its gradient is counted once in the global norm, not once per tp rank."""
-    return not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+    Replicate on the tp mesh): its gradient is counted once in the global norm, not once per tp rank.
+    A plain parameter marked as a tensor-parallel shard the Megatron way (`tensor_model_parallel`, or
+    DeepSpeed's `model_parallel`: a model given with an mpu) is this rank's own."""
+    if isinstance(p, DTensor):
+        return all(pl.is_replicate() for pl in p.placements)
+    return not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
 
 
 @dataclass

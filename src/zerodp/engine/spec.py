@@ -63,6 +63,11 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
             raise ConfigError("a device mesh shards model states, which stage 0 does not do; use stage 1, "
                               "2 or 3, or leave device_mesh out")
         shard_size = comm.shard_size
+    elif comm.tp is not None:  # an mpu: its groups are the only ones, and stage 0 would not reduce the norm
+        if stage == 0 or shard_size != comm.world_size:
+            raise ConfigError(f"with an mpu (tensor parallelism), ZeRO shards over the whole data-parallel group "
+                              f"at stage 1, 2 or 3: got stage {stage}, shard size {shard_size} of "
+                              f"{comm.world_size}; use stage 1-3 and leave zero_optimization.mics_shard_size out")
     if optimizer is None:
         if config.optimizer is None:
             raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "

@@ -8,6 +8,10 @@ flat.set_local: the module keeps its DTensor parameters); stage 3 gathers over d
 norm, skip decision, loss scale and used bits are agreed over every rank of the world
 (Comm.everyone), each tp shard's gradient summed over the tp group and each parameter that the tp
 ranks hold alike counted once (flat.tp_duplicate, PartitionedOptimizer.tp_counted).
+
+A Megatron-style model, split by hand into plain local shards, comes with an `mpu` instead (Comm's
+mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `model_parallel` where
+they are tp shards (flat.tp_duplicate), and no mesh.
 """
 
 from __future__ import annotations
@@ -48,11 +52,11 @@ def check(module: nn.Module, comm: Comm, config: Config, from_source: bool) -> N
     if zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu":
         raise TensorParallelUnsupported(
             "zero_optimization.offload_optimizer / offload_param are not supported with tensor parallelism "
-            "(a device_mesh with a 'tp' dimension) yet; leave them out")
+            "(a device_mesh with a 'tp' dimension, or an mpu) yet; leave them out")
     if from_source or any(p.is_meta for p in module.parameters()):
         raise TensorParallelUnsupported(
             "weights= and models built on the 'meta' device are not supported with tensor parallelism (a "
-            "device_mesh with a 'tp' dimension) yet: build the model with its values, parallelize it, then "
+            "device_mesh with a 'tp' dimension, or an mpu) yet: build the model with its values, parallelize it, then "
             "call zerodp.initialize")
 
 
@@ -60,9 +64,9 @@ def refuse(comm: Comm, what: str) -> None:
     """Raise, on every rank alike, that `what` does not support tensor parallelism yet."""
     if comm.tp is not None:
         raise TensorParallelUnsupported(
-            f"{what} is not supported with tensor parallelism (a device_mesh with a 'tp' dimension) yet: it "
+            f"{what} is not supported with tensor parallelism (a device_mesh with a 'tp' dimension, or an mpu) yet: it "
             "would write or return each rank's local tensor-parallel shard under the whole parameter's name. "
-            "Read the weights inside `with engine.gathered_parameters():` with p.full_tensor() on every rank")
+            "Read the weights inside `with engine.gathered_parameters():` (a DTensor's p.full_tensor(), on every rank)")
 
 
 def _ranks(mesh) -> list:
