@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
     from zerodp.engine.optimizer import OptimizerLike
-    from zerodp.engine.source import ParameterSource
+    from zerodp.engine.setup.source import ParameterSource
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
@@ -79,7 +79,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     weights: where the parameters' values come from instead of the model's own: a Hugging Face folder
       (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
-      zerodp.engine.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
+      zerodp.engine.setup.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
       files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
     mpu: instead of device_mesh, Megatron's parallel_state or DeepSpeed's mpu (its data- and tensor-parallel
       groups), for a model whose tp parameters are plain local shards marked `tensor_model_parallel=True`
