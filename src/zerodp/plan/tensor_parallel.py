@@ -6,8 +6,8 @@ shard over the D = N/T data-parallel ranks. Per GPU, with Ψ parameters (norms a
 parallelism replicates are under 0.1% of a large transformer and are counted as split):
   model states  DESIGN.md's formula for Ψ/T parameters on D ranks: stage 2 in bf16 (2Ψ + 14Ψ/D)/T
   activations   Korthikanti et al. 2022, eq. 2 without sequence parallelism and with fused attention
-                (no score matrix): s·b·h·(10 + 24/T) bytes per layer in 16-bit (34 s·b·h at T = 1, as
-                engine/memory.activation_estimate); checkpointed, each layer keeps its 2·s·b·h input and
+                (no score matrix): s·b·h·(10 + 24/T) bytes per layer in 16-bit (engine/memory.activation_estimate,
+                which gives 34 s·b·h at T = 1); checkpointed, each layer keeps its 2·s·b·h input and
                 one layer is live in the recompute; the logits split over T (vocabulary-parallel head)
   tp traffic    Megatron's two all-reduces of s·b·h activations per layer in the forward and two in the
                 backward (two more when checkpointing recomputes the forward), every micro-step; a ring
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from zerodp.plan.units import human, parse_bytes
 
 SEED_GPU_MEMORY = 32 * 2**30  # the seed's V100s
-WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # engine.memory.WORKING_BYTES, torch-free here for --help
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def plan(psi: int, shape, world: int, tp: int, stage: int, dtype: str = "bf16", 
          seq: int = 1024, gas: int = 1, checkpointing: bool = False, gpus_per_node: int = 8) -> TensorParallelPlan:
     """The per-GPU figures of Ψ parameters on `world` GPUs as (world/tp data-parallel) x (tp tensor-parallel).
     shape: n_layer, n_embd, vocab_size (PlanModel.shape()), or None."""
-    from zerodp.engine.memory import formula  # late: --help stays torch-free
+    from zerodp.engine.memory import WORKING_BYTES, activation_estimate, formula  # late: --help stays torch-free
 
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} must divide the world {world}: the world is data-parallel x tensor-parallel")
@@ -72,10 +71,7 @@ def plan(psi: int, shape, world: int, tp: int, stage: int, dtype: str = "bf16", 
     acts = tp_bytes = None
     if shape is not None:
         sbh = seq * micro_batch * shape.n_embd
-        layer = sbh * (10 + 24 / tp) * w / 2
-        logits = seq * micro_batch * shape.vocab_size * (w + 8) / tp
-        kept = shape.n_layer * 2 * sbh * w / 2 + layer if checkpointing else shape.n_layer * layer
-        acts = int(kept + logits)
+        acts = activation_estimate(shape, micro_batch, seq, dtype, checkpointing, tp)
         all_reduces = (6 if checkpointing else 4) * shape.n_layer * gas
         tp_bytes = all_reduces * 2 * (tp - 1) / tp * sbh * w
     zero = (3 if stage == 3 else 2) * (dp - 1) / dp * local * w if dp > 1 else 0.0
