@@ -291,7 +291,7 @@ def test_monitor_reads_a_gpu_steps_values_only_once_their_copy_has_landed():
     config = zerodp.load_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,
                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     device = current()
-    monitor = StepMonitor(config, SimpleNamespace(rank=0, world_size=1), device)
+    monitor = StepMonitor(config, SimpleNamespace(rank=0, world_size=1, everyone=SimpleNamespace(rank=0)), device)
     with logs.captured("zerodp") as lines:
         torch.cuda._sleep(2 ** 31)  # about a second of GPU work queued before the values exist
         loss = torch.full((), 3.25, device=device)

@@ -66,6 +66,7 @@ def test_tokens_per_second_counts_integer_first_inputs():
 
     class Comm:
         rank, world_size = 0, 2
+    Comm.everyone = Comm  # no tensor parallelism: the world is this group
     mon = StepMonitor(load_config(CFG), Comm(), torch.device("cpu"))
     mon.saw_inputs((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16)))
     mon.saw_inputs((torch.zeros(4, 16, dtype=torch.long),))
@@ -169,6 +170,7 @@ def test_only_rank_0_writes_monitors_and_lines(tmp_path, caplog):
 
     class Rank1:
         rank, world_size = 1, 2
+    Rank1.everyone = Rank1
     caplog.set_level(logging.INFO, logger="zerodp")
     config = load_config({**CFG, "steps_per_print": 1, "csv_monitor": {"enabled": True, "output_path": str(tmp_path)}})
     mon = StepMonitor(config, Rank1(), torch.device("cpu"))

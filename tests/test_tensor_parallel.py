@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import tp_train
 import zerodp
 import zerodp.deepspeed as zds
 from spawn import run_ranks
@@ -365,6 +366,7 @@ def _ranks(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {"reference": reference(), "reference sgd": reference(sgd=True), "bad": bad_inputs(mesh),
            "bad mpu": bad_mpu(mesh)}
+    out["gpt"] = tp_train.gpt_oracle(mesh)  # zerodp's GPT and its tp plan: test_train_tp.py
     out["mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=False)
     out["deepspeed mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=True)
     for stage in (1, 2, 3):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from zerodp.config import Config
 from zerodp.distributed.comm import Comm
@@ -43,9 +44,10 @@ def check(module: nn.Module, comm: Comm, config: Config, from_source: bool) -> N
                              f"({p.device_mesh.device_type}), but this rank's 'tp' dimension of the device_mesh "
                              f"given to zerodp is {_ranks(comm.tp_mesh)} ({comm.tp_mesh.device_type}): "
                              "parallelize the model over mesh['tp'] of the mesh zerodp is given")
-        if not all(pl.is_shard() or pl.is_replicate() for pl in p.placements):
+        # _StridedShard: each part of a fused Linear (q | k | v side by side) split over tp, as Megatron does.
+        if not all(pl.is_shard() or pl.is_replicate() or isinstance(pl, _StridedShard) for pl in p.placements):
             raise ValueError(f"parameter '{name}' has placements {tuple(p.placements)}; a tensor-parallel "
-                             "parameter must be Shard or Replicate over the 'tp' dimension")
+                             "parameter must be Shard (or _StridedShard) or Replicate over the 'tp' dimension")
     if comm.tp is None:
         return
     zero = config.zero_optimization

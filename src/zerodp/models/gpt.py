@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
 
@@ -79,21 +83,24 @@ def residual_std(config: GPTConfig) -> float:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # The heads are counted from the output, not from the config: under tensor parallelism
+        # c_attn's output is this rank's heads only (their q, k, v, side by side: see parallelize).
+        qkv = self.c_attn(x)
+        q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -207,3 +214,61 @@ class GPT(nn.Module):
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+# Megatron's split of a block (Shoeybi et al. 2019, section 3): attention by heads and the MLP by its
+# hidden units, each a column-parallel Linear then a row-parallel one, so a block costs one all-reduce
+# forward and one backward per half. The norms, the embeddings and the tied head stay whole on every
+# tp rank (replicated): the head's gradient then needs no vocabulary-parallel loss.
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output is `parts` equal tensors side by side (c_attn's q | k | v).
+
+    A plain column split would give tp rank 0 all of q and half of k. Here each rank takes its slice of
+    every part (torch's _StridedShard(0, split_factor=parts)): its local output is its own heads' q | k | v,
+    which forward splits in three. The stored rows keep their meaning: the DTensor's whole tensor
+    (full_tensor(), any export that joins by the placements) is the model's own q | k | v, as without tp.
+    """
+
+    def __init__(self, parts: int):
+        super().__init__()
+        self.placement = _StridedShard(0, split_factor=parts)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in module.named_parameters():
+            whole = distribute_tensor(param, device_mesh, [self.placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(whole, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        # The output is strided like the weight (each part's slice): its local tensor is this rank's
+        # q | k | v as it is. ColwiseParallel's own would redistribute it to Shard(-1), rank 0's q and k.
+        return outputs.to_local() if use_local_output else outputs
+
+
+def tp_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
+    """parallelize_module's plan for a GPT: each block's attention split by heads, its MLP by hidden units."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(config.n_layer):
+        plan[f"blocks.{i}.attn.c_attn"] = FusedColwiseParallel(parts=3)
+        plan[f"blocks.{i}.attn.c_proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.c_fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.c_proj"] = RowwiseParallel()
+    return plan
+
+
+def check_tp(config: GPTConfig, tp: int) -> None:
+    """A GPT splits over `tp` ranks when its heads do (n_head, hence n_embd, and 4 * n_embd, divide by tp).
+    Raises a ValueError naming the sizes otherwise (no collective: call it on every rank first)."""
+    if config.n_head % tp or config.n_embd % tp:
+        raise ValueError(f"tensor parallelism {tp} splits attention by heads: n_head={config.n_head} and "
+                         f"n_embd={config.n_embd} must be divisible by it; choose a tp that divides both")
+
+
+def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Split `model` over the tensor-parallel mesh `tp_mesh` (1-D, e.g. mesh["tp"]) by tp_plan, in place;
+    returns it. Without it, or with tp 1, the model computes the same values."""
+    check_tp(model.config, tp_mesh.size())
+    return parallelize_module(model, tp_mesh, tp_plan(model.config))

@@ -11,8 +11,9 @@ there, and `flush()` (engine.timings(), or the end of training) reads the last o
 What each field is:
   loss       this rank's (rank 0's) mean loss over the step's micro-batches, as passed to backward;
   samples/s  size of dim 0 of the first tensor given to engine(...) in training mode, summed over the
-             step's micro-batches, x world size (every rank is assumed to see the same shapes: no
-             collective counts them), per second of host wall time since the last printed step;
+             step's micro-batches, x data-parallel world size (every rank is assumed to see the same
+             shapes: no collective counts them; a dp rank's tensor-parallel ranks share its batch),
+             per second of host wall time since the last printed step;
   tokens/s   the same with the first tensor's element count, when it holds integers (token ids);
   memory     the device's peak allocated bytes (max_memory_allocated) on an accelerator, the
              process's peak resident set size on the CPU.
@@ -40,16 +41,18 @@ log = logging.getLogger("zerodp")
 class StepMonitor:
     def __init__(self, config, comm, device: torch.device):
         self.every = config.steps_per_print
-        self.rank, self.world = comm.rank, comm.world_size
+        # Rank 0 of the whole world reports: with tensor parallelism each tp rank is rank 0 of its own
+        # data-parallel group. The batch counts the data-parallel ranks: a dp rank's tp ranks share its batch.
+        self.rank, self.world = comm.everyone.rank, comm.world_size
         self.device, self.on_accelerator = device, is_accelerator(device)
         self.defer = self.on_accelerator  # read a step's values one step later (see the module docstring)
         if self.defer:
             atexit.register(self.flush)  # the last step's line and events, at the end of the script
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
-        self.monitors = build_monitors(config, comm.rank)
+        self.monitors = build_monitors(config, self.rank)
         self.comms = None
         if config.comms_logger.enabled:
-            self.comms = CommsLogger(config.comms_logger, comm.rank)
+            self.comms = CommsLogger(config.comms_logger, self.rank)
             self.comms.attach(comm)
         self.samples = self.tokens = 0       # this rank's, since the last printed step
         self.window_samples = 0              # this rank's, in the current step

@@ -44,7 +44,9 @@ def read_ds_config(path: str, o: dict[str, Any], world: int) -> dict[str, Any]:
 
 
 def job_world(opts: argparse.Namespace) -> int:
-    return int(os.environ.get("WORLD_SIZE", opts.nproc))  # torchrun's world when under torchrun
+    """The data-parallel ranks, which the batch counts: torchrun's world when under torchrun (else --nproc),
+    over --tp (the tensor-parallel ranks of one data-parallel rank share its batch)."""
+    return int(os.environ.get("WORLD_SIZE", opts.nproc)) // opts.tp
 
 
 def optimizer_and_schedule(model: nn.Module, opts: argparse.Namespace

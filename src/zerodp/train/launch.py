@@ -36,11 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     from zerodp.lazy import require
 
     require("zerodp train", "tqdm", "matplotlib", *(["transformers"] if opts.model.startswith("hf-") else []))
+    from zerodp.train.ds_sections import job_world
     from zerodp.train.loop import run_rank
     from zerodp.train.resume import choose_resume
 
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
-    choose_resume(opts, int(os.environ.get("WORLD_SIZE", opts.nproc)))
+    choose_resume(opts, job_world(opts))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
         code = run_rank(opts)
         if code:

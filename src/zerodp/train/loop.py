@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerodp
 from zerodp.checkpoint.export_engine import save_final
@@ -28,7 +29,7 @@ from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, can_pin, current
 from zerodp.engine.engine import Engine
 from zerodp.models.build import build_model, hf_description, weights_of
-from zerodp.models.gpt import GPTConfig
+from zerodp.models.gpt import GPTConfig, parallelize
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
@@ -127,7 +128,8 @@ class Job:
     hf: dict | None  # kept in every checkpoint: `zerodp consolidate --hf` needs it
     device: torch.device | None
     rank: int
-    world: int
+    world: int  # every rank of the job
+    dp: int  # its data-parallel ranks (world / --tp): each sees its own rows of the batch
 
     @property
     def out(self) -> Path:
@@ -139,7 +141,7 @@ class Job:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.world * self.opts.grad_accum * self.opts.micro_batch * self.shape.block_size
+        return self.dp * self.opts.grad_accum * self.opts.micro_batch * self.shape.block_size
 
 
 def train(opts: argparse.Namespace) -> int:
@@ -191,12 +193,15 @@ def set_up(opts: argparse.Namespace) -> Job:
     if device is not None and not any(p.is_meta for p in model.parameters()):
         model.to(device)  # a model built on meta holds nothing to move: initialize fills it on the device
     n_params = sum(p.numel() for p in model.parameters())
+    mesh = tensor_parallel(model, opts.tp)
+    # The data is split over the data-parallel ranks only: a dp rank's tp ranks read the same rows.
+    dp_rank, dp = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (rank, world)
     hf = hf_description(model, opts.model)
     optimizer, lr_scheduler, recipe = optimizer_and_schedule(model, opts)
     engine = zerodp.initialize(model, optimizer, ds_config(opts), lr_scheduler=lr_scheduler,
-                               weights=weights_of(opts.model))
-    data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, rank, world, opts.seed)
-    val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, rank, world)
+                               weights=weights_of(opts.model), device_mesh=mesh)
+    data = StepBatches(corpus.train, shape.block_size, opts.micro_batch, opts.grad_accum, dp_rank, dp, opts.seed)
+    val = val_batches(corpus.val, shape.block_size, opts.micro_batch, opts.eval_batches, dp_rank, dp)
 
     # main's choose_resume: latest, the newest intact one, TAG, or --resume-from's directory (a zerodp or
     # DeepSpeed checkpoint; one this job did not write has no data order: go on from its step).
@@ -208,11 +213,22 @@ def set_up(opts: argparse.Namespace) -> Job:
     if resumed:  # report.png marks where the run picked up
         log.write(kind="resume", step=engine.global_steps)
     log.write(kind="run", step=engine.global_steps, model=opts.model, stage=opts.stage, dtype=opts.dtype,
-              ranks=world)  # report.png's title
-    job = Job(opts, engine, data, val, log, shape, hf, device, rank, world)
+              ranks=world, tp=opts.tp)  # report.png's title
+    job = Job(opts, engine, data, val, log, shape, hf, device, rank, world, dp)
     if rank == 0:
         announce(job, n_params, recipe, corpus.source, resumed)
     return job
+
+
+def tensor_parallel(model: torch.nn.Module, tp: int) -> DeviceMesh | None:
+    """With --tp N > 1: the (dp, tp) mesh of every rank, tp ranks adjacent (within a node, as Megatron places
+    them), and the GPT split over its "tp" dimension; None without tensor parallelism."""
+    if tp == 1:
+        return None
+    world = dist.get_world_size()
+    mesh = init_device_mesh(accelerator_type() or "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    return mesh
 
 
 def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -> None:
@@ -221,9 +237,10 @@ def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -
     where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
     if not resumed and (job.ckpt_dir / LATEST).exists():
         where += f" (its checkpoints in {job.ckpt_dir} will be replaced; --resume continues them)"
+    ranks = f"{job.world} rank(s)" + (f" ({job.dp} data-parallel x {opts.tp} tensor-parallel)" if opts.tp > 1 else "")
     print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
-          f"{opts.stage}, {job.world} rank(s), {opts.dtype}, global batch "
-          f"{job.world * opts.grad_accum * opts.micro_batch} x {job.shape.block_size} tokens, {opts.steps} steps "
+          f"{opts.stage}, {ranks}, {opts.dtype}, global batch "
+          f"{job.dp * opts.grad_accum * opts.micro_batch} x {job.shape.block_size} tokens, {opts.steps} steps "
           f"{where}\n  {recipe}\n  data: {source}\n  out: {job.out}", flush=True)
 
 
@@ -240,8 +257,9 @@ def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
         engine.backward(loss)
         engine.step()
         loss_sum += loss.detach().float()
-    # One all_reduce: the mean loss over the global batch (for the log) and how many ranks got
-    # SIGTERM / SIGINT, so that every rank stops after the same step.
+    # One all_reduce over every rank: the mean loss over the global batch (for the log; a dp rank's tp
+    # ranks hold the same loss, so the world's mean is the dp ranks') and how many ranks got SIGTERM /
+    # SIGINT, so that every rank stops after the same step.
     sums = torch.cat([loss_sum.reshape(1), to_device(torch.tensor(stop.flags()), device)])
     with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
         dist.all_reduce(sums)

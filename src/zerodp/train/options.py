@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
-    resume_from=None, seed=1337, nproc=None, ds_config=None, timeout=600.0, save_on_signal=True,
+    resume_from=None, seed=1337, nproc=None, tp=1, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
 # Fault injection for the tests, not for --config.
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
+    p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
+                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the other "
+                   "ranks / N (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 tensor-parallel")
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
@@ -110,7 +113,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 
     accelerators = device_count()
     nproc = given.get("nproc", from_file.get("nproc")) or accelerators or 2
-    world = int(os.environ.get("WORLD_SIZE", nproc))  # torchrun's world when under torchrun
+    # The data-parallel world: torchrun's world when under torchrun, over --tp (checked in _check_tp).
+    tp = given.get("tp", from_file.get("tp", DEFAULTS["tp"]))
+    world = int(os.environ.get("WORLD_SIZE", nproc)) // tp if type(tp) is int and tp >= 1 else 1
     ds = _from_ds_config(given.get("ds_config", from_file.get("ds_config")), {**DEFAULTS, **from_file, **given}, world)
     opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
     opts["explicit"] = sorted({*ds, *from_file, *given})  # what a resume must not change (resume.py)
@@ -183,7 +188,7 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --model {o['model']!r}: expected one of "
                          f"{', '.join(list(SIZES) + list(HF_MODELS))} (HF models may add ':SIZE') "
                          "or a local HF model folder")
-    for key in ("steps", "micro_batch", "grad_accum", "eval_batches", "nproc"):
+    for key in ("steps", "micro_batch", "grad_accum", "eval_batches", "nproc", "tp"):
         if type(o[key]) is not int or o[key] < 1:  # a JSON true is not a count
             raise SystemExit(f"zerodp train: --{key.replace('_', '-')} {o[key]!r}: expected a "
                              "positive integer")
@@ -208,8 +213,32 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --dtype {o['dtype']!r}: expected one of {', '.join(DTYPES)}")
     if o["on_non_finite"] not in ("raise", "skip"):
         raise SystemExit(f"zerodp train: --on-non-finite {o['on_non_finite']!r}: expected raise or skip")
+    _check_tp(o)
     if o["warmup"] >= o["steps"]:
         o["warmup"] = max(0, o["steps"] // 10)  # a short run still gets a cosine to decay over
+
+
+def _check_tp(o: dict[str, Any]) -> None:
+    """--tp: what the tensor-parallel job supports, refused here with the reason (every rank parses alike)."""
+    tp, world = o["tp"], int(os.environ.get("WORLD_SIZE", o["nproc"]))
+    if tp == 1:
+        return
+    if world % tp:
+        raise SystemExit(f"zerodp train: --tp {tp} does not divide the {world} rank(s) (--nproc or torchrun's "
+                         f"world): the ranks form data-parallel groups of --tp ranks; use a world that is a "
+                         f"multiple of {tp}")
+    if o["model"] not in SIZES:
+        raise SystemExit(f"zerodp train: --tp {tp} with --model {o['model']!r}: only zerodp's own GPT sizes have "
+                         f"a tensor-parallel plan ({', '.join(SIZES)}); train a Hugging Face model with --tp 1")
+    shape = SIZES[o["model"]]
+    if shape["n_head"] % tp or shape["n_embd"] % tp:
+        raise SystemExit(f"zerodp train: --tp {tp}: --model {o['model']} has n_head={shape['n_head']} and "
+                         f"n_embd={shape['n_embd']}, which tensor parallelism splits by heads; use a --tp that "
+                         "divides both")
+    for refused, why in ((o["offload"], "--offload (ZeRO-Offload)"), (o["stage"] == 0, "--stage 0")):
+        if refused:
+            raise SystemExit(f"zerodp train: --tp {tp}: {why} is not supported with tensor parallelism; "
+                             "use --stage 1, 2 or 3 without --offload, or --tp 1")
 
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:

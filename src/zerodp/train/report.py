@@ -146,7 +146,8 @@ def run_title(lines: list[dict[str, Any]]) -> str:
 
 
 def _run_facts(run: dict[str, Any]) -> str:
-    return f"{run['model']}, ZeRO stage {run['stage']}, {run['dtype']}, {run['ranks']} rank(s)"
+    tp = f" (tp {run['tp']})" if run.get("tp", 1) > 1 else ""
+    return f"{run['model']}, ZeRO stage {run['stage']}, {run['dtype']}, {run['ranks']} rank(s){tp}"
 
 
 def _loss_panel(ax, train: list[dict], val: list[dict]) -> None:

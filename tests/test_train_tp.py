@@ -1,0 +1,109 @@
+"""`zerodp train --tp N`: the main job's GPT split by its tensor-parallel plan (zerodp.models.gpt.parallelize),
+ZeRO over the data-parallel ranks.
+
+The plan's oracle runs in test_tensor_parallel's one 4-rank launch (tests/tp_train.py): the split GPT gives
+the unsplit one's logits, loss and gradients, and zerodp training it over (dp 2, tp 2) ends where one process
+training it on the whole batch ends. The job itself runs once, as a user runs it, on 4 ranks it starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_tensor_parallel import _results
+from test_train import TINY, corpus, metrics, train
+from tp_train import CLIP
+from zerodp.models.gpt import GPT, GPTConfig, check_tp
+from zerodp.train.options import parse_options
+from zerodp.train.resume import same_tp
+
+TOL = 2e-5
+
+
+def test_gpt_tp_plan_gives_the_unsplit_models_logits_loss_and_gradients():
+    for rank, result in enumerate(_results()):
+        same = result["gpt"]["same step"]
+        assert same["logits"] < 1e-6 and same["loss"] < 1e-6, (rank, same["logits"], same["loss"])
+        # The split weights are the model's own whole weights: c_attn's rows keep their q | k | v meaning.
+        assert max(same["weights"].values()) == 0, same["weights"]
+        worst = max(same["grads"], key=same["grads"].get)
+        assert same["grads"][worst] < 1e-6, (rank, worst, same["grads"][worst])
+        assert same["placements"]["blocks.0.attn.c_attn.weight"] == "(_StridedShard(dim=0, sf=3),)"
+        assert same["placements"]["blocks.1.mlp.c_fc.weight"] == "(Shard(dim=0),)"
+        assert "wte.weight" not in same["placements"] and "ln_f.weight" not in same["placements"]  # replicated
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_split_over_dp2_tp2_trains_as_one_process_on_the_whole_batch(stage):
+    for rank, result in enumerate(_results()):
+        ref, got = result["gpt"]["reference"], result["gpt"][f"stage {stage}"]
+        assert min(ref["norms"]) > CLIP  # clipping binds on every step
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), rank
+        assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL), rank
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, atol=TOL, rtol=TOL, msg=f"rank {rank} {name}")
+
+
+def test_tp_job_trains_on_dp2_x_tp2_to_a_falling_loss_and_reports_once(tmp_path):
+    out = tmp_path / "run"
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"steps_per_print": 6}))  # the engine's step line: once per job, not per tp rank
+    proc = train(*TINY, "--steps", "12", "--eval-every", "6", "--save-every", "0", "--nproc", "4", "--tp", "2",
+                 "--stage", "2", "--dtype", "fp32", "--ds-config", str(ds), "--data", corpus(tmp_path),
+                 "--out", str(out), timeout=300)
+    lines = metrics(out)
+    assert [(r["ranks"], r["tp"]) for r in lines if r["kind"] == "run"] == [(4, 2)]
+    val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 6, 12]
+    assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
+    assert len([r for r in lines if r["kind"] == "memory"][-1]["ranks"]) == 4
+    assert proc.stdout.count("4 rank(s) (2 data-parallel x 2 tensor-parallel)") == 1, proc.stdout
+    assert proc.stdout.count("zerodp step 6:") == 1 and proc.stdout.count("zerodp step 12:") == 1, proc.stdout
+    assert proc.stdout.count("final validation loss") == 1
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert final["blocks.0.attn.c_attn.weight"].shape == (3 * 64, 64)  # whole, not one tp rank's shard
+    assert final["blocks.0.mlp.c_proj.weight"].shape == (64, 4 * 64)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3", "--nproc", "4"], "--tp 3 does not divide the 4 rank(s)"),
+    (["--tp", "0", "--nproc", "4"], "--tp 0: expected a positive integer"),
+    (["--tp", "4", "--nproc", "4", "--model", "tiny"], "n_head=2 and n_embd=64"),
+    (["--tp", "2", "--nproc", "4", "--model", "hf-gpt2:tiny"], "only zerodp's own GPT sizes have a tensor-parallel plan"),
+    (["--tp", "2", "--nproc", "4", "--offload"], "--offload (ZeRO-Offload) is not supported with tensor parallelism"),
+    (["--tp", "2", "--nproc", "4", "--stage", "0"], "--stage 0 is not supported with tensor parallelism"),
+])
+def test_bad_tp_fails_before_any_rank_starts(argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_options(argv)
+    assert message in str(e.value), e.value
+
+
+def test_gpt_refuses_a_tp_that_does_not_split_its_heads():
+    with pytest.raises(ValueError, match="n_head=6 and n_embd=48 must be divisible by it"):
+        check_tp(GPTConfig(n_head=6, n_embd=48), 4)
+    check_tp(GPTConfig(n_head=6, n_embd=48), 3)
+
+
+def test_resume_at_another_tp_is_refused_with_the_saved_tp_named():
+    opts = parse_options(["--tp", "2", "--nproc", "4"])
+    saved = {"client_state": {"options": {"tp": 1}}}
+    with pytest.raises(SystemExit, match="written with --tp 1, and this run has --tp 2"):
+        same_tp(opts, saved, "ckpt")
+    same_tp(opts, {"client_state": {"options": {"tp": 2}}}, "ckpt")
+
+
+def test_the_unsplit_gpt_is_unchanged_by_the_head_count_read_from_its_output():
+    # The same values as nanoGPT's fixed n_head split, for any head count (the heads are counted from
+    # c_attn's output, which under tp is this rank's heads only).
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16))
+    attn, x = model.blocks[0].attn, torch.randn(2, 8, 16)
+    q, k, v = attn.c_attn(x).split(16, dim=2)
+    q, k, v = (t.view(2, 8, 4, 4).transpose(1, 2) for t in (q, k, v))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = attn.c_proj(y.transpose(1, 2).reshape(2, 8, 16))
+    torch.testing.assert_close(attn(x), expected, rtol=0, atol=0)

@@ -1,0 +1,96 @@
+"""Rank-side checks of zerodp's GPT split by its tensor-parallel plan (models/gpt.py: parallelize), run in
+test_tensor_parallel's 4-rank launch: `gpt_oracle(mesh)` on its (dp 2, tp 2) mesh. test_train_tp.py reads them.
+
+The oracle is the same GPT unsplit, in one process: the split one must give the same logits, loss and
+gradients on the same weights, hold the same whole weights (c_attn's q | k | v rows keep their meaning),
+and trained by zerodp over (dp 2, tp 2) end where one process training it on the whole batch ends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+import zerodp
+from zerodp.models.gpt import GPT, GPTConfig, parallelize
+
+# 4 heads of 4 channels: 2 heads per tp rank. Tiny vocabulary and context: the launch's budget.
+SHAPE = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=4, n_embd=16)
+BATCH, STEPS, LR, CLIP = 4, 4, 3e-3, 0.5
+
+
+def build(mesh: DeviceMesh | None = None) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    return parallelize(model, mesh["tp"]) if mesh is not None else model
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randint(0, SHAPE.vocab_size, (BATCH, SHAPE.block_size), generator=g)
+    return x, torch.randint(0, SHAPE.vocab_size, (BATCH, SHAPE.block_size), generator=g)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def same_step(mesh: DeviceMesh) -> dict:
+    """Logits, loss and every gradient of the split GPT and the whole one, on the same weights and batch."""
+    ref, split = build(), build(mesh)
+    x, y = data(0)
+    out = {"logits": (split(x) - ref(x)).abs().max().item()}
+    loss_ref, loss = ref(x, y), split(x, y)
+    loss_ref.backward()
+    loss.backward()
+    out["loss"] = abs(loss.item() - loss_ref.item())
+    params = dict(split.named_parameters())
+    out["weights"] = {n: (whole(params[n]) - p).abs().max().item() for n, p in ref.named_parameters()}
+    out["grads"] = {n: (whole(params[n].grad) - p.grad).abs().max().item() for n, p in ref.named_parameters()}
+    out["placements"] = {n: str(p.placements) for n, p in params.items() if isinstance(p, DTensor)}
+    return out
+
+
+def reference() -> dict:
+    """One process, the whole GPT, the whole batch: AdamW and clip_grad_norm_."""
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = model(*data(step))
+        loss.backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def train(mesh: DeviceMesh, stage: int) -> dict:
+    """The split GPT trained by zerodp over (dp 2, tp 2): world-mean losses and the whole weights."""
+    model = build(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    config = {"train_micro_batch_size_per_gpu": BATCH // 2, "gradient_clipping": CLIP,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+    engine = zerodp.initialize(model, opt, config, device_mesh=mesh)
+    lo = mesh.get_local_rank("dp") * (BATCH // 2)  # the tp ranks of a dp rank read the same rows
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine(*(t[lo:lo + BATCH // 2] for t in data(step)))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        norms.append(engine.grad_norm)
+    with engine.gathered_parameters():
+        weights = {n: whole(p) for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def gpt_oracle(mesh: DeviceMesh) -> dict:
+    return {"same step": same_step(mesh), "reference": reference(),
+            **{f"stage {s}": train(mesh, s) for s in (2, 3)}}
