@@ -36,6 +36,13 @@ def test_gpt_tp_plan_gives_the_unsplit_models_logits_loss_and_gradients():
         assert "wte.weight" not in same["placements"] and "ln_f.weight" not in same["placements"]  # replicated
 
 
+def test_tp_shards_joined_by_their_placement_and_parts_are_the_whole_tensors():
+    # c_attn's shards are each rank's slice of q, k and v: joined by flat.join_tp with flat.tp_parts (3), they
+    # are the model's own q | k | v; a plain concatenation would interleave them.
+    for rank, result in enumerate(_results()):
+        assert result["gpt"]["same step"]["joined"] == {n: 0.0 for n in result["gpt"]["same step"]["joined"]}, rank
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gpt_split_over_dp2_tp2_trains_as_one_process_on_the_whole_batch(stage):
     for rank, result in enumerate(_results()):

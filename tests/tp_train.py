@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import zerodp
+from zerodp.engine.flat import join_tp, tp_parts
 from zerodp.models.gpt import GPT, GPTConfig, parallelize
 
 # 4 heads of 4 channels: 2 heads per tp rank. Tiny vocabulary and context: the launch's budget.
@@ -51,6 +52,21 @@ def same_step(mesh: DeviceMesh) -> dict:
     out["weights"] = {n: (whole(params[n]) - p).abs().max().item() for n, p in ref.named_parameters()}
     out["grads"] = {n: (whole(params[n].grad) - p.grad).abs().max().item() for n, p in ref.named_parameters()}
     out["placements"] = {n: str(p.placements) for n, p in params.items() if isinstance(p, DTensor)}
+    out["joined"] = joined(mesh, params)
+    return out
+
+
+def joined(mesh: DeviceMesh, params: dict[str, torch.Tensor]) -> dict[str, float]:
+    """flat.join_tp of the tp ranks' local shards, by the placement's dim and flat.tp_parts, against
+    full_tensor(): what a join of shards (an export, a consolidation) must give."""
+    group, out = mesh.get_group("tp"), {}
+    for name in ("blocks.0.attn.c_attn.weight", "blocks.0.attn.c_attn.bias", "blocks.0.mlp.c_fc.weight",
+                 "blocks.0.mlp.c_proj.weight"):
+        p = params[name]
+        shards = [torch.empty_like(p.to_local()) for _ in range(mesh["tp"].size())]
+        dist.all_gather(shards, p.to_local().contiguous(), group=group)
+        whole = join_tp(shards, p.placements[0].dim, tp_parts(p))
+        out[name] = (whole - p.full_tensor()).abs().max().item()
     return out
 
 

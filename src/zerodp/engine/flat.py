@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # Every parameter and every shard starts on a 64-element boundary (128 B in bf16): aligned views
 # keep vectorised kernels and tensor-core GEMMs on their fast paths.
@@ -65,6 +66,24 @@ def tp_duplicate(p: torch.Tensor) -> bool:
     if isinstance(p, DTensor):
         return all(pl.is_replicate() for pl in p.placements)
     return not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+
+
+def tp_parts(p: torch.Tensor) -> int:
+    """Into how many equal parts of its split dimension p's tensor-parallel shard is cut: a _StridedShard
+    DTensor's split_factor (a fused Linear's q | k | v, each part split over tp, so each rank holds its
+    slice of every part), else 1 (the shard is one block of the whole tensor)."""
+    if isinstance(p, DTensor):
+        return next((pl.split_factor for pl in p.placements if isinstance(pl, _StridedShard)), 1)
+    return 1
+
+
+def join_tp(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
+    """The whole tensor from every tp rank's shard (in tp rank order) split along `dim`; with `parts` > 1
+    (tp_parts) each shard holds its slice of each part, so the whole is joined part by part."""
+    if parts == 1:
+        return torch.cat(shards, dim)
+    pieces = [shard.chunk(parts, dim) for shard in shards]
+    return torch.cat([piece[j] for j in range(parts) for piece in pieces], dim)
 
 
 @dataclass
