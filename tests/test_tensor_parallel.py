@@ -25,6 +25,7 @@ import tp_train
 import zerodp
 import zerodp.deepspeed as zds
 from spawn import run_ranks
+import tp_offload
 
 D, HEAD_DIM, D_IN, D_OUT, SEQ, BATCH, STEPS, LR, CLIP = 16, 4, 6, 5, 3, 4, 5, 1e-3, 0.05
 TOL = 2e-5
@@ -130,7 +131,7 @@ def config(stage: int, dp: int, **zero) -> dict:
 
 
 def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False,
-          poison: int | None = None) -> dict:
+          poison: int | None = None, **zero) -> dict:
     """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
     names = mesh.mesh_dim_names
     dp_dims = [n for n in names if n != "tp"]
@@ -138,7 +139,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
     model = build(sometimes)
     if "tp" in names:
         parallelize_module(model, mesh["tp"], plan(sometimes))
-    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp), device_mesh=mesh)
+    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp, **zero), device_mesh=mesh)
     dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
     lo = dp_rank * (BATCH // dp)
     losses, norms, at = [], [], [0]
@@ -164,6 +165,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
         out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
                              for n, t in model.state_dict().items()}
     out["refusals"] = refusals(engine)
+    out["offloaded"] = (engine.partitioned_optimizer.host is not None, engine.offload_param)
     return out
 
 
@@ -199,7 +201,6 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     out["model on another mesh"] = set_up_error(wrong, mesh)
     out["sizes"] = set_up_error(build(), DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("dp", "tp")))
     out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
-    out["offload"] = set_up_error(tp_model, mesh, offload_optimizer={"device": "cpu"})
     out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
     return out
 
@@ -372,6 +373,7 @@ def _ranks(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
+    out.update(tp_offload.runs(mesh, train))
     out["reference sometimes"] = reference(sometimes=True)
     out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
     out["reference skip"] = reference(skip=2)
@@ -392,7 +394,7 @@ def _results() -> list[dict]:
 
 
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
-        "dp2 tp2 stage 2 sgd", "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
+        "dp2 tp2 stage 2 sgd", *tp_offload.RUNS, "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
         "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3",
         "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"]
 
@@ -441,7 +443,6 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         assert "is a DTensor on mesh" in bad["model on another mesh"], bad["model on another mesh"]
         assert "must multiply to the world size" in bad["sizes"], bad["sizes"]
         assert "do not name the roles" in bad["names"], bad["names"]
-        assert "offload" in bad["offload"] and "tensor parallelism" in bad["offload"], bad["offload"]
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
 
 

@@ -7,7 +7,8 @@ partitions its *local* tensor-parallel shard of every parameter over its dp grou
 flat.set_local: the module keeps its DTensor parameters); stage 3 gathers over dp only; the step's
 norm, skip decision, loss scale and used bits are agreed over every rank of the world
 (Comm.everyone), each tp shard's gradient summed over the tp group and each parameter that the tp
-ranks hold alike counted once (flat.tp_duplicate, PartitionedOptimizer.tp_counted).
+ranks hold alike counted once (flat.tp_duplicate, PartitionedOptimizer.tp_counted). ZeRO-Offload needs
+nothing of its own: its host masters are those dp shards, and the norm is taken on the device.
 
 A Megatron-style model, split by hand into plain local shards, comes with an `mpu` instead (Comm's
 mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `model_parallel` where
@@ -50,11 +51,6 @@ def check(module: nn.Module, comm: Comm, config: Config, from_source: bool) -> N
                              "parameter must be Shard (or _StridedShard) or Replicate over the 'tp' dimension")
     if comm.tp is None:
         return
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device == "cpu" or zero.offload_param.device == "cpu":
-        raise TensorParallelUnsupported(
-            "zero_optimization.offload_optimizer / offload_param are not supported with tensor parallelism "
-            "(a device_mesh with a 'tp' dimension, or an mpu) yet; leave them out")
     if from_source or any(p.is_meta for p in module.parameters()):
         raise TensorParallelUnsupported(
             "weights= and models built on the 'meta' device are not supported with tensor parallelism (a "
