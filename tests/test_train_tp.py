@@ -80,7 +80,6 @@ def test_tp_job_trains_on_dp2_x_tp2_to_a_falling_loss_and_reports_once(tmp_path)
     (["--tp", "0", "--nproc", "4"], "--tp 0: expected a positive integer"),
     (["--tp", "4", "--nproc", "4", "--model", "tiny"], "n_head=2 and n_embd=64"),
     (["--tp", "2", "--nproc", "4", "--model", "hf-gpt2:tiny"], "only zerodp's own GPT sizes have a tensor-parallel plan"),
-    (["--tp", "2", "--nproc", "4", "--offload"], "--offload (ZeRO-Offload) is not supported with tensor parallelism"),
     (["--tp", "2", "--nproc", "4", "--stage", "0"], "--stage 0 is not supported with tensor parallelism"),
 ])
 def test_bad_tp_fails_before_any_rank_starts(argv, message):

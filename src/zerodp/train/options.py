@@ -235,10 +235,9 @@ def _check_tp(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --tp {tp}: --model {o['model']} has n_head={shape['n_head']} and "
                          f"n_embd={shape['n_embd']}, which tensor parallelism splits by heads; use a --tp that "
                          "divides both")
-    for refused, why in ((o["offload"], "--offload (ZeRO-Offload)"), (o["stage"] == 0, "--stage 0")):
-        if refused:
-            raise SystemExit(f"zerodp train: --tp {tp}: {why} is not supported with tensor parallelism; "
-                             "use --stage 1, 2 or 3 without --offload, or --tp 1")
+    if o["stage"] == 0:  # the engine's too: tensor parallelism needs ZeRO's one step over the whole world
+        raise SystemExit(f"zerodp train: --tp {tp}: --stage 0 is not supported with tensor parallelism; use "
+                         "--stage 1, 2 or 3, or --tp 1")
 
 
 def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
