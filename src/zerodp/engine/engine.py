@@ -607,3 +607,23 @@ class Engine:
     def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
         """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
         self.gatherer.watch(watcher)
+
+    def step_counts(self) -> dict[str, int] | None:
+        """Parameter name -> the optimizer steps it took, where unused parameters make them differ (saved
+        in zerodp.json); None when every parameter takes every step."""
+        if self.used_only is None:
+            return None
+        return self.used_only.counts_by_name({id(p): n for n, p in self.module.named_parameters()})
+
+    def restore_step_counts(self, masters: list[torch.Tensor], saved: dict[str, int] | None) -> None:
+        """After a checkpoint's optimizer state is loaded: each parameter's own step count back (`saved`
+        is step_counts() as saved; None: the group's saved step for every one)."""
+        if self.used_only is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            self.used_only.after_load(self.optimizer, masters, names, saved)
+
+    def advise_on_lone_state_dict(self, advice: str) -> None:
+        """Stage 3: what the error of a module.state_dict() called on one rank only suggests instead (a
+        compatibility layer names its own saving calls)."""
+        if self.gathered_state is not None:
+            self.gathered_state.advice = advice
