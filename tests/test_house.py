@@ -261,7 +261,8 @@ def private_reexports(src: Path, root: str = "zerodp") -> list[str]:
 
 # The engine's parts: engine.py builds and drives them; everything else reads the engine's public methods
 # and `engine.layout` (engine/layout.py), so that the parts can change without their readers.
-ENGINE_PARTS = {"partitioned_optimizer", "reducer", "gatherer"}
+ENGINE_PARTS = {"partitioned_optimizer", "reducer", "gatherer", "used_only", "gathered_state", "forward_order",
+                "buffer_sync"}
 ENGINE_OWNER = "engine/engine.py"
 
 

@@ -25,6 +25,7 @@ import tp_train
 import zerodp
 import zerodp.deepspeed as zds
 from spawn import run_ranks
+import tp_export
 import tp_offload
 
 D, HEAD_DIM, D_IN, D_OUT, SEQ, BATCH, STEPS, LR, CLIP = 16, 4, 6, 5, 3, 4, 5, 1e-3, 0.05
@@ -164,6 +165,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
     if stage == 3:  # module.state_dict() gathers over dp: each DTensor entry joined over tp is whole
         out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
                              for n, t in model.state_dict().items()}
+    out["export"] = tp_export.exported(engine)
     out["refusals"] = refusals(engine)
     out["offloaded"] = (engine.partitioned_optimizer.host is not None, engine.offload_param)
     return out
@@ -171,8 +173,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
 
 def refusals(engine) -> dict:
     out = {}
-    for what, call in [("save_checkpoint", lambda: engine.save_checkpoint("/nonexistent/tp")),
-                       ("full_state_dict", engine.full_state_dict)]:
+    for what, call in [("save_checkpoint", lambda: engine.save_checkpoint("/nonexistent/tp"))]:
         try:
             call()
             out[what] = "no error"
@@ -247,11 +248,14 @@ class SplitLinear(nn.Module):
         dim = 0 if column else 1
         self.weight = nn.Parameter(whole.weight.detach().chunk(tp, dim)[r].clone())
         setattr(self.weight, marking, True)
+        if marking == "tensor_model_parallel":  # Megatron says along which dimension; DeepSpeed's marking does not
+            self.weight.partition_dim = dim
         self.bias = None
         if whole.bias is not None:
             self.bias = nn.Parameter(whole.bias.detach().chunk(tp)[r].clone() if column else whole.bias.detach().clone())
             if column:
                 setattr(self.bias, marking, True)
+                self.bias.partition_dim = 0
 
     def forward(self, x):
         if self.column:
@@ -339,7 +343,7 @@ def train_mpu(mesh: DeviceMesh, deepspeed: bool) -> dict:
                 weights.update({f"{name}.{k}": v for k, v in module.whole().items()})
         weights.update({n: p.detach().clone() for n, p in model.named_parameters() if n not in weights})
     return {"losses": losses, "norms": norms, "weights": weights, "kinds": {"Parameter": "Parameter"},
-            "skipped": engine.skipped_steps, "refusals": refusals(engine)}
+            "skipped": engine.skipped_steps, "refusals": refusals(engine), "export": tp_export.exported(engine)}
 
 
 def bad_mpu(mesh: DeviceMesh) -> dict:
@@ -385,6 +389,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["dp_replicate2 dp_shard2 stage 3"] = train(hier, 3)
     for dp, tp in ((4, 1), (1, 4)):
         out[f"dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
+    out["llama"], out["16bit"] = {stage: tp_export.llama(mesh, stage) for stage in (2, 3)}, tp_export.deepspeed_16bit(mesh)
     return out
 
 

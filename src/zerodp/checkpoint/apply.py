@@ -73,9 +73,7 @@ def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    if engine.used_only is not None:
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        engine.used_only.after_load(opt, masters, names, meta.get("step_counts"))
+    engine.restore_step_counts(masters, meta.get("step_counts"))
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """A trained engine's weights written as files without gathering the model: every rank sends one
 bucket at a time (engine.weights.engine_weights) and rank 0 writes each tensor where it goes as it
-arrives, so no rank, the writer included, holds more than its shard and one bucket. Collective:
-call these on every rank.
+arrives, so no rank, the writer included, holds more than its shard and one bucket (and, under tensor
+parallelism, the one whole tensor joined over the tp group). Collective: call these on every rank.
 
   save_weights   one torch.save file of the state dict ({name: tensor}; `zerodp train`'s final.pt,
                  zerodp.deepspeed's save_16bit_model), optionally cast and filtered
@@ -31,7 +31,7 @@ def save_weights(engine: Engine, path: str | os.PathLike, dtype: torch.dtype | N
     """The weights as one torch.save'd state dict at `path`, written by rank 0; floating tensors cast
     to `dtype` when given; only `names` when given."""
     weights = _select(engine_weights(engine), dtype, names)
-    if engine.comm.rank != 0:
+    if not _writes(engine):
         weights.drain()
         return
     file = TorchSaveFile(path, weights.shapes, weights.ties)
@@ -43,7 +43,7 @@ def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str
     model (hf_folder.description), the folder `out/hf` that from_pretrained loads; returns the HF
     writer's notes (rank 0)."""
     weights = engine_weights(engine)
-    writer = engine.comm.rank == 0
+    writer = _writes(engine)
     file = TorchSaveFile(out / "final.pt", weights.shapes, weights.ties) if writer else None
     errors: list[Exception] = []
     teed = Weights(weights.shapes, weights.ties, _tee(weights.stream, file, errors))
@@ -61,7 +61,13 @@ def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str
 
 def save_hf(engine: Engine, out: str | os.PathLike, description: dict[str, Any]) -> list[str]:
     """The HF folder of `description`'s model at `out`, written by rank 0; returns its notes."""
-    return hf_folder.write_folder(out, engine_weights(engine), description, writer=engine.comm.rank == 0)
+    return hf_folder.write_folder(out, engine_weights(engine), description, writer=_writes(engine))
+
+
+def _writes(engine: Engine) -> bool:
+    """Whether this rank writes: one rank of the whole job (with tensor parallelism, rank 0 of every
+    dp group holds the same whole tensors, and each would write them)."""
+    return engine.comm.everyone.rank == 0
 
 
 def _tee(stream: Iterable[tuple[str, torch.Tensor]], file: TorchSaveFile | None, errors: list[Exception]

@@ -161,8 +161,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "client_state": client_state,
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
-        "step_counts": (None if engine.used_only is None else
-                        engine.used_only.counts_by_name({id(p): n for n, p in engine.module.named_parameters()})),
+        "step_counts": engine.step_counts(),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.layout.buckets],

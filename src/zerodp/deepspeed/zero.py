@@ -68,7 +68,7 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
     inner.watch_gathers(status)
-    inner.gathered_state.advice = _ADVICE
+    inner.advise_on_lone_state_dict(_ADVICE)
 
 
 @contextmanager

@@ -18,7 +18,6 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
-from zerodp.engine import tensor_parallel
 from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
@@ -51,6 +50,7 @@ from zerodp.engine.spec import EngineSpec, local_check
 from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, Units
 from zerodp.engine.unused import UsedParameters
+from zerodp.engine.weights import engine_weights
 from zerodp.monitor.step import StepMonitor
 
 
@@ -515,23 +515,12 @@ class Engine:
                 self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights of every rank, keyed like module.state_dict() (collective). It gathers
-        the whole model on every rank: files are written without that (zerodp.checkpoint.export_engine,
-        from engine.weights.engine_weights, one bucket at a time)."""
-        tensor_parallel.refuse(self.comm, "engine.full_state_dict()")
-        self.wait_for_parameters()
-        values: dict[int, torch.Tensor] = {}
-        for b, m in zip(self.partitioned_optimizer.buckets, self.partitioned_optimizer.masters):
-            full = self.partitioned_optimizer.full_master(b, m)
-            for s in b.slots:
-                values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in values:
-                out[name] = values[id(t)]
-            else:
-                out[name] = t.detach().float() if t.is_floating_point() else t.detach().clone()
-        return out
+        """fp32 master weights of every rank, keyed like module.state_dict(), each tensor whole (joined over
+        the tp group under tensor parallelism; collective). It gathers the whole model on every rank: files
+        are written without that (zerodp.checkpoint.export_engine, from engine_weights, one bucket at a time)."""
+        weights = engine_weights(self)
+        values = {name: t.clone() for name, t in weights.stream}
+        return {name: values[weights.ties.get(name, name)] for name in weights.shapes}
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         keep_last: int | None = None) -> str:
@@ -607,3 +596,23 @@ class Engine:
     def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
         """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
         self.gatherer.watch(watcher)
+
+    def step_counts(self) -> dict[str, int] | None:
+        """Parameter name -> the optimizer steps it took, where unused parameters make them differ (saved
+        in zerodp.json); None when every parameter takes every step."""
+        if self.used_only is None:
+            return None
+        return self.used_only.counts_by_name({id(p): n for n, p in self.module.named_parameters()})
+
+    def restore_step_counts(self, masters: list[torch.Tensor], saved: dict[str, int] | None) -> None:
+        """After a checkpoint's optimizer state is loaded: each parameter's own step count back (`saved`
+        is step_counts() as saved; None: the group's saved step for every one)."""
+        if self.used_only is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            self.used_only.after_load(self.optimizer, masters, names, saved)
+
+    def advise_on_lone_state_dict(self, advice: str) -> None:
+        """Stage 3: what the error of a module.state_dict() called on one rank only suggests instead (a
+        compatibility layer names its own saving calls)."""
+        if self.gathered_state is not None:
+            self.gathered_state.advice = advice

@@ -71,6 +71,15 @@ class Window(Enum):
     REDUCED = auto()  # full buckets (stages 0, 1) hold the reduced mean: a further backward reopens them
 
 
+class Kept(Enum):
+    """What survives a micro-step's reduction until the step: fixed at set-up by the stage and shard size."""
+
+    BUCKET = auto()  # the full bucket, summed in place (stages 0, 1; and any stage on one rank, where a
+                     # shard is the whole bucket): no pool
+    SHARD = auto()   # this rank's shard of the bucket (stages 2, 3): each micro-step's gradients pass
+                     # through a pooled buffer that is reduce-scattered into it
+
+
 class InFlight(NamedTuple):
     """A launched reduction, until it retires."""
 
@@ -90,10 +99,7 @@ class Reducer:
         # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
         # "bucket": a reduce buffer of the pool): the memory planner (plan/peak.py) labels them.
         self.on_new_buffer: list[Callable[[torch.Tensor, str], None]] = []
-        # Fixed, not a state: True keeps this rank's shard of each bucket's gradient (stages 2, 3),
-        # the micro-step's gradients passing through a pooled buffer; False keeps full buckets, summed
-        # in place (stages 0, 1). With one rank a shard is the whole bucket: full buckets, no pool.
-        self.sharded_grads = stage >= 2 and comm.shard_size > 1
+        self.kept = Kept.SHARD if stage >= 2 and comm.shard_size > 1 else Kept.BUCKET  # fixed, not a state
         self.buckets: list[Bucket] = layout.buckets
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
         self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
@@ -135,7 +141,7 @@ class Reducer:
         """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""
         if self.window is Window.REDUCED:
             self._reopen()
-        self.backward_pass = Pass.REDUCE if communicate or self.sharded_grads else Pass.ACCUMULATE
+        self.backward_pass = Pass.REDUCE if communicate or self.kept is Kept.SHARD else Pass.ACCUMULATE
         self.pending = [len(b.slots) for b in self.buckets]
         self.arrived = [bytearray(len(b.slots)) for b in self.buckets]
         self.ready = bytearray(len(self.buckets))
@@ -158,7 +164,7 @@ class Reducer:
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
         # Pool buffers and new gradient buffers start zeroed: a first arrival is a copy, not an add.
         grad = local(p.grad).reshape(-1)  # a tensor-parallel parameter's gradient: its local shard
-        if not self.arrived[k][i] and (self.sharded_grads or self.window is Window.EMPTY):
+        if not self.arrived[k][i] and (self.kept is Kept.SHARD or self.window is Window.EMPTY):
             target.copy_(grad)
         else:
             target.add_(grad)
@@ -174,7 +180,7 @@ class Reducer:
 
     def _target(self, k: int) -> torch.Tensor:
         """Where bucket k's gradients are summed this micro-step."""
-        if not self.sharded_grads:
+        if self.kept is Kept.BUCKET:
             return self._grad(k)
         if self.buffers[k] is None:
             self.buffers[k] = self._acquire(self.buckets[k].numel)
@@ -190,15 +196,15 @@ class Reducer:
         """After autograd: launch what unused parameters held back, in order, then end the micro-step."""
         if self.backward_pass is Pass.REDUCE:
             for k in range(self.next_launch, len(self.buckets)):
-                if self.sharded_grads:
+                if self.kept is Kept.SHARD:
                     self._target(k)  # a bucket nobody touched still takes part, as zeros
                 self.ready[k] = 1
             while self.next_launch < len(self.buckets):
                 self._launch(self.next_launch)
                 self.next_launch += 1
-        reduced = self.backward_pass is Pass.REDUCE and not self.sharded_grads
+        reduced = self.backward_pass is Pass.REDUCE and self.kept is Kept.BUCKET
         self.backward_pass = Pass.IDLE
-        if self.sharded_grads:
+        if self.kept is Kept.SHARD:
             self.wait()
             self.pool.clear()
             self.live.clear()
@@ -227,8 +233,8 @@ class Reducer:
         padding and any parameter without a gradient must read 0); a shard is wholly overwritten."""
         if self.grads[k] is None:
             b = self.buckets[k]
-            make = torch.empty if self.sharded_grads else torch.zeros
-            self.grads[k] = make(b.shard_numel if self.sharded_grads else b.numel, dtype=self.acc_dtype,
+            make = torch.empty if self.kept is Kept.SHARD else torch.zeros
+            self.grads[k] = make(b.shard_numel if self.kept is Kept.SHARD else b.numel, dtype=self.acc_dtype,
                                  device=b.data.device)
             self._made(self.grads[k], "grad")
         return self.grads[k]
@@ -246,7 +252,7 @@ class Reducer:
         if self.pre != 1.0:
             sent.mul_(self.pre)
         # In an EMPTY window a shard of the right dtype is reduced straight into the gradient.
-        into_grad = self.sharded_grads and self.window is Window.EMPTY and self.acc_dtype == buf.dtype
+        into_grad = self.kept is Kept.SHARD and self.window is Window.EMPTY and self.acc_dtype == buf.dtype
         if self.stage == 0:
             work = self.comm.all_reduce(sent, async_op=True)
         else:
@@ -260,7 +266,7 @@ class Reducer:
         k, work, into_grad, sent = self.inflight.popleft()
         work.wait()
         b = self.buckets[k]
-        if not self.sharded_grads:  # the reduced values: the whole bucket (stage 0) or the owned chunk
+        if self.kept is Kept.BUCKET:  # the reduced values: the whole bucket (stage 0) or the owned chunk
             reduced = sent if self.stage == 0 else b.shard(sent, self.rank)
             if self.post != 1.0:
                 reduced.mul_(self.post)
@@ -306,7 +312,7 @@ class Reducer:
         """This rank's reduced gradient for each bucket (its shard; the whole bucket in stage 0).
         Valid after the boundary micro-step's backward, until zero()."""
         grads = [self._grad(k) for k in range(len(self.buckets))]
-        if self.sharded_grads:
+        if self.kept is Kept.SHARD:
             return grads
         return [b.shard(a, self.rank) for b, a in zip(self.buckets, grads)]
 
@@ -318,6 +324,6 @@ class Reducer:
     def bytes(self) -> dict[str, int]:
         """Bytes of the gradients while they exist, and the most the reduce-buffer pool has held."""
         size = torch.empty((), dtype=self.acc_dtype).element_size()
-        grads = sum((b.shard_numel if self.sharded_grads else b.numel) * size for b in self.buckets)
+        grads = sum((b.shard_numel if self.kept is Kept.SHARD else b.numel) * size for b in self.buckets)
         pool = self.pool_peak * torch.empty((), dtype=self.dtype).element_size()
         return {"gradients": grads, "reduce_buckets": pool}

@@ -17,12 +17,14 @@ they are tp shards (flat.tp_duplicate), and no mesh.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from zerodp.config import Config
 from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import tp_duplicate
 
 
 class TensorParallelUnsupported(NotImplementedError):
@@ -70,3 +72,28 @@ def refuse(comm: Comm, what: str) -> None:
 def _ranks(mesh) -> list:
     return mesh.mesh.tolist()
 
+
+
+def shard_dim(name: str, p: torch.Tensor, ndim: int) -> int | None:
+    """The dimension along which the tp ranks' shards of `p` (state_dict entry `name`, `ndim` dimensions:
+    a stage-3 parameter's own tensor is empty between uses) join into the whole tensor; None when every tp
+    rank holds it whole (flat.tp_duplicate). A DTensor's placement says it
+    (Shard(d)); a Megatron-marked plain shard its `partition_dim`. Raises for a marked shard that does
+    not say, or that is split with a stride (its shards interleave: no single join restores it)."""
+    if tp_duplicate(p):
+        return None
+    if isinstance(p, DTensor):
+        return p.placements[0].dim % ndim
+    marking = "tensor_model_parallel" if getattr(p, "tensor_model_parallel", False) else "model_parallel"
+    dim = getattr(p, "partition_dim", None)
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"cannot join parameter '{name}' into the whole tensor: it is marked as this rank's "
+                         f"tensor-parallel shard ({marking}=True) but its partition_dim is {dim!r}, so the "
+                         "dimension its tp shards join along is unknown. Set p.partition_dim (Megatron's "
+                         "attribute: 0 for a column-parallel weight and bias, 1 for a row-parallel weight), "
+                         "or read each rank's shard inside `with engine.gathered_parameters():`")
+    if getattr(p, "partition_stride", 1) != 1:
+        raise ValueError(f"cannot join parameter '{name}' into the whole tensor: its partition_stride is "
+                         f"{p.partition_stride}, a strided split whose tp shards interleave; only "
+                         "partition_stride=1 is supported")
+    return dim % ndim

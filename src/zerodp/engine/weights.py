@@ -6,6 +6,12 @@ known before any value (a file's layout is fixed first), the names that share a 
 a trained engine's: the fp32 master values bucket by bucket (each bucket's shards gathered from its
 owners, so every rank takes part and holds one bucket at a time), then the buffers and frozen
 parameters, which every rank holds whole. `Engine.full_state_dict` is the same values all at once.
+
+Tensor parallelism: a bucket gathered over dp holds this rank's tp shard of each parameter; each
+shard is then joined over the tp group (comm.tp) along the dimension it was split on, one parameter
+at a time, into the whole tensor under the model's own name (shapes: the whole tensor's, found by one
+small exchange of the shards' sizes before any value). A parameter every tp rank holds alike
+(flat.tp_duplicate) is sent as it is.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerodp.engine.tensor_parallel import refuse
+from zerodp.distributed.comm import Comm
+from zerodp.engine.flat import local
+from zerodp.engine.tensor_parallel import shard_dim
 
 if TYPE_CHECKING:
     from zerodp.engine.engine import Engine
@@ -50,35 +58,82 @@ class Weights:
             del _  # one bucket alive at a time
 
 
+@dataclass(frozen=True)
+class _Split:
+    """How a tensor-parallel shard joins the others: along `dim`, each tp rank's `sizes` along it."""
+
+    dim: int
+    sizes: list[int]
+
+
 def engine_weights(engine: Engine) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
-    floating buffers and frozen parameters in fp32, the rest as they are. Iterating the stream is a
-    collective (stages 1-3 gather each bucket from its owners): every rank must iterate it to the end."""
-    refuse(engine.comm, "exporting the weights (engine_weights: the Hugging Face export, zerodp consolidate)")
+    floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
+    tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
+    tp joins each shard over the tp group): every rank must iterate it to the end."""
     engine.wait_for_parameters()
     layout = engine.layout
     slots = layout.by_param()
+    state = engine.module.state_dict(keep_vars=True)
+    held = {id(t): layout.shape_of(slots[id(t)][1]) if id(t) in slots else local(t).shape for t in state.values()}
+    splits = _splits(engine.comm, state, held)  # a local check, then the tp ranks' sizes (collective)
     shapes, ties, first = {}, {}, {}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
-        if id(t) in slots:
-            shapes[name] = (layout.shape_of(slots[id(t)][1]), torch.float32)
-        else:
-            shapes[name] = (t.shape, torch.float32 if t.is_floating_point() else t.dtype)
+    for name, t in state.items():
+        shape = held[id(t)]
+        if id(t) in splits:
+            split = splits[id(t)]
+            shape = shape[:split.dim] + (sum(split.sizes),) + shape[split.dim + 1:]
+        shapes[name] = (torch.Size(shape), torch.float32 if id(t) in slots or t.is_floating_point() else t.dtype)
         if id(t) in first:
             ties[name] = first[id(t)]
         else:
             first[id(t)] = name
-    return Weights(shapes, ties, _stream(engine, first))
+    return Weights(shapes, ties, _stream(engine, first, splits))
 
 
-def _stream(engine: Engine, first: dict[int, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    trained = set()
+def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Size]) -> dict[int, _Split]:
+    """id(tensor) -> its _Split, for every tensor-parallel shard among the state's tensors (`held`: the
+    shape of each one's values on this rank). Raises on every rank alike (the model is built alike) for a
+    shard whose split dimension is unknown, before the one collective: the tp ranks' sizes along it."""
+    if comm.tp is None:
+        return {}
+    dims: dict[int, int] = {}  # in state order, the same on every tp rank
+    for name, t in state.items():
+        if id(t) not in dims and (dim := shard_dim(name, t, len(held[id(t)]))) is not None:
+            dims[id(t)] = dim
+    sizes = comm.tp.all_gather_object([held[i][d] for i, d in dims.items()])
+    return {i: _Split(d, [theirs[k] for theirs in sizes]) for k, (i, d) in enumerate(dims.items())}
+
+
+def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    trained, tp = set(), engine.comm.tp
     for b in engine.layout.buckets:
         full = engine.full_master(b)  # one bucket, fp32, on every rank
         for s in b.slots:
             trained.add(id(s.param))
-            yield first[id(s.param)], full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
+            value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
+            split = splits.get(id(s.param))
+            yield first[id(s.param)], value if split is None else join(tp, value, split.dim, split.sizes)
         del full
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) not in trained and first.get(id(t)) == name:
-            yield name, t.detach().float() if t.is_floating_point() else t.detach()
+            value = local(t).detach()
+            value = value.float() if value.is_floating_point() else value
+            split = splits.get(id(t))
+            yield name, value if split is None else join(tp, value, split.dim, split.sizes)
+
+
+def join(tp: Comm, shard: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+    """The whole tensor from every tp rank's `shard`, split along `dim` into `sizes` (in tp rank order;
+    uneven splits are padded for the gather). Collective over the tp group; every rank gets it whole."""
+    rows = max(sizes)
+    part = shard.movedim(dim, 0)
+    if part.shape[0] != rows:
+        part = torch.cat([part, part.new_zeros((rows - part.shape[0], *part.shape[1:]))])
+    part = part.contiguous()
+    out = part.new_empty((len(sizes) * rows, *part.shape[1:]))
+    tp.all_gather(out.view(-1), part.view(-1))
+    if any(n != rows for n in sizes):
+        out = torch.cat([out[r * rows:r * rows + n] for r, n in enumerate(sizes)])
+    return out.movedim(0, dim).contiguous()

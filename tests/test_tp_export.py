@@ -1,0 +1,81 @@
+"""Exporting a tensor-parallel x data-parallel engine (issue 26): every exporter (engine_weights'
+stream: save_weights, save_final, save_hf, save_16bit_model; and engine.full_state_dict) gives whole
+tensors under the model's own names, each tp shard joined over the tp group, written by the world's
+rank 0 alone. The rank-side work runs in test_tensor_parallel.py's one 4-rank launch (tp_export.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_tensor_parallel import RUNS, TOL, _reference, _results, build
+
+import tp_export
+
+# Every (dp, tp) run of the oracle but the one marked the DeepSpeed way, whose export is refused.
+EXPORTED = [r for r in RUNS if r != "deepspeed mpu dp2 tp2 stage 2"]
+
+
+@pytest.mark.parametrize("run", EXPORTED)
+def test_tp_export_gives_the_whole_weights_one_process_trained(run):
+    for rank, result in enumerate(_results()):
+        ref, got = result[_reference(run)]["weights"], result[run]["export"]
+        assert "error" not in got, got.get("error")
+        # The stream's shapes, known before any value, are the whole tensors' (an HF layout is checked on them).
+        assert got["shapes"] == {n: (tuple(w.shape), torch.float32) for n, w in ref.items()}, run
+        assert list(got["full"]) == list(ref), run
+        assert got["wrote"] == (rank == 0), f"{run}: rank {rank} wrote={got['wrote']}: only the world's rank 0 writes"
+        for name, w in ref.items():
+            torch.testing.assert_close(got["full"][name], w, atol=TOL, rtol=TOL, msg=f"{run} rank {rank} {name}")
+            if rank == 0:
+                torch.testing.assert_close(got["file"][name], w, atol=TOL, rtol=TOL, msg=f"{run} file {name}")
+
+
+def test_tp_export_refuses_a_marked_shard_that_does_not_say_its_partition_dim():
+    # DeepSpeed's `model_parallel` marking has no partition_dim: joining the shards would be a guess.
+    for rank, result in enumerate(_results()):
+        error = result["deepspeed mpu dp2 tp2 stage 2"]["export"].get("error", "no error")
+        assert "cannot join parameter 'blocks.0.attn.q.weight'" in error and "model_parallel=True" in error, (rank, error)
+        assert "partition_dim" in error, error
+
+
+def test_deepspeed_stage3_save_16bit_model_writes_whole_tensors_of_a_megatron_model():
+    whole = build().state_dict()
+    for rank, result in enumerate(_results()):
+        got = result["16bit"]
+        assert got["wrote"] == (rank == 0), rank
+        # GatheredParameters makes each parameter whole over dp: under an mpu that is this rank's tp shard,
+        # as in DeepSpeed (a column-parallel weight has half the rows).
+        assert got["gathered"]["blocks.0.fc1.weight"] == (whole["blocks.0.fc1.weight"].shape[0] // 2,
+                                                          whole["blocks.0.fc1.weight"].shape[1])
+        assert got["gathered"]["blocks.0.fc2.weight"] == (whole["blocks.0.fc2.weight"].shape[0],
+                                                          whole["blocks.0.fc2.weight"].shape[1] // 2)
+    file = _results()[0]["16bit"]["file"]
+    assert list(file) == list(whole)
+    for name, w in whole.items():
+        torch.testing.assert_close(file[name], w, atol=0, rtol=0, msg=name)
+
+
+@functools.lru_cache(maxsize=1)
+def _llama_reference() -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads than cores only wait on each other
+    try:
+        return tp_export.reference_llama()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tp_llama_hf_export_loads_with_from_pretrained_and_gives_the_trained_logits(stage):
+    results = _results()
+    for rank, result in enumerate(results):
+        assert result["llama"][stage]["wrote"] == (rank == 0), f"rank {rank}: only the world's rank 0 writes"
+    got, ref = results[0]["llama"][stage], _llama_reference()
+    assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL)
+    # The folder's model computes what the tp engine computed, and what one process training the whole
+    # Llama on the whole batch computes; training moved the logits far beyond that tolerance.
+    torch.testing.assert_close(got["loaded"], got["trained"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["loaded"], ref["trained"], atol=1e-5, rtol=1e-5)
+    assert (got["loaded"] - got["before"]).abs().max() > 0.1

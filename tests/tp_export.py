@@ -1,0 +1,145 @@
+"""Rank-side checks of the tensor-parallel export (issue 26), run inside test_tensor_parallel.py's one
+4-rank launch (its `_ranks` calls these); tests/test_tp_export.py reads what they return.
+
+`exported(engine)`: what every exporter of a (dp, tp) engine gives (the streamed shapes,
+engine.full_state_dict() on every rank, save_weights' file, written by the world's rank 0 only).
+`deepspeed_16bit(mesh)`: zerodp.deepspeed's stage-3 saving paths on a Megatron-style model (mpu).
+`llama(mesh, stage)`: a tiny Hugging Face Llama with a tp plan on its attention and MLP projections
+trains at (dp 2, tp 2); its save_hf folder is loaded with from_pretrained in this one process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import zerodp
+import zerodp.deepspeed as zds
+from zerodp.checkpoint.export_engine import save_hf, save_weights
+from zerodp.engine.weights import engine_weights
+from zerodp.models.hf_folder import description
+
+LLAMA_STEPS, LLAMA_BATCH, LLAMA_SEQ, VOCAB, LLAMA_CLIP = 3, 4, 8, 64, 1.0
+
+
+def exported(engine) -> dict:
+    """The engine's export: global shapes (before any value), full_state_dict and the saved file (on the
+    world's rank 0; None elsewhere, where no file may appear), or the error every rank raised."""
+    path = os.path.join(tempfile.mkdtemp(prefix="tp_export."), "weights.pt")
+    try:
+        weights = engine_weights(engine)
+        shapes = {n: (tuple(s), d) for n, (s, d) in weights.shapes.items()}
+        weights.drain()
+        full = engine.full_state_dict()
+        save_weights(engine, path)
+    except ValueError as e:
+        return {"error": str(e)}
+    written = os.path.exists(path)
+    return {"shapes": shapes, "full": full, "wrote": written,
+            "file": torch.load(path, weights_only=True) if written else None}
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    # 4 heads and 2 key/value heads: each of 2 tp ranks computes 2 heads from its 1 key/value head.
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LLAMA_SEQ,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).float()
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def reference_llama() -> dict:
+    """The oracle: one process trains the whole Llama on the whole batch (plain AdamW, clip_grad_norm_);
+    its losses and the probe batch's logits after training."""
+    model = _tiny_llama()
+    opt = _adamw(model)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        ids = _tokens(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), LLAMA_CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        return {"losses": losses, "trained": model(input_ids=_tokens(-1)).logits}
+
+
+def llama_plan(model: LlamaForCausalLM) -> dict:
+    """Heads and the MLP's hidden units split over tp; embeddings, norms and the head replicated."""
+    plan = {}
+    for i in range(len(model.model.layers)):
+        plan.update({f"model.layers.{i}.self_attn.{n}_proj": ColwiseParallel() for n in "qkv"})
+        plan.update({f"model.layers.{i}.mlp.{n}_proj": ColwiseParallel() for n in ("gate", "up")})
+        plan.update({f"model.layers.{i}.self_attn.o_proj": RowwiseParallel(),
+                     f"model.layers.{i}.mlp.down_proj": RowwiseParallel()})
+    return plan
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (LLAMA_BATCH, LLAMA_SEQ), generator=torch.Generator().manual_seed(200 + step))
+
+
+def llama(mesh: DeviceMesh, stage: int) -> dict:
+    """Train the tp Llama LLAMA_STEPS steps, export it with save_hf; the world's rank 0 loads the folder
+    with from_pretrained. Logits of one probe batch: the untrained model's, the tp engine's after
+    training, the loaded folder's."""
+    model = _tiny_llama()
+    probe = _tokens(-1)
+    with torch.no_grad():
+        before = model(probe).logits
+    parallelize_module(model, mesh["tp"], llama_plan(model))
+    config = {"train_micro_batch_size_per_gpu": LLAMA_BATCH // 2, "gradient_clipping": LLAMA_CLIP,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000}}
+    engine = zerodp.initialize(model, _adamw(model), config, device_mesh=mesh)
+    lo = mesh.get_local_rank("dp") * (LLAMA_BATCH // 2)
+    losses = []
+    for step in range(LLAMA_STEPS):
+        ids = _tokens(step)[lo:lo + LLAMA_BATCH // 2]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # tp ranks of one dp rank hold the same loss: the world mean is the dp mean
+        losses.append(float(mean) / dist.get_world_size())
+    engine.eval()
+    with torch.no_grad():
+        trained = engine(input_ids=probe).logits
+    out = os.path.join(tempfile.mkdtemp(prefix="tp_export_hf."), "hf")
+    save_hf(engine, out, description(model, None))
+    result = {"before": before, "trained": trained, "losses": losses, "wrote": os.path.exists(out)}
+    if dist.get_rank() == 0:
+        loaded = LlamaForCausalLM.from_pretrained(out)
+        with torch.no_grad():
+            result["loaded"] = loaded(probe).logits
+    return result
+
+
+def deepspeed_16bit(mesh: DeviceMesh) -> dict:
+    """A Megatron-style (dp 2, tp 2) model at stage 3 through zerodp.deepspeed, untrained: what
+    save_16bit_model writes (the world's rank 0), and the parameters' shapes inside GatheredParameters."""
+    from test_tensor_parallel import ParallelState, build, config, optimizer, split_by_hand  # the oracle's model
+
+    model = split_by_hand(build(), mesh.get_group("tp"), "tensor_model_parallel")
+    cfg = config(3, 2, stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=0)
+    engine, *_ = zds.initialize(model=model, optimizer=optimizer(model), config=cfg,
+                                mpu=ParallelState(mesh.get_group("dp"), mesh.get_group("tp")))
+    with zds.zero.GatheredParameters(list(model.parameters())):
+        gathered = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    folder = tempfile.mkdtemp(prefix="tp_export_16bit.")
+    engine.save_16bit_model(folder)
+    path = os.path.join(folder, "pytorch_model.bin")
+    written = os.path.exists(path)
+    return {"gathered": gathered, "wrote": written, "file": torch.load(path, weights_only=True) if written else None}
