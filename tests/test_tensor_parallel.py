@@ -166,19 +166,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
         out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
                              for n, t in model.state_dict().items()}
     out["export"] = tp_export.exported(engine)
-    out["refusals"] = refusals(engine)
     out["offloaded"] = (engine.partitioned_optimizer.host is not None, engine.offload_param)
-    return out
-
-
-def refusals(engine) -> dict:
-    out = {}
-    for what, call in [("save_checkpoint", lambda: engine.save_checkpoint("/nonexistent/tp"))]:
-        try:
-            call()
-            out[what] = "no error"
-        except NotImplementedError as e:
-            out[what] = str(e)
     return out
 
 
@@ -343,7 +331,7 @@ def train_mpu(mesh: DeviceMesh, deepspeed: bool) -> dict:
                 weights.update({f"{name}.{k}": v for k, v in module.whole().items()})
         weights.update({n: p.detach().clone() for n, p in model.named_parameters() if n not in weights})
     return {"losses": losses, "norms": norms, "weights": weights, "kinds": {"Parameter": "Parameter"},
-            "skipped": engine.skipped_steps, "refusals": refusals(engine), "export": tp_export.exported(engine)}
+            "skipped": engine.skipped_steps, "export": tp_export.exported(engine)}
 
 
 def bad_mpu(mesh: DeviceMesh) -> dict:
@@ -390,6 +378,7 @@ def _ranks(rank: int, world: int) -> dict:
     for dp, tp in ((4, 1), (1, 4)):
         out[f"dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
     out["llama"], out["16bit"] = {stage: tp_export.llama(mesh, stage) for stage in (2, 3)}, tp_export.deepspeed_16bit(mesh)
+    out["tp ckpt"] = __import__("tp_ckpt").saves(mesh)  # test_tp_ckpt.py's checkpoints
     return out
 
 
@@ -461,8 +450,3 @@ def test_mpu_setup_errors_on_every_rank_before_any_collective():
         assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
 
 
-@pytest.mark.parametrize("run", ["dp2 tp2 stage 1", "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"])
-def test_tp_refuses_what_it_does_not_support_yet(run):
-    for result in _results():
-        for what, text in result[run]["refusals"].items():
-            assert "not supported with tensor parallelism" in text, (what, text)
