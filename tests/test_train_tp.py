@@ -8,7 +8,8 @@ training it on the whole batch ends. The job itself runs once, as a user runs it
 
 from __future__ import annotations
 
-import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,10 @@ import torch
 from test_tensor_parallel import _results
 from test_train import TINY, corpus, metrics, train
 from tp_train import CLIP
+from zerodp.checkpoint.export import write_consolidated
+from zerodp.config import load_config
 from zerodp.models.gpt import GPT, GPTConfig, check_tp
+from zerodp.monitor.step import StepMonitor
 from zerodp.train.options import parse_options
 from zerodp.train.resume import same_tp
 
@@ -52,27 +56,41 @@ def test_gpt_split_over_dp2_tp2_trains_as_one_process_on_the_whole_batch(stage):
         assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL), rank
         for name, w in ref["weights"].items():
             torch.testing.assert_close(got["weights"][name], w, atol=TOL, rtol=TOL, msg=f"rank {rank} {name}")
+            # The export joins c_attn's strided shards part by part: q | k | v, not each rank's q, k, v in turn.
+            torch.testing.assert_close(got["export"][name], w, atol=TOL, rtol=TOL, msg=f"export {rank} {name}")
 
 
-def test_tp_job_trains_on_dp2_x_tp2_to_a_falling_loss_and_reports_once(tmp_path):
+def test_tp_job_trains_on_dp2_x_tp2_to_a_falling_loss_and_its_checkpoint_consolidates_to_final_pt(tmp_path):
     out = tmp_path / "run"
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"steps_per_print": 6}))  # the engine's step line: once per job, not per tp rank
-    proc = train(*TINY, "--steps", "12", "--eval-every", "6", "--save-every", "0", "--nproc", "4", "--tp", "2",
-                 "--stage", "2", "--dtype", "fp32", "--ds-config", str(ds), "--data", corpus(tmp_path),
-                 "--out", str(out), timeout=300)
+    proc = train(*TINY, "--steps", "12", "--eval-every", "6", "--save-every", "6", "--nproc", "4", "--tp", "2",
+                 "--dtype", "fp32", "--data", corpus(tmp_path), "--out", str(out), timeout=300)
     lines = metrics(out)
     assert [(r["ranks"], r["tp"]) for r in lines if r["kind"] == "run"] == [(4, 2)]
     val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 6, 12]
     assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
     assert len([r for r in lines if r["kind"] == "memory"][-1]["ranks"]) == 4
-    assert proc.stdout.count("4 rank(s) (2 data-parallel x 2 tensor-parallel)") == 1, proc.stdout
-    assert proc.stdout.count("zerodp step 6:") == 1 and proc.stdout.count("zerodp step 12:") == 1, proc.stdout
-    assert proc.stdout.count("final validation loss") == 1
+    assert proc.stdout.count("4 rank(s) (2 data-parallel x 2 tensor-parallel), fp32, global batch 8 x 64") == 1
+    assert proc.stdout.count("final validation loss") == 1, proc.stdout
     final = torch.load(out / "final.pt", weights_only=True)
     assert final["blocks.0.attn.c_attn.weight"].shape == (3 * 64, 64)  # whole, not one tp rank's shard
     assert final["blocks.0.mlp.c_proj.weight"].shape == (64, 4 * 64)
+    # The step-12 checkpoint, joined by `zerodp consolidate` (c_attn part by part), is final.pt.
+    write_consolidated(str(out / "checkpoints"), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert whole.keys() == final.keys()
+    for name, t in final.items():
+        torch.testing.assert_close(whole[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_step_lines_come_from_the_worlds_rank_0_not_each_tp_ranks_dp_rank_0(caplog):
+    # With tp, tp rank 1 of dp rank 0 is rank 0 of its data-parallel group, and printed every line again.
+    caplog.set_level(logging.INFO, logger="zerodp")
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1})
+    dp_rank0_of_tp_rank1 = SimpleNamespace(rank=0, world_size=2, everyone=SimpleNamespace(rank=1))
+    monitor = StepMonitor(config, dp_rank0_of_tp_rank1, torch.device("cpu"))
+    monitor.after_step(1, torch.tensor(1.0), 1, torch.tensor(2.0), lambda: 1e-3, 1.0, lambda: 0)
+    assert [r for r in caplog.records if r.getMessage().startswith("zerodp step")] == []
 
 
 @pytest.mark.parametrize("argv, message", [

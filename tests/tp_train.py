@@ -3,7 +3,8 @@ test_tensor_parallel's 4-rank launch: `gpt_oracle(mesh)` on its (dp 2, tp 2) mes
 
 The oracle is the same GPT unsplit, in one process: the split one must give the same logits, loss and
 gradients on the same weights, hold the same whole weights (c_attn's q | k | v rows keep their meaning),
-and trained by zerodp over (dp 2, tp 2) end where one process training it on the whole batch ends.
+and trained by zerodp over (dp 2, tp 2) end where one process training it on the whole batch ends, in
+the module and in its export.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def train(mesh: DeviceMesh, stage: int) -> dict:
         norms.append(engine.grad_norm)
     with engine.gathered_parameters():
         weights = {n: whole(p) for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "weights": weights}
+    # The export (engine_weights: final.pt, consolidate's twin) joins each tp shard by its placement.
+    return {"losses": losses, "norms": norms, "weights": weights, "export": engine.full_state_dict()}
 
 
 def gpt_oracle(mesh: DeviceMesh) -> dict:

@@ -18,6 +18,7 @@ from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.pieces import saved_pieces, stored
 from zerodp.checkpoint.read import iter_tensors, read_metadata, resolve
+from zerodp.engine.flat import place_tp_shard
 from zerodp.engine.weights import Weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
@@ -76,7 +77,7 @@ def checkpoint_weights(load_dir: str, tag: str | None = None, chunk_numel: int =
                 owner[key] = (name, i, None)
                 keys.append(key)
         shapes[name] = (shape, dtype)
-    tp_dims = {e["name"]: e["tp"]["dim"] for e in meta["model"] if e.get("tp")}
+    tp_dims = {e["name"]: (e["tp"]["dim"], e["tp"].get("parts", 1)) for e in meta["model"] if e.get("tp")}
     chunks = iter_tensors(path, metadata, keys, meta, chunk_numel)
     return Weights(shapes, ties, _assemble(chunks, owner, shapes, parts, tp_dims))
 
@@ -96,7 +97,7 @@ def _parts(path: str, e: dict) -> dict[str, torch.Size]:
 
 def _assemble(chunks: Iterator[dict[str, torch.Tensor]], owner: dict[str, tuple[str, int, int | None]],
               shapes: dict[str, tuple[torch.Size, torch.dtype]], parts: dict[str, dict[str, torch.Size]],
-              tp_dims: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+              tp_dims: dict[str, tuple[int, int]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors from the saved keys (a tensor's parts, and each part's pieces, come in order, one
     after another): each given as soon as its last piece is read. A part is the whole tensor, or one tp
     rank's shard, which is copied to its place along the tp axis once complete: the exporter holds the
@@ -123,9 +124,8 @@ def _assemble(chunks: Iterator[dict[str, torch.Tensor]], owner: dict[str, tuple[
             if n not in tp_dims:
                 yield n, part.view(shapes[n][0])
                 continue
-            dim = tp_dims[n]
-            at = sum(s[dim] for s in shard_shapes[:i])
-            whole.narrow(dim, at, shard_shapes[i][dim]).copy_(part.view(shard_shapes[i]))
+            dim, n_parts = tp_dims[n]
+            place_tp_shard(whole, part.view(shard_shapes[i]), dim, sum(s[dim] for s in shard_shapes[:i]), n_parts)
             joined += 1
             if joined == sum(1 for s in shard_shapes if s.numel()):  # an empty shard has no pieces
                 yield n, whole

@@ -35,6 +35,7 @@ class TpShards(_Strict):
 
     dim: int | None = Field(ge=0)
     shapes: list[list[Count]]
+    parts: int = Field(default=1, ge=1)  # flat.tp_parts: each shard holds its slice of each of `parts` parts
 
 
 class ModelEntry(_Strict):

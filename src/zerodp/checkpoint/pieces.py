@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerodp.distributed.device import is_accelerator, rng_state
-from zerodp.engine.flat import local, tp_duplicate
+from zerodp.engine.flat import local, tp_duplicate, tp_parts
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def tp_dim(t: torch.Tensor) -> int | None:
     Megatron parameter's `partition_dim` (when its shards are not interleaved: partition_stride 1); None
     when the model does not say (a parameter marked tensor/model_parallel and nothing more)."""
     if isinstance(t, DTensor):
-        return next(pl.dim for pl in t.placements if pl.is_shard())
+        return next(pl.dim for pl in t.placements if not pl.is_replicate())  # Shard or _StridedShard
     dim, stride = getattr(t, "partition_dim", None), getattr(t, "partition_stride", 1)
     return dim if type(dim) is int and dim >= 0 and stride == 1 else None
 
@@ -118,6 +118,8 @@ def signature(engine) -> list[dict]:
              "dtype": str(t.dtype), "alias_of": first.get(id(t)), "group": trained.get(id(t))}
         if tp_shard(engine, t) is not None:
             e["tp"] = {"dim": tp_dim(t), "shapes": [mine]}
+            if tp_parts(t) > 1:  # each shard is its slice of each part (a fused q | k | v): joined part by part
+                e["tp"]["parts"] = tp_parts(t)
         out.append(e)
         first.setdefault(id(t), name)
     return out

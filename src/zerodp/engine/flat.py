@@ -86,6 +86,14 @@ def join_tp(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tenso
     return torch.cat([piece[j] for j in range(parts) for piece in pieces], dim)
 
 
+def place_tp_shard(whole: torch.Tensor, shard: torch.Tensor, dim: int, offset: int, parts: int = 1) -> None:
+    """Copy one tp rank's shard into `whole` (join_tp one shard at a time): `offset` is the earlier tp
+    ranks' shards' size along `dim`; with `parts` > 1 each of the shard's parts goes into its part."""
+    part_size = whole.shape[dim] // parts
+    for j, piece in enumerate(shard.chunk(parts, dim)):
+        whole.narrow(dim, j * part_size + offset // parts, piece.shape[dim]).copy_(piece)
+
+
 @dataclass
 class Slot:
     """One parameter's place in its bucket."""

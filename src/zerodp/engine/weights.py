@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import local
+from zerodp.engine.flat import join_tp, local, tp_parts
 from zerodp.engine.tensor_parallel import shard_dim
 
 if TYPE_CHECKING:
@@ -60,10 +60,12 @@ class Weights:
 
 @dataclass(frozen=True)
 class _Split:
-    """How a tensor-parallel shard joins the others: along `dim`, each tp rank's `sizes` along it."""
+    """How a tensor-parallel shard joins the others: along `dim`, each tp rank's `sizes` along it, part by
+    part when each shard holds its slice of each of `parts` parts (flat.tp_parts: a fused q | k | v)."""
 
     dim: int
     sizes: list[int]
+    parts: int = 1
 
 
 def engine_weights(engine: Engine) -> Weights:
@@ -102,7 +104,8 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
         if id(t) not in dims and (dim := shard_dim(name, t, len(held[id(t)]))) is not None:
             dims[id(t)] = dim
     sizes = comm.tp.all_gather_object([held[i][d] for i, d in dims.items()])
-    return {i: _Split(d, [theirs[k] for theirs in sizes]) for k, (i, d) in enumerate(dims.items())}
+    parts = {id(t): tp_parts(t) for t in state.values()}
+    return {i: _Split(d, [theirs[k] for theirs in sizes], parts[i]) for k, (i, d) in enumerate(dims.items())}
 
 
 def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
@@ -114,19 +117,20 @@ def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
             trained.add(id(s.param))
             value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
             split = splits.get(id(s.param))
-            yield first[id(s.param)], value if split is None else join(tp, value, split.dim, split.sizes)
+            yield first[id(s.param)], value if split is None else join(tp, value, split)
         del full
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) not in trained and first.get(id(t)) == name:
             value = local(t).detach()
             value = value.float() if value.is_floating_point() else value
             split = splits.get(id(t))
-            yield name, value if split is None else join(tp, value, split.dim, split.sizes)
+            yield name, value if split is None else join(tp, value, split)
 
 
-def join(tp: Comm, shard: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-    """The whole tensor from every tp rank's `shard`, split along `dim` into `sizes` (in tp rank order;
-    uneven splits are padded for the gather). Collective over the tp group; every rank gets it whole."""
+def join(tp: Comm, shard: torch.Tensor, split: _Split) -> torch.Tensor:
+    """The whole tensor from every tp rank's `shard`, split along `split.dim` into `split.sizes` (in tp rank
+    order; uneven splits are padded for the gather). Collective over the tp group; every rank gets it whole."""
+    dim, sizes = split.dim, split.sizes
     rows = max(sizes)
     part = shard.movedim(dim, 0)
     if part.shape[0] != rows:
@@ -136,4 +140,6 @@ def join(tp: Comm, shard: torch.Tensor, dim: int, sizes: list[int]) -> torch.Ten
     tp.all_gather(out.view(-1), part.view(-1))
     if any(n != rows for n in sizes):
         out = torch.cat([out[r * rows:r * rows + n] for r, n in enumerate(sizes)])
+    if split.parts > 1:  # each rank's rows are its slice of each part: joined part by part
+        return join_tp(list(out.split(sizes)), 0, split.parts).movedim(0, dim).contiguous()
     return out.movedim(0, dim).contiguous()
