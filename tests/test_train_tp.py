@@ -114,10 +114,9 @@ def test_gpt_refuses_a_tp_that_does_not_split_its_heads():
 
 def test_resume_at_another_tp_is_refused_with_the_saved_tp_named():
     opts = parse_options(["--tp", "2", "--nproc", "4"])
-    saved = {"client_state": {"options": {"tp": 1}}}
     with pytest.raises(SystemExit, match="written with --tp 1, and this run has --tp 2"):
-        same_tp(opts, saved, "ckpt")
-    same_tp(opts, {"client_state": {"options": {"tp": 2}}}, "ckpt")
+        same_tp(opts, {"world_size": 4}, "ckpt")  # no "tp" in the manifest: written without tp
+    same_tp(opts, {"world_size": 2, "tp": 2}, "ckpt")
 
 
 def test_the_unsplit_gpt_is_unchanged_by_the_head_count_read_from_its_output():

@@ -51,8 +51,9 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
 
 
 def same_tp(opts: argparse.Namespace, meta: dict, path: str) -> None:
-    """A checkpoint resumes at its own --tp only: each rank's saved state is its tensor-parallel shard."""
-    saved = ((meta.get("client_state") or {}).get("options") or {}).get("tp", 1)
+    """A checkpoint resumes at its own --tp only: each rank's saved state is its tensor-parallel shard (the
+    manifest records tp when it is over 1)."""
+    saved = meta.get("tp", 1)
     if saved != opts.tp:
         raise SystemExit(f"zerodp train: --resume: checkpoint '{path}' was written with --tp {saved}, and this run "
                          f"has --tp {opts.tp}: resuming on another tensor-parallel size is not supported; pass "
