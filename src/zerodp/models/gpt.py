@@ -2,7 +2,8 @@
 
 nanoGPT's model, read top to bottom: config and named sizes, attention, MLP, block, GPT.
 Pre-LayerNorm blocks, learned position embeddings, an output head tied to the token embedding,
-GPT-2 initialisation. Nothing here knows about data parallelism: zerodp wraps it unchanged.
+GPT-2 initialisation. Nothing here knows about data parallelism: zerodp wraps it unchanged. The last
+section splits it over tensor-parallel ranks (`parallelize`: Megatron's layout, torch's parallelize_module).
 
 The initialisation is each layer's own `reset_parameters()`, run as the layer is built: a GPT built on
 the meta device and initialised layer by layer in module order (what zerodp.initialize does, and
@@ -260,7 +261,7 @@ def tp_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
 
 
 def check_tp(config: GPTConfig, tp: int) -> None:
-    """A GPT splits over `tp` ranks when its heads do (n_head, hence n_embd, and 4 * n_embd, divide by tp).
+    """A GPT splits over `tp` ranks when its heads and its width do (n_head and n_embd divisible by tp).
     Raises a ValueError naming the sizes otherwise (no collective: call it on every rank first)."""
     if config.n_head % tp or config.n_embd % tp:
         raise ValueError(f"tensor parallelism {tp} splits attention by heads: n_head={config.n_head} and "
