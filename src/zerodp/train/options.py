@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
     p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
-                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the other "
-                   "ranks / N (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 tensor-parallel")
+                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
+                   "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
+                   "tensor-parallel")
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
