@@ -79,3 +79,13 @@ def test_tp_llama_hf_export_loads_with_from_pretrained_and_gives_the_trained_log
     torch.testing.assert_close(got["loaded"], got["trained"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["loaded"], ref["trained"], atol=1e-5, rtol=1e-5)
     assert (got["loaded"] - got["before"]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tp_export_joins_uneven_shards(stage):
+    # 5 rows over 2 tp ranks: torch gives tp rank 0 three and tp rank 1 two (columns, for the row-parallel weight).
+    for rank, result in enumerate(_results()):
+        got, whole = result["uneven"][stage], result["uneven"]["whole"]
+        assert list(got) == list(whole)
+        for name, w in whole.items():
+            assert torch.equal(got[name], w), (rank, stage, name)
