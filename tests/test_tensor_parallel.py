@@ -377,7 +377,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["dp_replicate2 dp_shard2 stage 3"] = train(hier, 3)
     for dp, tp in ((4, 1), (1, 4)):
         out[f"dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
-    out["llama"], out["16bit"] = {stage: tp_export.llama(mesh, stage) for stage in (2, 3)}, tp_export.deepspeed_16bit(mesh)
+    out.update(tp_export.checks(mesh))
     out["tp ckpt"] = __import__("tp_ckpt").saves(mesh)  # test_tp_ckpt.py's checkpoints
     return out
 

@@ -4,6 +4,7 @@
 `exported(engine)`: what every exporter of a (dp, tp) engine gives (the streamed shapes,
 engine.full_state_dict() on every rank, save_weights' file, written by the world's rank 0 only).
 `deepspeed_16bit(mesh)`: zerodp.deepspeed's stage-3 saving paths on a Megatron-style model (mpu).
+`uneven(mesh)`: shards of unequal sizes (5 rows over 2 tp ranks) join too.
 `llama(mesh, stage)`: a tiny Hugging Face Llama with a tp plan on its attention and MLP projections
 trains at (dp 2, tp 2); its save_hf folder is loaded with from_pretrained in this one process.
 """
@@ -24,6 +25,12 @@ import zerodp.deepspeed as zds
 from zerodp.checkpoint.export_engine import save_hf, save_weights
 from zerodp.engine.weights import engine_weights
 from zerodp.models.hf_folder import description
+
+def checks(mesh: DeviceMesh) -> dict:
+    """What test_tp_export.py reads beside each oracle run's `exported`, on the (dp 2, tp 2) mesh."""
+    return {"llama": {stage: llama(mesh, stage) for stage in (2, 3)}, "16bit": deepspeed_16bit(mesh),
+            "uneven": uneven(mesh)}
+
 
 LLAMA_STEPS, LLAMA_BATCH, LLAMA_SEQ, VOCAB, LLAMA_CLIP = 3, 4, 8, 64, 1.0
 
@@ -143,3 +150,28 @@ def deepspeed_16bit(mesh: DeviceMesh) -> dict:
     path = os.path.join(folder, "pytorch_model.bin")
     written = os.path.exists(path)
     return {"gathered": gathered, "wrote": written, "file": torch.load(path, weights_only=True) if written else None}
+
+
+class _Odd(torch.nn.Module):
+    """5 hidden units over 2 tp ranks: shards of 3 and 2 rows (columns of the row-parallel weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+
+def uneven(mesh: DeviceMesh) -> dict:
+    """engine.full_state_dict() of an untrained model with uneven tp shards, at stages 2 and 3 (torch's
+    own sharding propagation refuses this model's forward, so it only exports), and its whole values."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = _Odd()
+        out["whole"] = {n: t.clone() for n, t in model.state_dict().items()}
+        parallelize_module(model, mesh["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+        engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}},
+                                   device_mesh=mesh)
+        out[stage] = engine.full_state_dict()
+    return out
+

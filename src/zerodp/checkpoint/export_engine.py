@@ -97,5 +97,10 @@ def _select(weights: Weights, dtype: torch.dtype | None, names: set[str] | None)
         return dtype if dtype is not None and d.is_floating_point else d
 
     shapes = {n: (s, cast(d)) for n, (s, d) in weights.shapes.items() if n in keep}
-    stream = ((renamed.get(n, n), t.to(cast(t.dtype))) for n, t in weights.stream if n in keep or n in renamed)
-    return Weights(shapes, ties, stream)
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for n, t in weights.stream:
+            if n in keep or n in renamed:
+                yield renamed.get(n, n), t.to(cast(t.dtype))
+            del t  # before the stream makes its next one (a generator expression would hold it)
+    return Weights(shapes, ties, stream())

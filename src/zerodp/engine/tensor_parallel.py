@@ -13,6 +13,8 @@ nothing of its own: its host masters are those dp shards, and the norm is taken 
 A Megatron-style model, split by hand into plain local shards, comes with an `mpu` instead (Comm's
 mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `model_parallel` where
 they are tp shards (flat.tp_duplicate), and no mesh.
+
+The exports (engine/weights.py) join each tp shard into the whole tensor along `shard_dim`.
 """
 
 from __future__ import annotations
@@ -73,13 +75,12 @@ def _ranks(mesh) -> list:
     return mesh.mesh.tolist()
 
 
-
 def shard_dim(name: str, p: torch.Tensor, ndim: int) -> int | None:
     """The dimension along which the tp ranks' shards of `p` (state_dict entry `name`, `ndim` dimensions:
     a stage-3 parameter's own tensor is empty between uses) join into the whole tensor; None when every tp
-    rank holds it whole (flat.tp_duplicate). A DTensor's placement says it
-    (Shard(d)); a Megatron-marked plain shard its `partition_dim`. Raises for a marked shard that does
-    not say, or that is split with a stride (its shards interleave: no single join restores it)."""
+    rank holds it whole (flat.tp_duplicate). A DTensor's placement says it (Shard(d)); a Megatron-marked
+    plain shard its `partition_dim`. Raises for a marked shard that does not say, or that is split with a
+    stride (its shards interleave: no single join restores it)."""
     if tp_duplicate(p):
         return None
     if isinstance(p, DTensor):

@@ -118,6 +118,7 @@ def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
             value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
             split = splits.get(id(s.param))
             yield first[id(s.param)], value if split is None else join(tp, value, split)
+            del value  # a view of the bucket: held, it would keep the bucket alive beside the next one
         del full
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if id(t) not in trained and first.get(id(t)) == name:
@@ -129,17 +130,18 @@ def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
 
 def join(tp: Comm, shard: torch.Tensor, split: _Split) -> torch.Tensor:
     """The whole tensor from every tp rank's `shard`, split along `split.dim` into `split.sizes` (in tp rank
-    order; uneven splits are padded for the gather). Collective over the tp group; every rank gets it whole."""
+    order; an uneven split is padded for the gather), part by part when each shard holds its slice of each
+    of `split.parts` parts (flat.join_tp). Collective over the tp group; every rank gets it whole.
+    Held at once: the gathered shards and, unless they are the whole tensor already (dim 0), their join."""
     dim, sizes = split.dim, split.sizes
     rows = max(sizes)
-    part = shard.movedim(dim, 0)
-    if part.shape[0] != rows:
-        part = torch.cat([part, part.new_zeros((rows - part.shape[0], *part.shape[1:]))])
-    part = part.contiguous()
-    out = part.new_empty((len(sizes) * rows, *part.shape[1:]))
-    tp.all_gather(out.view(-1), part.view(-1))
-    if any(n != rows for n in sizes):
-        out = torch.cat([out[r * rows:r * rows + n] for r, n in enumerate(sizes)])
-    if split.parts > 1:  # each rank's rows are its slice of each part: joined part by part
-        return join_tp(list(out.split(sizes)), 0, split.parts).movedim(0, dim).contiguous()
-    return out.movedim(0, dim).contiguous()
+    if shard.shape[dim] != rows:
+        pad = list(shard.shape)
+        pad[dim] = rows - shard.shape[dim]
+        shard = torch.cat([shard, shard.new_zeros(pad)], dim)
+    shard = shard.contiguous()
+    out = shard.new_empty((len(sizes), *shard.shape))
+    tp.all_gather(out.view(-1), shard.view(-1))
+    if dim == 0 and all(n == rows for n in sizes) and split.parts == 1:
+        return out.flatten(0, 1)
+    return join_tp([out[r].narrow(dim, 0, n) for r, n in enumerate(sizes)], dim, split.parts)
