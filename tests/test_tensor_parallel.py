@@ -130,15 +130,16 @@ def config(stage: int, dp: int, **zero) -> dict:
 
 
 def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False,
-          poison: int | None = None, **zero) -> dict:
+          poison: int | None = None, make=build, weights=None, **zero) -> dict:
     """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
     names = mesh.mesh_dim_names
     dp_dims = [n for n in names if n != "tp"]
     dp = mesh[tuple(dp_dims)].size() if len(dp_dims) > 1 else mesh[dp_dims[0]].size()
-    model = build(sometimes)
+    model = make(sometimes)
     if "tp" in names:
         parallelize_module(model, mesh["tp"], plan(sometimes))
-    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp, **zero), device_mesh=mesh)
+    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp, **zero), device_mesh=mesh,
+                               weights=weights and weights(model))
     dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
     lo = dp_rank * (BATCH // dp)
     losses, norms, at = [], [], [0]
@@ -371,7 +372,7 @@ def _ranks(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
-    out.update(tp_offload.runs(mesh, train))
+    out.update(tp_offload.runs(mesh, train, build, plan))
     out["reference sometimes"] = reference(sometimes=True)
     out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
     out["reference skip"] = reference(skip=2)
