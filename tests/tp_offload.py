@@ -20,25 +20,30 @@ from torch.distributed.tensor.parallel import parallelize_module
 import zerodp
 from zerodp.checkpoint.weights import open_weights
 
-RUNS = ["dp2 tp2 stage 2 offload", "dp2 tp2 stage 2 weights", "dp2 tp2 stage 3 offload weights",
-        "dp2 tp2 stage 3 meta"]
+RUNS = ["dp2 tp2 stage 2 offload", "deepspeed mpu dp2 tp2 stage 2 offload", "dp2 tp2 stage 2 weights",
+        "dp2 tp2 stage 3 offload weights", "dp2 tp2 stage 3 meta"]
 
 
-def runs(mesh: DeviceMesh, train: Callable[..., dict], build: Callable[..., nn.Module], plan: Callable[[], dict]) -> dict:
-    """The oracle's train(): the optimizer stepping on the host; on meta with weights= a file of the whole
-    model (build()'s values), at stage 3 with both offloads (the large-model recipe); on meta with the
-    modules' own initialisers (the same seed as build())."""
+def runs(mesh: DeviceMesh) -> dict:
+    """The oracle's train(): the optimizer stepping on the host (a mesh, and an mpu through
+    zerodp.deepspeed); on meta with weights= a file of the whole model (build()'s values), at stage 3
+    with both offloads (the large-model recipe); on meta with the modules' own initialisers (the same
+    seed as build())."""
+    import test_tensor_parallel as tp  # the oracle's module, which imports this one: imported when it runs
+
+    train, build, plan = tp.train, tp.build, tp.plan
     cpu = {"device": "cpu"}
-    out = {RUNS[0]: train(mesh, 2, offload_optimizer=cpu)}
+    out = {RUNS[0]: train(mesh, 2, offload_optimizer=cpu),
+           RUNS[1]: tp.train_mpu(mesh, deepspeed=True, offload_optimizer=cpu)}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "whole.safetensors")
         save_file({n: p.detach().contiguous() for n, p in build().named_parameters()}, path)
-        for run, stage, zero in ((RUNS[1], 2, {}), (RUNS[2], 3, {"offload_optimizer": cpu, "offload_param": cpu})):
+        for run, stage, zero in ((RUNS[2], 2, {}), (RUNS[3], 3, {"offload_optimizer": cpu, "offload_param": cpu})):
             spy = Spy(path)
             out[run] = train(mesh, stage, make=lambda sometimes: on_meta(build), weights=spy.open, **zero)
             out[run].update(read=spy.read, sizes=spy.sizes)
         out["frozen tp shards from weights"] = frozen_from_weights(mesh, build, plan, path)
-    out[RUNS[3]] = train(mesh, 3, make=lambda sometimes: on_meta(build, own_seed=True))
+    out[RUNS[4]] = train(mesh, 3, make=lambda sometimes: on_meta(build, own_seed=True))
     model = on_meta(build)
     out["mpu on meta"] = _error(lambda: zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CONFIG,
                                                           mpu=Mpu(mesh)))
