@@ -6,7 +6,10 @@ training the model built with its values."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from test_tensor_parallel import _results
 from tp_offload import RUNS
@@ -45,3 +48,39 @@ def test_tp_on_meta_refused_with_an_mpu():
     for result in _results():
         text = result["mpu on meta"]
         assert "TensorParallelUnsupported" in text and "mpu" in text and "device_mesh=" in text, text
+
+
+class _Whole:
+    """A source of whole tensors that counts the elements it hands out; `boxed` adds read_box."""
+
+    def __init__(self, tensors: dict, boxed: bool):
+        self.tensors, self.elements = tensors, 0
+        if boxed:
+            self.read_box = lambda name, index: self._count(self.tensors[name][index])
+
+    def read(self, name, start, stop):
+        return self._count(self.tensors[name].reshape(-1)[start:stop])
+
+    def _count(self, t):
+        self.elements += t.numel()
+        return t
+
+
+@pytest.mark.parametrize("boxed", [True, False], ids=["read_box", "a read per run"])
+def test_read_local_gives_the_local_shard_of_the_whole_tensor(boxed):
+    from zerodp.engine.setup.tp_shards import Box, read_local
+
+    cube, matrix = torch.arange(5 * 7 * 3.0).view(5, 7, 3), torch.arange(6 * 4.0).view(6, 4)
+    # Shard(1), Shard(0) and Shard(2) of a 3-D tensor (torch.chunk's sizes: a last shard short), Shard(1) of a 2-D one
+    cases = [(cube, (0, 2, 0), (5, 3, 3)), (cube, (2, 0, 0), (3, 7, 3)), (cube, (0, 0, 2), (5, 7, 1)),
+             (cube, (0, 6, 0), (5, 1, 3)), (matrix, (0, 2), (6, 2))]
+    for whole, offset, shape in cases:
+        box = Box(tuple(whole.shape), shape, offset)
+        want = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))].reshape(-1)
+        for start in range(want.numel()):
+            for stop in range(start + 1, want.numel() + 1):
+                source = _Whole({"w": whole}, boxed)
+                got = read_local(source, "w", box, start, stop)
+                assert torch.equal(got, want[start:stop]), (offset, shape, start, stop)
+                row = math.prod(shape[1:])  # less than one local row more than asked at either end
+                assert source.elements < stop - start + 2 * row, (offset, shape, start, stop, source.elements)
