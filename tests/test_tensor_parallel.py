@@ -132,15 +132,16 @@ def config(stage: int, dp: int, **zero) -> dict:
 
 
 def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = False,
-          poison: int | None = None, **zero) -> dict:
+          poison: int | None = None, make=build, weights=None, **zero) -> dict:
     """(dp, tp) training: world-mean losses, the engine's norms, whole weights, and checks of its state."""
     names = mesh.mesh_dim_names
     dp_dims = [n for n in names if n != "tp"]
     dp = mesh[tuple(dp_dims)].size() if len(dp_dims) > 1 else mesh[dp_dims[0]].size()
-    model = build(sometimes)
+    model = make(sometimes)
     if "tp" in names:
         parallelize_module(model, mesh["tp"], plan(sometimes))
-    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp, **zero), device_mesh=mesh)
+    engine = zerodp.initialize(model, optimizer(model, sgd), config(stage, dp, **zero), device_mesh=mesh,
+                               weights=weights and weights(model))
     dp_rank = functools.reduce(lambda r, n: r * mesh.size(names.index(n)) + mesh.get_local_rank(n), dp_dims, 0)
     lo = dp_rank * (BATCH // dp)
     losses, norms, at = [], [], [0]
@@ -301,13 +302,13 @@ class DeepSpeedMpu:
         return self.tp
 
 
-def train_mpu(mesh: DeviceMesh, deepspeed: bool) -> dict:
+def train_mpu(mesh: DeviceMesh, deepspeed: bool, **zero) -> dict:
     """(dp 2, tp 2) at stage 2, the model split by hand and given with an mpu (DeepSpeed's spelling and
     marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize)."""
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     marking = "model_parallel" if deepspeed else "tensor_model_parallel"
     model = split_by_hand(build(), tp_group, marking)
-    opt, cfg = optimizer(model), config(2, 2)
+    opt, cfg = optimizer(model), config(2, 2, **zero)
     if deepspeed:
         engine, *_ = zds.initialize(model=model, optimizer=opt, config=cfg,
                                     mpu=DeepSpeedMpu(dp_group, tp_group))
@@ -331,7 +332,8 @@ def train_mpu(mesh: DeviceMesh, deepspeed: bool) -> dict:
                 weights.update({f"{name}.{k}": v for k, v in module.whole().items()})
         weights.update({n: p.detach().clone() for n, p in model.named_parameters() if n not in weights})
     return {"losses": losses, "norms": norms, "weights": weights, "kinds": {"Parameter": "Parameter"},
-            "skipped": engine.skipped_steps, "export": tp_export.exported(engine)}
+            "skipped": engine.skipped_steps, "export": tp_export.exported(engine),
+            "offloaded": (engine.partitioned_optimizer.host is not None, engine.offload_param)}
 
 
 def bad_mpu(mesh: DeviceMesh) -> dict:
@@ -365,7 +367,7 @@ def _ranks(rank: int, world: int) -> dict:
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
-    out.update(tp_offload.runs(mesh, train))
+    out.update(tp_offload.runs(mesh))
     out["reference sometimes"] = reference(sometimes=True)
     out["dp2 tp2 stage 2 sometimes"] = train(mesh, 2, sometimes=True)
     out["reference skip"] = reference(skip=2)

@@ -47,6 +47,13 @@ def test_tp_shards_joined_by_their_placement_and_parts_are_the_whole_tensors():
         assert result["gpt"]["same step"]["joined"] == {n: 0.0 for n in result["gpt"]["same step"]["joined"]}, rank
 
 
+def test_gpt_split_and_built_on_meta_is_refused_on_every_rank():
+    for rank, result in enumerate(_results()):
+        text = result["gpt"]["on meta"]
+        assert "'blocks.0.attn.c_attn.weight' is split part by part over tp" in text, (rank, text)
+        assert "build the model with its values" in text, text
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gpt_split_over_dp2_tp2_trains_as_one_process_on_the_whole_batch(stage):
     for rank, result in enumerate(_results()):

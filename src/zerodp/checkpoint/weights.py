@@ -6,7 +6,9 @@ ZeRO checkpoint; the engine asks it for the element ranges this rank keeps.
 How each reads only what is asked:
   safetensors  `safe_open(...).get_slice(key)[r0:r1]` of the rows that cover [start, stop) (less than
                one row read on either side of the range): a view of the memory-mapped file, of which only
-               the pages touched are read; the range is copied out and the file closed per read.
+               the pages touched are read; the range is copied out and the file closed per read. A
+               tensor-parallel shard's block (`read_box`: a Shard(1) shard's rows' column slice) is one
+               `get_slice(key)[rows, columns]`.
   zerodp       the fp32 master pieces `master/{name}@{start}` that overlap [start, stop), loaded by
                torch.distributed.checkpoint (read.py's checked reader); a piece is read whole, so at most
                one saved shard is read beyond the range on either side.
@@ -151,6 +153,14 @@ class SafetensorsSource(FileSource):
             # A view of the mapped file, of which only the pages touched were read: copy the range out, so
             # that the mapping closes now rather than when the caller drops the tensor.
             return rows[start - first * row:stop - first * row].clone()
+
+    def read_box(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The elements of parameter `name` inside `index` (a slice per dimension), shaped as the box."""
+        from safetensors import safe_open
+
+        key = self.names[name]
+        with safe_open(self.files[key], framework="pt") as f:
+            return f.get_slice(key)[index].clone()  # copied out of the mapping, as read_key's range
 
 
 def _keys_in(files: list[str]) -> dict[str, str]:

@@ -75,7 +75,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
         optimizer = config.optimizer.build
     groups = _trainable_groups(module, optimizer)
     _check_model(module, groups)
-    tensor_parallel.check(module, comm, config, source is not None)
+    tensor_parallel.check(module, comm, source is not None)
     filling = filling_for(module, source, param_init_fn)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
     device = _device_of(module, comm)

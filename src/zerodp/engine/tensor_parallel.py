@@ -8,11 +8,14 @@ flat.set_local: the module keeps its DTensor parameters); stage 3 gathers over d
 norm, skip decision, loss scale and used bits are agreed over every rank of the world
 (Comm.everyone), each tp shard's gradient summed over the tp group and each parameter that the tp
 ranks hold alike counted once (flat.tp_duplicate, PartitionedOptimizer.tp_counted). ZeRO-Offload needs
-nothing of its own: its host masters are those dp shards, and the norm is taken on the device.
+nothing of its own: its host masters are those dp shards, and the norm is taken on the device. A model
+built on meta (meta DTensors) gets each rank's local shard, read out of whole values (weights= files of
+the whole model, or the modules' initialisers): engine/setup/tp_shards.py.
 
 A Megatron-style model, split by hand into plain local shards, comes with an `mpu` instead (Comm's
 mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `model_parallel` where
-they are tp shards (flat.tp_duplicate), and no mesh.
+they are tp shards (flat.tp_duplicate), and no mesh. Its plain shards do not say where they lie in the
+whole tensor: weights= and meta are refused there.
 
 The exports (engine/weights.py) join each tp shard into the whole tensor along `shard_dim`.
 """
@@ -24,7 +27,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from zerodp.config import Config
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import tp_duplicate
 
@@ -33,7 +35,7 @@ class TensorParallelUnsupported(NotImplementedError):
     """A zerodp feature that does not yet work on a tensor-parallel model: refused, never silently wrong."""
 
 
-def check(module: nn.Module, comm: Comm, config: Config, from_source: bool) -> None:
+def check(module: nn.Module, comm: Comm, from_source: bool) -> None:
     """Local checks (no collective): the model's DTensor parameters live on the mesh's "tp" dimension, and
     the set-up uses nothing that tensor parallelism does not support yet. Raises naming what is wrong."""
     dtensors = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
@@ -53,13 +55,18 @@ def check(module: nn.Module, comm: Comm, config: Config, from_source: bool) -> N
         if not all(pl.is_shard() or pl.is_replicate() or isinstance(pl, _StridedShard) for pl in p.placements):
             raise ValueError(f"parameter '{name}' has placements {tuple(p.placements)}; a tensor-parallel "
                              "parameter must be Shard (or _StridedShard) or Replicate over the 'tp' dimension")
-    if comm.tp is None:
-        return
-    if from_source or any(p.is_meta for p in module.parameters()):
+    building = from_source or any(p.is_meta for p in module.parameters())
+    strided = [n for n, p in dtensors if any(isinstance(pl, _StridedShard) for pl in p.placements)]
+    if building and strided:  # its shard is `parts` blocks of the whole tensor, not the one box tp_shards reads
         raise TensorParallelUnsupported(
-            "weights= and models built on the 'meta' device are not supported with tensor parallelism (a "
-            "device_mesh with a 'tp' dimension, or an mpu) yet: build the model with its values, parallelize it, then "
-            "call zerodp.initialize")
+            f"parameter '{strided[0]}' is split part by part over tp (_StridedShard: a fused q | k | v), which "
+            "weights= and models built on the 'meta' device do not support yet: build the model with its values, "
+            "parallelize it, then call zerodp.initialize")
+    if comm.tp is not None and comm.tp_mesh is None and building:
+        raise TensorParallelUnsupported(
+            "weights= and models built on the 'meta' device are not supported with an mpu (tensor parallelism by "
+            "plain local shards): zerodp cannot tell which part of the whole tensor each rank's shard is. Build the "
+            "model with its values, or parallelize it with torch's parallelize_module and pass device_mesh= instead")
 
 
 def refuse(comm: Comm, what: str) -> None:

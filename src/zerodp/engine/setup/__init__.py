@@ -6,6 +6,8 @@
   initialisers.py  `ModuleInit`, the source for a model built on `meta`: each module's own initialiser
                    (`reset_parameters()` or `param_init_fn`) run on CPU stand-ins, one module at a time,
                    from rank 0's random state.
+  tp_shards.py     a tensor-parallel parameter's local shard (`Box`) read out of a source that holds the
+                   whole tensor (`read_local`: its rows, and of Shard(1) only its columns).
   fill.py          the steps, each named once:
                    `filling_for`  local, no collective: every tensor on meta has a source (a ModuleInit,
                                   or weights the caller gave), and the source has every parameter;

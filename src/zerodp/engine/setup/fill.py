@@ -10,16 +10,17 @@ modules' initialisers (initialisers.ModuleInit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import swap_tensors
 
 from zerodp.distributed.device import return_freed_host_memory
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup
+from zerodp.engine.flat import Bucket, FlatGroup, local, set_local
 from zerodp.engine.setup.initialisers import (
     ModuleInit,
     ParamInitFn,
@@ -27,6 +28,7 @@ from zerodp.engine.setup.initialisers import (
     missing_initialiser,
 )
 from zerodp.engine.setup.source import ParameterSource
+from zerodp.engine.setup.tp_shards import Box, boxes, read_local
 
 
 @dataclass
@@ -36,6 +38,8 @@ class Filling:
     module: nn.Module
     source: ParameterSource | None = None
     inits: ModuleInit | None = None  # the initialisers of the tensors on meta
+    # tensor-parallel parameters whose local shard is read out of the source's whole tensor, by name
+    boxes: dict[str, Box] = field(default_factory=dict)
 
     @property
     def from_source(self) -> bool:
@@ -50,6 +54,12 @@ class Filling:
     def origin(self) -> str:
         """Said the same on every rank, or the ranks would not meet in the same collectives."""
         return "rank 0's module (broadcast)" if self.source is None else type(self.source).__name__
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the values this rank holds of parameter `name` (a tensor-parallel
+        parameter's local shard) flattened."""
+        box = self.boxes.get(name)
+        return self.source.read(name, start, stop) if box is None else read_local(self.source, name, box, start, stop)
 
 
 def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn: ParamInitFn | None) -> Filling:
@@ -71,7 +81,9 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
         source = inits
     elif source is not None:
         source.check({n: p.shape for n, p in module.named_parameters()})
-    return Filling(module, source, inits)
+    # Files hold every parameter whole; the initialisers give whole values for the tensors on meta only (a
+    # parameter already built holds its local shard, which ModuleInit reads).
+    return Filling(module, source, inits, boxes(module, None if source is not inits else set(params)))
 
 
 def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int]) -> None:
@@ -80,16 +92,18 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
     every frozen parameter when the values come from files."""
     if filling.inits is not None:
         state = filling.inits.initial_state.to(device)
-        comm.broadcast(state)  # every rank draws rank 0's values, as the whole build broadcasts rank 0's
+        # every rank draws rank 0's values, as the whole build broadcasts rank 0's; with tensor parallelism
+        # the world's rank 0, so that every tp rank's shard is cut from the same whole values
+        comm.everyone.broadcast(state)
         filling.inits.seed(state.cpu())
     for name, p in filling.module.named_parameters():
         if id(p) in trained or not (p.is_meta or filling.from_files):
             continue
-        value = filling.source.read(name, 0, p.numel()).view(p.shape)
+        value = filling.read(name, 0, local(p).numel()).view(local(p).shape)
         if p.is_meta:
-            swap_tensors(p, nn.Parameter(value.to(device, p.dtype, copy=True), requires_grad=p.requires_grad))
+            swap_tensors(p, _parameter(p, value.to(device, p.dtype, copy=True)))
         else:
-            p.data = value.to(p.device, p.dtype)
+            set_local(p, value.to(local(p).device, p.dtype))
     for m, name, value in list(filling.inits.buffers()) if filling.inits is not None else []:
         setattr(m, name, value.to(device, copy=True))
 
@@ -106,8 +120,7 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
         for b in g.buckets:
             for s in b.slots:
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
-                    swap_tensors(s.param, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
-                                                       requires_grad=s.param.requires_grad))
+                    swap_tensors(s.param, _parameter(s.param, torch.empty(0, dtype=dtype, device=device)))
         g.allocate(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else None),
                       rank, sharded=sharded, host_shards=host_shards, pin=pin)
         if not fresh:
@@ -115,6 +128,15 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
     if filling.inits is not None:
         filling.inits.finish(advance=filling.source is filling.inits)
     return shards
+
+
+def _parameter(like: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    """A Parameter holding `value` where `like` (on meta) holds its values: a DTensor's local shard, which
+    keeps its mesh and placements (swap_tensors swaps only tensors of one kind)."""
+    if isinstance(like, DTensor):
+        value = DTensor.from_local(value, like.device_mesh, like.placements, run_check=False,
+                                   shape=like.shape, stride=like.stride())
+    return nn.Parameter(value, requires_grad=like.requires_grad)
 
 
 def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharded: bool,
@@ -126,9 +148,9 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
             values = b.flatten(torch.float32)
             comm.broadcast(values)  # every rank starts from rank 0's weights
         elif sharded:
-            values = _bucket_elements(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling.source, names)
+            values = _bucket_elements(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling, names)
         else:
-            values = _bucket_elements(b, 0, b.numel, filling.source, names)
+            values = _bucket_elements(b, 0, b.numel, filling, names)
         if shards is not None:
             shards.append(values if values.numel() == b.shard_numel else b.shard(values, rank).clone())
         yield values
@@ -136,13 +158,13 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
         return_freed_host_memory()  # the bucket's staging and its initialisers' stand-ins
 
 
-def _bucket_elements(b: Bucket, lo: int, hi: int, source: ParameterSource, names: dict[int, str]) -> torch.Tensor:
+def _bucket_elements(b: Bucket, lo: int, hi: int, filling: Filling, names: dict[int, str]) -> torch.Tensor:
     """Elements [lo, hi) of bucket b, padding zero, each parameter's range asked of the source."""
     out = torch.zeros(hi - lo, dtype=torch.float32)
     for s in reversed(b.slots):  # registration order: a module initialiser's source runs each unit once
         a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < z:
-            out[a - lo:z - lo].copy_(source.read(names[id(s.param)], a - s.offset, z - s.offset))
+            out[a - lo:z - lo].copy_(filling.read(names[id(s.param)], a - s.offset, z - s.offset))
     return out
 
 

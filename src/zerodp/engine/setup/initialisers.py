@@ -23,14 +23,17 @@ runs holds every rank to one module's stand-ins.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import swap_tensors
 
 from zerodp.distributed.device import return_freed_host_memory
+from zerodp.engine.flat import local
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -116,7 +119,7 @@ class ModuleInit:
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name not in self.module_of:
-            return self.real[name].detach().reshape(-1)[start:stop]
+            return local(self.real[name]).detach().reshape(-1)[start:stop]
         return self._values(self.module_of[name])[name].reshape(-1)[start:stop]
 
     def buffers(self) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
@@ -149,26 +152,20 @@ class ModuleInit:
             # back; as much of the heap's top as this module needs stays for it (~10 ms less per 16 MiB).
             return_freed_host_memory(keep=self.module_bytes[k])
         torch.set_rng_state(self.states[k])
-        # swap_tensors keeps each Parameter object (the optimizer and the engine hold them by identity).
-        swapped = [(p, _cpu_stand_in(p, *self.built[id(p)])) for p in m.parameters(recurse=False)]
-        for p, stand_in in swapped:
-            swap_tensors(p, stand_in)
         kept = {n: b for n, b in m.named_buffers(recurse=False)}
         for n, b in kept.items():
             setattr(m, n, torch.empty_like(b, device="cpu"))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _stand_ins(m, self.built):
                 if self.param_init_fn is not None:
                     self.param_init_fn(m)
                 elif _has_initialiser(m):  # else it holds only tensors that other modules own (a tied weight)
                     m.reset_parameters()
-            values = {prefix + n: b.detach() for n, b in m.named_buffers(recurse=False)}
-            for n, p in m.named_parameters(recurse=False):
-                if self.module_of.get(prefix + n) == k:
-                    values[prefix + n] = p.detach()
+                values = {prefix + n: b.detach() for n, b in m.named_buffers(recurse=False)}
+                for n, p in m.named_parameters(recurse=False):
+                    if self.module_of.get(prefix + n) == k:
+                        values[prefix + n] = p.detach()
         finally:
-            for p, stand_in in swapped:
-                swap_tensors(p, stand_in)
             for n, b in kept.items():
                 setattr(m, n, b)
         if len(self.states) == k + 1:
@@ -178,6 +175,31 @@ class ModuleInit:
 
 def _has_initialiser(m: nn.Module) -> bool:
     return callable(getattr(m, "reset_parameters", None))
+
+
+@contextlib.contextmanager
+def _stand_ins(m: nn.Module, built: dict[int, tuple[torch.Size, torch.dtype]]) -> Iterator[None]:
+    """Module m's own parameters are CPU stand-ins of their built shapes while its initialiser runs.
+    swap_tensors keeps each Parameter object (the optimizer and the engine hold them by identity); a
+    tensor-parallel DTensor cannot swap with a plain tensor, so the module holds a stand-in of the whole
+    tensor in its place instead: the initialiser draws the whole tensor, as the whole build does, and the
+    engine reads this rank's shard out of it (tp_shards)."""
+    swapped = []
+    for n, p in m.named_parameters(recurse=False):
+        stand_in, held = _cpu_stand_in(p, *built[id(p)]), isinstance(p, DTensor)
+        if held:
+            m._parameters[n] = stand_in
+        else:
+            swap_tensors(p, stand_in)
+        swapped.append((n, p, stand_in, held))
+    try:
+        yield
+    finally:
+        for n, p, stand_in, held in swapped:
+            if held:
+                m._parameters[n] = p
+            else:
+                swap_tensors(p, stand_in)
 
 
 def _cpu_stand_in(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:

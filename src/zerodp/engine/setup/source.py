@@ -2,7 +2,9 @@
 between the engine, which decides which elements this rank keeps (the working copy's buckets at stages
 0-2, the shards at stage 3, the fp32 masters' shard), and the readers that fill them (module
 initialisers, safetensors files, Hugging Face folders, zerodp and DeepSpeed checkpoints). A reader
-never hands over a whole model: the engine asks for element ranges, one bucket at a time."""
+never hands over a whole model: the engine asks for element ranges, one bucket at a time. A
+tensor-parallel model's source holds the whole model under the whole tensors' names and shapes; the
+engine reads each rank's local shard out of it (tp_shards)."""
 
 from __future__ import annotations
 
@@ -24,4 +26,9 @@ class ParameterSource(Protocol):
         """Elements [start, stop) of parameter `name` flattened, as a 1-D CPU tensor of any floating
         dtype (the caller casts). Reads no more of the file than those elements need."""
         ...
+
+    # A source may also have `read_box(name, index: tuple[slice, ...]) -> Tensor`: the elements inside one
+    # box of the tensor (a slice per dimension), shaped as the box. A tensor-parallel Shard(1) shard, a
+    # column block of every row, is read with it in one call (tp_shards.read_local); without it, one `read`
+    # per row.
 
