@@ -788,7 +788,7 @@ def test_resume_falls_back_past_a_latest_whose_file_fails_its_checksum(tmp_path,
         ck.resolve(str(d), checksums=True)
     assert ck.newest_intact(str(d))[0] == str(d / "global_step1")
     opts = argparse.Namespace(resume=True, resume_from=None, out=str(tmp_path / "run"), grad_accum=1,
-                              micro_batch=2, explicit=set(), steps=10, warmup=0)
+                              micro_batch=2, explicit=set(), steps=10, warmup=0, tp=1)
     choose_resume(opts, 1)
     assert opts.resume_path == str(d / "global_step1")
     assert "does not match its checksum; resuming from the newest intact checkpoint" in capsys.readouterr().err
