@@ -7,10 +7,12 @@ A checkpoint is a directory `save_dir/{tag}` holding:
     and `optim/{key}/{name}@{start}`, each rank writing the pieces its shards own (rank 0 alone in
     stage 0, where every rank owns everything). Frozen parameters and buffers (`model/{name}`),
     0-dim optimizer state per param group (`optim_scalar/{group}/{key}`) and each rank's torch RNG
-    (`rng/{rank}/torch`) complete them.
-  - `zerodp.json`, written by rank 0: counters, loss scaler, lr scheduler, param group
-    hyperparameters, client_state, config, the model signature (names, shapes, tied aliases), the
-    saved layout, the python/numpy RNG of every rank and the size + crc32 of every file.
+    (`rng/{rank}/torch`) complete them. With tensor parallelism a tp shard is saved per tp rank r,
+    `master/{name}@tp{r}@{start}` (pieces.py), and every rank of the dp x tp world writes.
+  - `zerodp.json`, written by rank 0 (the world's): counters, loss scaler, lr scheduler, param group
+    hyperparameters, client_state, config, the model signature (names, shapes, tied aliases; each
+    tp shard's axis and every tp rank's shape), the tp size, the saved layout, the python/numpy RNG
+    of every rank and the size + crc32 of every file.
 `save_dir/latest` names the newest tag. save_dir must be a filesystem every rank sees (DCP's rule):
 rank 0 renames what all ranks wrote.
 

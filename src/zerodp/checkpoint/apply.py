@@ -12,6 +12,7 @@ import torch
 
 from zerodp.checkpoint.pieces import untrained
 from zerodp.distributed.device import seed_everything, set_rng_state
+from zerodp.engine.flat import local
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
             m.copy_(new.view(m.shape))
         for name, t in untrained(engine).items():
             if name in staged.untrained:
-                t.data.copy_(staged.untrained[name])
+                local(t).data.copy_(staged.untrained[name])  # a tp shard's: this rank's own
     if parts.optimizer:
         _apply_optimizer(engine, meta, staged)
     engine.weights_from_masters()
@@ -77,7 +78,7 @@ def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
 
 
 def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
-    rank = engine.comm.rank
+    rank = engine.comm.everyone.rank  # with tp, each rank of the world saved its own
     host = meta.get("rng", {}).get(str(rank))
     if host is None or "torch" not in rng:
         # More ranks than were saved: a deterministic, distinct stream per rank.

@@ -35,7 +35,7 @@ import torch
 from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
-from zerodp.checkpoint.pieces import owned_pieces, signature, untrained
+from zerodp.checkpoint.pieces import owned_pieces, signature, tp_size, untrained
 from zerodp.engine.weights import Weights
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -321,6 +321,10 @@ def load(engine, path: str, parts=None) -> dict:
     """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then apply.py."""
     err = meta = staged = None
     try:
+        if tp_size(engine) > 1:  # its partitions are of whole parameters: a tp rank would read another's
+            raise CheckpointError(f"'{path}' is a DeepSpeed checkpoint, which loads into a job without tensor "
+                                  f"parallelism only (this one has tp {tp_size(engine)}): load it without tp and "
+                                  "save a zerodp checkpoint, or `zerodp consolidate` it")
         verify_records(path, engine.comm.rank, engine.comm.world_size)
         ckpt = read(path)
         _check_model(engine, ckpt)

@@ -18,11 +18,12 @@ def agree(comm, err: str | None, payload=None) -> list:
     """Collective: gather (error, payload) from every rank; raise the first error everywhere.
 
     Comm.agree is the one agreement; a checkpoint's rule on top: every rank raises the same
-    CheckpointError, its message alone when every rank failed alike, else prefixed by the rank.
+    CheckpointError, its message alone when every rank failed alike, else prefixed by the rank. Under
+    tensor parallelism the agreement is the world's (Comm.everyone), and so are the ranks named.
     """
     def same_everywhere(failures) -> CheckpointError:
         e = failures[0]
-        alike = len(failures) == comm.world_size and all(f.message == e.message for f in failures)
+        alike = len(failures) == comm.everyone.world_size and all(f.message == e.message for f in failures)
         return CheckpointError(e.message if alike else f"on rank {e.rank}: {e.message}")
 
     return comm.agree(CheckpointError(err) if err else None, "checkpoint", payload, raise_for=same_everywhere)
@@ -56,8 +57,8 @@ def root_oserror(e: BaseException) -> OSError | None:
 
 
 def on_rank0(comm, fn: Callable, *args) -> str | None:
-    """fn(*args) on rank 0 alone; its failure becomes an error message for `agree`, not an exception."""
-    if comm.rank != 0:
+    """fn(*args) on the world's rank 0 alone; its failure becomes an error message for `agree`, not an exception."""
+    if comm.everyone.rank != 0:  # with tp, one rank in the world: not each data-parallel group's first
         return None
     try:
         fn(*args)

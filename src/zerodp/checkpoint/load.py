@@ -5,6 +5,11 @@ fresh CPU tensors, every rank agrees that all of them succeeded (errors.agree), 
 `apply` (apply.py) writes the masters, optimizer state, counters, scaler, scheduler and RNG into the engine.
 Working-precision parameters are not stored: they are the masters cast to the working dtype,
 exactly what a step would have left.
+
+Tensor parallelism: a checkpoint resumes on any data-parallel size with the tensor-parallel size it was
+saved with; each tp rank reads the pieces of its own shards (pieces.py). Another tp size (a checkpoint
+without tp into a tp job, or the reverse) is refused, naming both sizes, on every rank before the engine
+is touched: `zerodp consolidate` joins the shards into whole tensors.
 """
 
 from __future__ import annotations
@@ -15,9 +20,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
-from zerodp.checkpoint.pieces import owned_pieces, saved_pieces, signature, untrained
+from zerodp.checkpoint.pieces import (
+    owned_pieces,
+    saved_pieces,
+    signature,
+    stored,
+    tp_rank,
+    tp_shapes,
+    tp_shard,
+    tp_size,
+    untrained,
+)
 from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
-from zerodp.engine.tensor_parallel import refuse
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
@@ -28,7 +42,6 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
-    refuse(engine.comm, "engine.load_checkpoint()")
     with engine.comm.names_peer_failure("in engine.load_checkpoint()"):
         return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
@@ -54,6 +67,7 @@ def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_sch
 
 
 def _check_model(engine, path: str, meta: dict) -> None:
+    _check_tp(engine, path, meta)
     current = signature(engine)
     saved = {e["name"]: e for e in meta["model"]}
     names = {e["name"] for e in current}
@@ -63,7 +77,9 @@ def _check_model(engine, path: str, meta: dict) -> None:
         s = saved.get(e["name"])
         if s is None:
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' {tuple(e['shape'])} is not in the checkpoint")
-        if s["shape"] != e["shape"]:
+        if "tp" in e or "tp" in s:
+            _check_tp_shard(engine, prefix, e, s)
+        elif s["shape"] != e["shape"]:
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' has shape {tuple(s['shape'])} in the "
                                   f"checkpoint and {tuple(e['shape'])} in the model")
         if s["alias_of"] != e["alias_of"]:
@@ -88,7 +104,7 @@ def _check_model(engine, path: str, meta: dict) -> None:
 def _stage(engine, path: str, meta: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
-    shards, rank = engine.master_shards(), engine.comm.rank
+    shards, rank = engine.master_shards(), engine.comm.everyone.rank
     masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in shards]
     keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
     states = {}
@@ -102,7 +118,7 @@ def _stage(engine, path: str, meta: dict) -> Staged:
     for pc in owned_pieces(engine):
         for kind, dests in [("master", masters), *states.items()]:
             covered = 0
-            for start, numel, key in saved[kind].get(pc.name, []):
+            for start, numel, key in saved[kind].get(pc.stored, []):
                 lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
                 if lo < hi:  # the saved piece overlaps what this rank now owns
                     dest = (dests[pc.master], pc.offset + lo - pc.start)
@@ -116,7 +132,8 @@ def _stage(engine, path: str, meta: dict) -> Staged:
                                       f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
     md = metadata.state_dict_metadata
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
-    small += [f"model/{name}" for name in untrained(engine) if f"model/{name}" in md]
+    frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
+    small += [key for key in frozen if key in md]
     whole: dict[str, torch.Tensor] = {}
 
     def consume(chunk: dict[str, torch.Tensor]) -> None:
@@ -128,6 +145,31 @@ def _stage(engine, path: str, meta: dict) -> Staged:
 
     read_tensors(path, metadata, list(copies) + small, meta, consume)
     scalars = {k[len("optim_scalar/"):]: t for k, t in whole.items() if k.startswith("optim_scalar/")}
-    model_state = {k[len("model/"):]: t for k, t in whole.items() if k.startswith("model/")}
+    model_state = {frozen[k]: t for k, t in whole.items() if k.startswith("model/")}
     rng = {k.rsplit("/", 1)[1]: t for k, t in whole.items() if k.startswith("rng/")}
     return Staged(masters, states, scalars, model_state, rng)
+
+
+def _check_tp(engine, path: str, meta: dict) -> None:
+    saved, now = meta.get("tp", 1), tp_size(engine)
+    if saved != now:
+        said = {1: "without tensor parallelism (tp 1)"}
+        raise CheckpointError(f"checkpoint '{path}' was saved {said.get(saved, f'with tensor parallelism tp {saved}')}"
+                              f" and this job runs {said.get(now, f'with tp {now}')}: a checkpoint resumes on any "
+                              f"data-parallel size but only with the tp size it was saved with (tp {saved}); "
+                              "`zerodp consolidate` joins its shards into whole tensors")
+
+
+def _check_tp_shard(engine, prefix: str, e: dict, s: dict) -> None:
+    """A tensor-parallel shard (in the model or the checkpoint): the same on both sides, this tp rank's
+    shard of the same shape (the whole tensor's shape, where the model's tp shards cannot say it)."""
+    where = {True: "a tensor-parallel shard", False: "whole on every tp rank"}
+    if ("tp" in e) != ("tp" in s):
+        raise CheckpointError(f"{prefix} '{e['name']}' is {where['tp' in s]} in the checkpoint and "
+                              f"{where['tp' in e]} in the model")
+    r, mine = tp_rank(engine), tp_shapes([e])[e["name"]]
+    dims = (s["tp"]["dim"], e["tp"]["dim"])
+    if (None not in dims and dims[0] != dims[1]) or s["tp"]["shapes"][r] != mine:
+        raise CheckpointError(f"{prefix} tp rank {r}'s shard of '{e['name']}' has shape "
+                              f"{tuple(s['tp']['shapes'][r])} (tp axis {s['tp']['dim']}) in the checkpoint and "
+                              f"{tuple(mine)} (tp axis {e['tp']['dim']}) in the model")

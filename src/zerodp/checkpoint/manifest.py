@@ -29,8 +29,17 @@ class Counters(_Strict):
     micro_steps: Count
 
 
+class TpShards(_Strict):
+    """A tensor-parallel shard's placement: the axis its tp ranks' shards join along (None: the model did
+    not say, e.g. Megatron's tensor_model_parallel without partition_dim) and each tp rank's shape."""
+
+    dim: int | None = Field(ge=0)
+    shapes: list[list[Count]]
+
+
 class ModelEntry(_Strict):
-    """One state_dict entry of the saved model (pieces.signature)."""
+    """One state_dict entry of the saved model (pieces.signature). `shape` is the whole tensor's; a tp shard
+    with no recorded axis has only its shards' (`tp`), and tp rank 0's stands there."""
 
     name: str
     kind: Literal["trained", "frozen", "buffer"]
@@ -38,6 +47,7 @@ class ModelEntry(_Strict):
     dtype: str
     alias_of: str | None
     group: int | None = Field(default=None, ge=0)
+    tp: TpShards | None = None  # a tensor-parallel shard; absent: every tp rank holds the whole tensor
 
 
 class LayoutBucket(_Strict):
@@ -60,7 +70,8 @@ class HostRng(_Strict):
 class CheckpointMeta(_Strict):
     format: Literal[FORMAT]
     tag: str
-    world_size: int = Field(ge=1)
+    world_size: int = Field(ge=1)  # the data-parallel ranks (what ZeRO shards over)
+    tp: int = Field(default=1, ge=1)  # the tensor-parallel size; checkpoints from before tp have none: 1
     stage: int = Field(ge=0, le=3)
     dtype: Literal["torch.float32", "torch.bfloat16", "torch.float16"]
     counters: Counters

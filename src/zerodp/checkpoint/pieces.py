@@ -4,6 +4,15 @@ Why pieces rather than buckets: the bucket layout (and its padding) depends on t
 the bucket size. A piece is named by the parameter and the element it starts at, so a checkpoint
 written on one layout is read on any other: on load each rank works out which elements of which
 parameter its shards now own and reads exactly the saved pieces that overlap them.
+
+Tensor parallelism (engine/tensor_parallel.py): a parameter that the tp ranks hold alike (flat.tp_duplicate)
+is saved once, by tp rank 0, like any other. A tp shard (a Shard DTensor's local tensor, or a plain
+parameter marked the Megatron way) is saved in the coordinates of the shard each tp rank holds, under
+`{name}@tp{r}` (`stored`): its pieces `master/{name}@tp{r}@{start}` are elements of tp rank r's local
+tensor. One rule for every placement: a column shard (Shard(1)) is no contiguous range of the whole
+tensor, so global coordinates would cut each of its pieces into one piece per row. The manifest records
+each shard's axis and every tp rank's shape (signature, "tp"), which is what consolidation joins along.
+A tp of one splits nothing and saves exactly as no tp.
 """
 
 from __future__ import annotations
@@ -11,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zerodp.distributed.device import is_accelerator, rng_state
+from zerodp.engine.flat import local, tp_duplicate
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,40 @@ class Piece:
     master: int
     offset: int
     numel: int
+    tp_rank: int | None = None  # a tp shard's: whose local tensor `start` counts in (None: the whole tensor)
+
+    @property
+    def stored(self) -> str:
+        return stored(self.name, self.tp_rank)
+
+
+def stored(name: str, tp_rank: int | None) -> str:
+    """The name a tensor is saved under: tp rank r's shard of a tensor-parallel one as `{name}@tp{r}`."""
+    return name if tp_rank is None else f"{name}@tp{tp_rank}"
+
+
+def tp_size(engine) -> int:
+    """The engine's tensor-parallel size (1 without tp)."""
+    return 1 if engine.comm.tp is None else engine.comm.tp.world_size
+
+
+def tp_rank(engine) -> int:
+    return 0 if engine.comm.tp is None else engine.comm.tp.rank
+
+
+def tp_shard(engine, t: torch.Tensor) -> int | None:
+    """This rank's tp rank if `t` is a tensor-parallel shard (each tp rank holds its own part), else None."""
+    return tp_rank(engine) if tp_size(engine) > 1 and not tp_duplicate(t) else None
+
+
+def tp_dim(t: torch.Tensor) -> int | None:
+    """The axis along which the tp shards of `t` join into the whole tensor: a Shard DTensor's dim, a
+    Megatron parameter's `partition_dim` (when its shards are not interleaved: partition_stride 1); None
+    when the model does not say (a parameter marked tensor/model_parallel and nothing more)."""
+    if isinstance(t, DTensor):
+        return next(pl.dim for pl in t.placements if pl.is_shard())
+    dim, stride = getattr(t, "partition_dim", None), getattr(t, "partition_stride", 1)
+    return dim if type(dim) is int and dim >= 0 and stride == 1 else None
 
 
 def owned_pieces(engine) -> list[Piece]:
@@ -33,7 +78,7 @@ def owned_pieces(engine) -> list[Piece]:
     for i, b in enumerate(layout.buckets):
         lo_r = layout.shard_start(b)
         for _, s, lo, hi in layout.owned_slots(b):
-            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo))
+            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo, tp_shard(engine, s.param)))
     return pieces
 
 
@@ -54,20 +99,47 @@ def saved_pieces(metadata, prefix: str) -> dict[str, list[tuple[int, int, str]]]
 
 
 def signature(engine) -> list[dict]:
-    """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases."""
+    """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases.
+
+    A tensor-parallel shard's entry has "tp": {"dim": its axis (tp_dim), "shapes": [this rank's shard's
+    shape]}, and "shape" is the whole tensor's where this rank can tell (a DTensor's), else its shard's:
+    save joins every tp rank's shapes into the manifest (join_tp_shapes), which then says both."""
     layout = engine.layout
     trained = {id(s.param): b.group for b, s in layout.slots()}
     # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
-    shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
+    shapes = {id(s.param): s.shape for _, s in layout.slots()}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}
     out = []
     for name, t in engine.module.state_dict(keep_vars=True).items():
         kind = "trained" if id(t) in trained else "frozen" if id(t) in params else "buffer"
-        out.append({"name": name, "kind": kind, "shape": list(shapes.get(id(t), t.shape)), "dtype": str(t.dtype),
-                    "alias_of": first.get(id(t)), "group": trained.get(id(t))})
+        mine = list(shapes.get(id(t), local(t).shape))
+        e = {"name": name, "kind": kind, "shape": list(t.shape) if isinstance(t, DTensor) else mine,
+             "dtype": str(t.dtype), "alias_of": first.get(id(t)), "group": trained.get(id(t))}
+        if tp_shard(engine, t) is not None:
+            e["tp"] = {"dim": tp_dim(t), "shapes": [mine]}
+        out.append(e)
         first.setdefault(id(t), name)
     return out
+
+
+def join_tp_shapes(model: list[dict], shards: list[tuple[int, dict[str, list[int]]]]) -> None:
+    """Fill signature `model`'s tp shards with every tp rank's shape (`shards`: (tp rank, {name: its
+    shape}) from each rank), and a shard whose axis is known with the whole tensor's shape."""
+    for e in model:
+        if "tp" not in e:
+            continue
+        by_rank = dict((r, s[e["name"]]) for r, s in shards)
+        e["tp"]["shapes"] = [by_rank[r] for r in range(len(by_rank))]
+        dim = e["tp"]["dim"]
+        if dim is not None:
+            e["shape"] = list(e["tp"]["shapes"][0])
+            e["shape"][dim] = sum(s[dim] for s in e["tp"]["shapes"])
+
+
+def tp_shapes(model: list[dict]) -> dict[str, list[int]]:
+    """{name: this rank's shard's shape} of signature `model`'s tensor-parallel shards."""
+    return {e["name"]: e["tp"]["shapes"][0] for e in model if "tp" in e}
 
 
 def untrained(engine) -> dict[str, torch.Tensor]:
@@ -87,28 +159,36 @@ def group_states(engine) -> dict[int, dict]:
 
 def local_state(engine) -> dict[str, torch.Tensor]:
     """The DCP tensors this rank writes (CPU copies): its master/optimizer pieces and, on rank 0,
-    the replicated tensors. Also what tests compare: the union over ranks is layout-free."""
+    the replicated tensors. Also what tests compare: the union over ranks is layout-free.
+
+    Each tensor is written once in the world: a piece by the first copy of its shard (rank 0 in stage 0,
+    which shards nothing; replica 0 of hierarchical sharding); a tp shard by every tp rank (each its
+    own), a tensor the tp ranks hold alike by tp rank 0 alone; replicated tensors by the world's rank 0."""
     comm, masters = engine.comm, engine.master_shards()
-    writes_replicated = comm.rank == 0
+    holds_first_copy = comm.replica_rank == 0 if engine.stage > 0 else comm.rank == 0
     out: dict[str, torch.Tensor] = {}
-    # Hierarchical sharding: the first copy of each shard writes it (the others hold the same values).
-    if (engine.stage > 0 and comm.replica_rank == 0) or writes_replicated:
+    if holds_first_copy:
         for pc in owned_pieces(engine):
+            if pc.tp_rank is None and tp_rank(engine) != 0:
+                continue
             m = masters[pc.master]
-            out[f"master/{pc.name}@{pc.start}"] = _cpu(m.detach()[pc.offset:pc.offset + pc.numel])
+            out[f"master/{pc.stored}@{pc.start}"] = _cpu(m.detach()[pc.offset:pc.offset + pc.numel])
             for key, v in engine.optimizer.state.get(m, {}).items():
                 if torch.is_tensor(v) and v.shape == m.shape:
-                    out[f"optim/{key}/{pc.name}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
-    if writes_replicated:
+                    out[f"optim/{key}/{pc.stored}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
+    rank = comm.everyone.rank
+    if rank == 0:
         for g, state in group_states(engine).items():
             for key, v in state.items():
                 if torch.is_tensor(v) and v.dim() == 0:
                     out[f"optim_scalar/{g}/{key}"] = _cpu(v.detach())
-        for name, t in untrained(engine).items():
-            out[f"model/{name}"] = _cpu(t.detach())
-    out[f"rng/{comm.rank}/torch"] = torch.get_rng_state()
+    for name, t in untrained(engine).items():
+        r = tp_shard(engine, t)
+        if (r is None and rank == 0) or (r is not None and comm.rank == 0):
+            out[f"model/{stored(name, r)}"] = _cpu(local(t).detach())
+    out[f"rng/{rank}/torch"] = torch.get_rng_state()
     if is_accelerator(engine.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
-        out[f"rng/{comm.rank}/{engine.device.type}"] = rng_state(engine.device)
+        out[f"rng/{rank}/{engine.device.type}"] = rng_state(engine.device)
     return out
 
 

@@ -1,5 +1,9 @@
 """save_checkpoint: every rank writes the pieces its shards own; rank 0 writes zerodp.json and renames.
 
+Rank 0 is the world's (comm.everyone): with tensor parallelism there is one data-parallel group per tp
+rank, and every rank of the world writes into the one directory, so one rank alone prepares, records,
+renames and writes the manifest; the agreements are the world's too (errors.agree).
+
 Everything that can be wrong (the tag, a save mid-accumulation, client_state, optimizer state that has
 no layout-free form) is found before the first collective, and every rank raises it (errors.agree).
 The tensors go through torch.distributed.checkpoint into a temporary directory; rank 0 then records
@@ -29,8 +33,17 @@ from zerodp.checkpoint.errors import (
     root_oserror,
 )
 from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
-from zerodp.checkpoint.pieces import bucket_params, first_non_finite, group_states, local_state, signature
-from zerodp.engine.tensor_parallel import refuse
+from zerodp.checkpoint.pieces import (
+    bucket_params,
+    first_non_finite,
+    group_states,
+    join_tp_shapes,
+    local_state,
+    signature,
+    tp_rank,
+    tp_shapes,
+    tp_size,
+)
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -42,13 +55,12 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
-    refuse(engine.comm, "engine.save_checkpoint()")
     with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
         return _save(engine, save_dir, tag, client_state, keep_last)
 
 
 def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:
-    comm = engine.comm
+    comm = engine.comm.everyone  # with tp, the whole world writes one checkpoint
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)
     err = state = None
@@ -62,11 +74,13 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
         err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir)))
-    needed = sum(m for m, _, _ in first)  # the bytes this save writes, for a "no space" message
-    _check_same_everywhere([t for _, t, _ in first], [d for _, _, d in first])
+    shards = (tp_rank(engine), {} if meta is None else tp_shapes(meta["model"]))
+    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards))
+    needed = sum(f[0] for f in first)  # the bytes this save writes, for a "no space" message
+    _check_same_everywhere([f[1] for f in first], [f[2] for f in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
-    agree(comm, on_rank0(comm, files.prepare, save_dir, tmp))  # also clears killed saves' leftovers
+    # The manifest's tp shapes are every tp rank's; then the temp dir, also clearing killed saves' leftovers.
+    agree(comm, on_rank0(comm, _prepare, meta, [f[3] for f in first], save_dir, tmp))
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=comm.group)
         names = sorted(f for f in os.listdir(tmp) if f != META)
@@ -84,6 +98,11 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
         meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
     agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta, keep_last))
     return tag
+
+
+def _prepare(meta: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str) -> None:
+    join_tp_shapes(meta["model"], shards)
+    files.prepare(save_dir, tmp)
 
 
 def _check_same_everywhere(tags: list[str], dirs: list[str]) -> None:
@@ -122,7 +141,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
             "save right after engine.step() at an accumulation boundary")
     bad = first_non_finite(engine)
     if bad is not None:
-        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {engine.comm.rank}'s "
+        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {engine.comm.everyone.rank}'s "
                               f"fp32 master of {bad} is not finite; resume from an earlier checkpoint "
                               "(see the non_finite config section for steps that are skipped instead)")
     try:
@@ -165,6 +184,8 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.layout.buckets],
+        # Only with tp: a checkpoint without it stays what it was before tp existed (the reader's default 1).
+        **({"tp": tp_size(engine)} if tp_size(engine) > 1 else {}),
     }
 
 

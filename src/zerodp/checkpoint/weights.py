@@ -220,6 +220,10 @@ class ZeroCheckpointSource(FileSource):
 
     def __init__(self, path: str, model: nn.Module):
         self.path, meta = resolve(path)
+        if meta.get("tp", 1) > 1:  # its tp shards are saved per tp rank: no range of a whole parameter
+            raise ValueError(f"checkpoint '{self.path}' was saved with tensor parallelism (tp {meta['tp']}): its "
+                             "parameters are saved as tp shards; `zerodp consolidate` it and pass the "
+                             "consolidated file as weights=")
         self.meta, self.metadata = meta, read_metadata(self.path)
         self.pieces = saved_pieces(self.metadata, "master/")
         self.alias = {e["name"]: e["alias_of"] for e in meta["model"] if e["alias_of"] is not None}

@@ -1,0 +1,89 @@
+"""Checkpoints of a tensor-parallel x data-parallel job (issue 26): saved at (dp 2, tp 2) in
+test_tensor_parallel's 4-rank launch (tp_ckpt.saves), resumed at (dp 1, tp 2) with gradient accumulation 2
+in one 2-rank launch (tp_ckpt.resumes) to the same weights as the uninterrupted one-process run, and
+consolidated offline into the whole tensors under the model's names."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from spawn import run_ranks
+from test_tensor_parallel import TOL, _results
+from tp_ckpt import SAVE_AT, reference_upto, resumes
+
+from zerodp.checkpoint import CheckpointError, consolidate
+from zerodp.checkpoint.command import main as consolidate_main
+
+
+@functools.lru_cache(maxsize=1)
+def _root() -> str:
+    root = _results()[0]["tp ckpt"]["dir"]
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.lru_cache(maxsize=1)
+def _resumed() -> list[dict]:
+    return run_ranks(resumes, 2, _root(), timeout_s=120)
+
+
+def _assert_weights(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, atol=TOL, rtol=TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("run", ["dtensor2", "dtensor3", "mpu"])
+def test_tp_checkpoint_resumes_on_another_dp_size_with_accumulation_to_the_uninterrupted_weights(run):
+    # Saved at (dp 2, tp 2) after SAVE_AT steps, resumed at (dp 1, tp 2) with gradient accumulation 2.
+    ref = _results()[0]["reference"]["weights"]
+    for rank, result in enumerate(_resumed()):
+        _assert_weights(result[run], ref, f"{run} resumed, rank {rank}")
+
+
+@pytest.mark.parametrize("run", ["dtensor2", "dtensor3", "mpu"])
+def test_consolidate_joins_the_tp_shards_under_the_models_names(run):
+    state, ties = consolidate(os.path.join(_root(), run))
+    assert ties == {}
+    _assert_weights(state, reference_upto(SAVE_AT), f"consolidated {run}")
+
+
+def test_consolidate_command_writes_the_joined_tensors(tmp_path):
+    out = str(tmp_path / "whole.safetensors")
+    consolidate_main([os.path.join(_root(), "dtensor2"), out])
+    _assert_weights(load_file(out), reference_upto(SAVE_AT), "zerodp consolidate")
+
+
+def test_consolidate_refuses_mpu_shards_whose_axis_was_not_recorded():
+    with pytest.raises(CheckpointError, match="partition_dim") as e:
+        consolidate(os.path.join(_root(), "mpu_no_dim"))
+    assert "'blocks.0.fc2.weight'" in str(e.value) or "tensor-parallel shard" in str(e.value)
+
+
+def test_only_the_worlds_rank_0_prepares_and_writes_the_manifest():
+    # Each data-parallel group has a rank 0 (world ranks 0 and 2): both renaming one directory is a race.
+    for rank, result in enumerate(_results()):
+        writes = result["tp ckpt"]["writes"]
+        assert writes == ({"prepare": 2, "finish": 2} if rank == 0 else {"prepare": 0, "finish": 0}), (rank, writes)
+
+
+def test_a_save_failing_on_one_tp_rank_raises_on_every_rank_and_writes_nothing():
+    for rank, result in enumerate(_results()):
+        text = result["tp ckpt"]["one rank fails"]
+        assert text.startswith("CheckpointError") and "client_state must be JSON-serialisable" in text, (rank, text)
+        assert rank == 3 or "on rank 3" in text, (rank, text)
+        assert result["tp ckpt"]["failed dir"] == [], rank
+
+
+def test_resuming_on_another_tp_size_is_refused_naming_both_sizes():
+    for rank, result in enumerate(_resumed()):
+        for what, saved, now in (("tp into plain", "with tensor parallelism tp 2", "without tensor parallelism (tp 1)"),
+                                 ("plain into tp", "without tensor parallelism (tp 1)", "with tp 2")):
+            text = result[what]
+            assert text.startswith("CheckpointError") and f"saved {saved}" in text and f"runs {now}" in text, text

@@ -1,0 +1,177 @@
+"""Rank-side code of the tensor-parallel checkpoint tests (test_tp_ckpt.py).
+
+`saves` joins test_tensor_parallel's one 4-rank launch: it trains the oracle's model for SAVE_AT steps at
+(dp 2, tp 2) and saves it (DTensor at stages 2 and 3, Megatron-style mpu with partition_dim, an mpu without
+it), records which ranks wrote the manifest, and fails a save on one tp rank. `resumes` is the one 2-rank
+launch at (dp 1, tp 2): each checkpoint resumed with gradient accumulation 2 and trained to the end, and
+the tp-size mismatches in both directions.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from test_tensor_parallel import (
+    BATCH,
+    CLIP,
+    STEPS,
+    ParallelState,
+    SplitLinear,
+    build,
+    config,
+    data,
+    optimizer,
+    plan,
+    split_by_hand,
+)
+
+import zerodp
+from zerodp.checkpoint import files
+
+SAVE_AT = 2  # steps trained before the save; the resumed run trains the rest, to STEPS
+
+
+def reference_upto(steps: int) -> dict[str, torch.Tensor]:
+    """test_tensor_parallel.reference's whole weights after `steps` steps."""
+    model = build()
+    opt = optimizer(model)
+    for step in range(steps):
+        model(*data(step)).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _dtensor_engine(mesh, stage: int, gas: int = 1):
+    model = build()
+    parallelize_module(model, mesh["tp"], plan())
+    return model, zerodp.initialize(model, optimizer(model), _config(stage, mesh, gas), device_mesh=mesh)
+
+
+def _mpu_engine(mesh, marking: str, partition_dim: bool, gas: int = 1):
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+    model = split_by_hand(build(), tp_group, marking)
+    if partition_dim:  # Megatron's attributes: the axis its shards join along
+        for m in model.modules():
+            if isinstance(m, SplitLinear):
+                for p in m.parameters():
+                    if getattr(p, marking, False):
+                        p.partition_dim, p.partition_stride = (0 if m.column else 1), 1
+    return model, zerodp.initialize(model, optimizer(model), _config(2, mesh, gas),
+                                    mpu=ParallelState(dp_group, tp_group))
+
+
+def _config(stage: int, mesh, gas: int) -> dict:
+    dp = mesh["dp"].size()
+    return {**config(stage, dp), "train_micro_batch_size_per_gpu": BATCH // dp // gas,
+            "gradient_accumulation_steps": gas}
+
+
+def _train(engine, mesh, steps: range, gas: int = 1) -> None:
+    """Steps `steps` of the oracle's run: this dp rank's part of each batch, in `gas` micro-batches."""
+    dp = mesh["dp"].size()
+    micro = BATCH // dp // gas
+    lo = mesh.get_local_rank("dp") * (BATCH // dp)
+    for step in steps:
+        x, y = data(step)
+        for m in range(gas):
+            at = slice(lo + m * micro, lo + (m + 1) * micro)
+            engine.backward(engine(x[at], y[at]))
+            engine.step()
+
+
+def _whole(model) -> dict[str, torch.Tensor]:
+    with_mpu = any(isinstance(m, SplitLinear) for m in model.modules())
+    out = {}
+    if with_mpu:
+        for name, m in model.named_modules():
+            if isinstance(m, SplitLinear):
+                out.update({f"{name}.{k}": v for k, v in m.whole().items()})
+    out.update({n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+                for n, p in model.named_parameters() if n not in out})
+    return out
+
+
+def _shared_dir() -> str:
+    box = [tempfile.mkdtemp(prefix="zerodp-tp-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    return box[0]
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads its text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def saves(mesh) -> dict:
+    """At (dp 2, tp 2): the checkpoints that `resumes` reads, and who wrote each manifest."""
+    root, rank = _shared_dir(), dist.get_rank()
+    calls = {"prepare": 0, "finish": 0}
+    real = {k: getattr(files, k) for k in calls}
+
+    def counting(kind):
+        def call(*args, **kw):
+            calls[kind] += 1
+            return real[kind](*args, **kw)
+        return call
+    out = {"dir": root}
+    try:
+        for k in calls:
+            setattr(files, k, counting(k))
+        for stage in (2, 3):
+            model, engine = _dtensor_engine(mesh, stage)
+            _train(engine, mesh, range(SAVE_AT))
+            engine.save_checkpoint(os.path.join(root, f"dtensor{stage}"))
+        out["writes"] = dict(calls)
+        # One tp rank's bad client_state: every rank of the world raises, nothing is written.
+        bad = {"x": object()} if rank == 3 else {}
+        out["one rank fails"] = _error(lambda: engine.save_checkpoint(os.path.join(root, "failed"), client_state=bad))
+        out["failed dir"] = sorted(os.listdir(os.path.join(root, "failed"))) if os.path.isdir(
+            os.path.join(root, "failed")) else []
+    finally:
+        for k, f in real.items():
+            setattr(files, k, f)
+    model, engine = _mpu_engine(mesh, "tensor_model_parallel", partition_dim=True)
+    _train(engine, mesh, range(SAVE_AT))
+    engine.save_checkpoint(os.path.join(root, "mpu"))
+    model, engine = _mpu_engine(mesh, "model_parallel", partition_dim=False)
+    engine.save_checkpoint(os.path.join(root, "mpu_no_dim"))
+    return out
+
+
+def resumes(rank: int, world: int, root: str) -> dict:
+    """At (dp 1, tp 2) with gradient accumulation 2: each checkpoint resumed and trained to STEPS; the
+    tp-size mismatches both ways."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for stage in (2, 3):
+        model, engine = _dtensor_engine(mesh, stage, gas=2)
+        engine.load_checkpoint(os.path.join(root, f"dtensor{stage}"))
+        out[f"steps dtensor{stage}"] = engine.global_steps
+        _train(engine, mesh, range(SAVE_AT, STEPS), gas=2)
+        with engine.gathered_parameters():
+            out[f"dtensor{stage}"] = _whole(model)
+    model, engine = _mpu_engine(mesh, "tensor_model_parallel", partition_dim=True, gas=2)
+    engine.load_checkpoint(os.path.join(root, "mpu"))
+    _train(engine, mesh, range(SAVE_AT, STEPS), gas=2)
+    with engine.gathered_parameters():
+        out["mpu"] = _whole(model)
+    # Without tp, from a tp checkpoint; with tp, from a checkpoint saved without it.
+    plain = build()
+    plain_engine = zerodp.initialize(plain, optimizer(plain), config(2, 2))
+    out["tp into plain"] = _error(lambda: plain_engine.load_checkpoint(os.path.join(root, "dtensor2")))
+    plain_engine.save_checkpoint(os.path.join(root, "plain"))
+    out["plain into tp"] = _error(lambda: engine.load_checkpoint(os.path.join(root, "plain")))
+    return out
