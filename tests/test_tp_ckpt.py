@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from spawn import run_ranks
-from test_tensor_parallel import TOL, _results
+from test_tensor_parallel import TOL, _results, build
 from tp_ckpt import SAVE_AT, reference_upto, resumes
 
-from zerodp.checkpoint import CheckpointError, consolidate
+from zerodp.checkpoint import CheckpointError, consolidate, resolve
 from zerodp.checkpoint.command import main as consolidate_main
+from zerodp.checkpoint.weights import open_weights
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,9 +82,36 @@ def test_a_save_failing_on_one_tp_rank_raises_on_every_rank_and_writes_nothing()
         assert result["tp ckpt"]["failed dir"] == [], rank
 
 
-def test_resuming_on_another_tp_size_is_refused_naming_both_sizes():
+@pytest.mark.parametrize("run", ["tp 2 into tp 1", "tp 1 into tp 2"])
+def test_a_checkpoint_resumes_on_another_tp_size_to_the_uninterrupted_weights(run):
+    # (dp 2, tp 2) -> (dp 2) without tp -> saved there -> (dp 1, tp 2): the shards joined and cut again.
+    ref = _results()[0]["reference"]["weights"]
     for rank, result in enumerate(_resumed()):
-        for what, saved, now in (("tp into plain", "with tensor parallelism tp 2", "without tensor parallelism (tp 1)"),
-                                 ("plain into tp", "without tensor parallelism (tp 1)", "with tp 2")):
-            text = result[what]
-            assert text.startswith("CheckpointError") and f"saved {saved}" in text and f"runs {now}" in text, text
+        _assert_weights(result[run], ref, f"{run}, rank {rank}")
+
+
+def test_resuming_on_another_tp_size_needs_each_shards_axis_and_deepspeed_checkpoints_need_no_tp():
+    for rank, result in enumerate(_resumed()):
+        text = result["no axis into tp 1"]
+        assert text.startswith("CheckpointError") and "saved with tp 2 and this job runs with tp 1" in text, text
+        assert "partition_dim" in text, text
+        text = result["deepspeed into tp"]
+        assert text.startswith("CheckpointError") and "is a DeepSpeed checkpoint" in text and "tp 2" in text, text
+
+
+def test_weights_from_a_tp_checkpoint_are_refused_naming_consolidate():
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp 2\).*zerodp consolidate"):
+        open_weights(os.path.join(_root(), "dtensor2"), build())
+
+
+def test_manifest_records_the_tp_size_and_each_shards_axis_and_shapes():
+    path, meta = resolve(os.path.join(_root(), "dtensor2"))
+    model = {e["name"]: e for e in meta["model"]}
+    assert meta["tp"] == 2 and meta["world_size"] == 2
+    assert model["blocks.0.fc1.weight"]["tp"] == {"dim": 0, "shapes": [[16, 16], [16, 16]]}
+    assert model["blocks.0.fc2.weight"]["tp"] == {"dim": 1, "shapes": [[16, 16], [16, 16]]}
+    assert model["blocks.0.fc2.weight"]["shape"] == [16, 32]
+    assert "tp" not in model["blocks.0.fc2.bias"] and "tp" not in model["head.weight"]  # held alike: once
+    path, meta = resolve(os.path.join(_root(), "mpu"))
+    model = {e["name"]: e for e in meta["model"]}
+    assert model["blocks.0.attn.o.weight"]["tp"]["dim"] == 1 and model["blocks.0.attn.o.weight"]["shape"] == [16, 16]
