@@ -34,6 +34,12 @@ def _resumed() -> list[dict]:
     return run_ranks(resumes, 2, _root(), timeout_s=120)
 
 
+@functools.lru_cache(maxsize=1)
+def _at_save() -> dict[str, torch.Tensor]:
+    """The one-process run's whole weights when the checkpoints were saved."""
+    return reference_upto(SAVE_AT)
+
+
 def _assert_weights(got: dict, want: dict, what: str) -> None:
     assert got.keys() == want.keys(), what
     for name, w in want.items():
@@ -52,13 +58,13 @@ def test_tp_checkpoint_resumes_on_another_dp_size_with_accumulation_to_the_unint
 def test_consolidate_joins_the_tp_shards_under_the_models_names(run):
     state, ties = consolidate(os.path.join(_root(), run))
     assert ties == {}
-    _assert_weights(state, reference_upto(SAVE_AT), f"consolidated {run}")
+    _assert_weights(state, _at_save(), f"consolidated {run}")
 
 
 def test_consolidate_command_writes_the_joined_tensors(tmp_path):
     out = str(tmp_path / "whole.safetensors")
     consolidate_main([os.path.join(_root(), "dtensor2"), out])
-    _assert_weights(load_file(out), reference_upto(SAVE_AT), "zerodp consolidate")
+    _assert_weights(load_file(out), _at_save(), "zerodp consolidate")
 
 
 def test_consolidate_refuses_mpu_shards_whose_axis_was_not_recorded():
