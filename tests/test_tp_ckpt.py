@@ -96,6 +96,11 @@ def test_a_checkpoint_resumes_on_another_tp_size_to_the_uninterrupted_weights(ru
         _assert_weights(result[run], ref, f"{run}, rank {rank}")
 
 
+def test_a_frozen_tp_shard_is_saved_per_tp_rank_and_loads_at_its_tp_size_and_without_tp():
+    for rank, result in enumerate(_resumed()):
+        assert result["frozen shard"] == {"tp 2": True, "tp 1": True}, (rank, result["frozen shard"])
+
+
 def test_resuming_on_another_tp_size_needs_each_shards_axis_and_deepspeed_checkpoints_need_no_tp():
     for rank, result in enumerate(_resumed()):
         text = result["no axis into tp 1"]

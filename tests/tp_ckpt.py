@@ -152,6 +152,29 @@ def saves(mesh) -> dict:
     return out
 
 
+def _frozen_shard(mesh, root: str) -> dict[str, bool]:
+    """A frozen tp shard (no master: saved whole per tp rank, `model/{name}@tp{r}`) saved at tp 2 and loaded
+    into models whose value of it differs, at tp 2 and without tp."""
+    def frozen(tp: bool, shift: float):
+        model = build()
+        model.blocks[0].fc1.weight.requires_grad_(False)
+        model.blocks[0].fc1.weight.data.add_(shift)
+        if tp:
+            parallelize_module(model, mesh["tp"], plan())
+        return model, zerodp.initialize(model, optimizer(model), config(2, 2 if not tp else 1),
+                                        device_mesh=mesh if tp else None)
+    want = build().blocks[0].fc1.weight.detach()
+    _, engine = frozen(True, 0.0)
+    engine.save_checkpoint(os.path.join(root, "frozen"))
+    out = {}
+    for tp in (True, False):
+        model, engine = frozen(tp, 1.0)
+        engine.load_checkpoint(os.path.join(root, "frozen"))
+        w = model.blocks[0].fc1.weight
+        out[f"tp {2 if tp else 1}"] = torch.equal(w.full_tensor() if isinstance(w, DTensor) else w.detach(), want)
+    return out
+
+
 def resumes(rank: int, world: int, root: str) -> dict:
     """At (dp 1, tp 2) with gradient accumulation 2: each checkpoint resumed and trained to STEPS; and
     on another tp size, both ways."""
@@ -184,6 +207,7 @@ def resumes(rank: int, world: int, root: str) -> dict:
     with engine.gathered_parameters():
         out["tp 1 into tp 2"] = _whole(model)
     out["no axis into tp 1"] = _error(lambda: plain_engine.load_checkpoint(os.path.join(root, "mpu_no_dim")))
+    out["frozen shard"] = _frozen_shard(mesh, root)
     deepspeed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed", "stage2_fp32")
     out["deepspeed into tp"] = _error(lambda: engine.load_checkpoint(deepspeed))
     return out
