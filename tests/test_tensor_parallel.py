@@ -9,8 +9,10 @@ model is tiny), so no result needs to travel between ranks.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
+import shutil
 
 import pytest
 import torch
@@ -386,7 +388,9 @@ def _ranks(rank: int, world: int) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def _results() -> list[dict]:
-    return run_ranks(_ranks, 4, timeout_s=120)
+    out = run_ranks(_ranks, 4, timeout_s=120)
+    atexit.register(shutil.rmtree, out[0]["tp ckpt"]["dir"], ignore_errors=True)  # test_tp_ckpt.py reads them
+    return out
 
 
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",

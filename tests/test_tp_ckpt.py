@@ -5,32 +5,35 @@ consolidated offline into the whole tensors under the model's names."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from spawn import run_ranks
-from test_tensor_parallel import TOL, _results
+from test_tensor_parallel import TOL, _results, build
 from tp_ckpt import SAVE_AT, reference_upto, resumes
 
-from zerodp.checkpoint import CheckpointError, consolidate
+from zerodp.checkpoint import CheckpointError, consolidate, resolve
 from zerodp.checkpoint.command import main as consolidate_main
+from zerodp.checkpoint.weights import open_weights
 
 
-@functools.lru_cache(maxsize=1)
 def _root() -> str:
-    root = _results()[0]["tp ckpt"]["dir"]
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    """Where the 4-rank launch saved (removed when the tests end: test_tensor_parallel._results)."""
+    return _results()[0]["tp ckpt"]["dir"]
 
 
 @functools.lru_cache(maxsize=1)
 def _resumed() -> list[dict]:
     return run_ranks(resumes, 2, _root(), timeout_s=120)
+
+
+@functools.lru_cache(maxsize=1)
+def _at_save() -> dict[str, torch.Tensor]:
+    """The one-process run's whole weights when the checkpoints were saved."""
+    return reference_upto(SAVE_AT)
 
 
 def _assert_weights(got: dict, want: dict, what: str) -> None:
@@ -51,13 +54,13 @@ def test_tp_checkpoint_resumes_on_another_dp_size_with_accumulation_to_the_unint
 def test_consolidate_joins_the_tp_shards_under_the_models_names(run):
     state, ties = consolidate(os.path.join(_root(), run))
     assert ties == {}
-    _assert_weights(state, reference_upto(SAVE_AT), f"consolidated {run}")
+    _assert_weights(state, _at_save(), f"consolidated {run}")
 
 
 def test_consolidate_command_writes_the_joined_tensors(tmp_path):
     out = str(tmp_path / "whole.safetensors")
     consolidate_main([os.path.join(_root(), "dtensor2"), out])
-    _assert_weights(load_file(out), reference_upto(SAVE_AT), "zerodp consolidate")
+    _assert_weights(load_file(out), _at_save(), "zerodp consolidate")
 
 
 def test_consolidate_refuses_mpu_shards_whose_axis_was_not_recorded():
@@ -81,9 +84,41 @@ def test_a_save_failing_on_one_tp_rank_raises_on_every_rank_and_writes_nothing()
         assert result["tp ckpt"]["failed dir"] == [], rank
 
 
-def test_resuming_on_another_tp_size_is_refused_naming_both_sizes():
+@pytest.mark.parametrize("run", ["tp 2 into tp 1", "tp 1 into tp 2"])
+def test_a_checkpoint_resumes_on_another_tp_size_to_the_uninterrupted_weights(run):
+    # (dp 2, tp 2) -> (dp 2) without tp -> saved there -> (dp 1, tp 2): the shards joined and cut again.
+    ref = _results()[0]["reference"]["weights"]
     for rank, result in enumerate(_resumed()):
-        for what, saved, now in (("tp into plain", "with tensor parallelism tp 2", "without tensor parallelism (tp 1)"),
-                                 ("plain into tp", "without tensor parallelism (tp 1)", "with tp 2")):
-            text = result[what]
-            assert text.startswith("CheckpointError") and f"saved {saved}" in text and f"runs {now}" in text, text
+        _assert_weights(result[run], ref, f"{run}, rank {rank}")
+
+
+def test_a_frozen_tp_shard_is_saved_per_tp_rank_and_loads_at_its_tp_size_and_without_tp():
+    for rank, result in enumerate(_resumed()):
+        assert result["frozen shard"] == {"tp 2": True, "tp 1": True}, (rank, result["frozen shard"])
+
+
+def test_resuming_on_another_tp_size_needs_each_shards_axis_and_deepspeed_checkpoints_need_no_tp():
+    for rank, result in enumerate(_resumed()):
+        text = result["no axis into tp 1"]
+        assert text.startswith("CheckpointError") and "saved with tp 2 and this job runs with tp 1" in text, text
+        assert "partition_dim" in text, text
+        text = result["deepspeed into tp"]
+        assert text.startswith("CheckpointError") and "is a DeepSpeed checkpoint" in text and "tp 2" in text, text
+
+
+def test_weights_from_a_tp_checkpoint_are_refused_naming_consolidate():
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp 2\).*zerodp consolidate"):
+        open_weights(os.path.join(_root(), "dtensor2"), build())
+
+
+def test_manifest_records_the_tp_size_and_each_shards_axis_and_shapes():
+    path, meta = resolve(os.path.join(_root(), "dtensor2"))
+    model = {e["name"]: e for e in meta["model"]}
+    assert meta["tp"] == 2 and meta["world_size"] == 2
+    assert model["blocks.0.fc1.weight"]["tp"] == {"dim": 0, "shapes": [[16, 16], [16, 16]]}
+    assert model["blocks.0.fc2.weight"]["tp"] == {"dim": 1, "shapes": [[16, 16], [16, 16]]}
+    assert model["blocks.0.fc2.weight"]["shape"] == [16, 32]
+    assert "tp" not in model["blocks.0.fc2.bias"] and "tp" not in model["head.weight"]  # held alike: once
+    path, meta = resolve(os.path.join(_root(), "mpu"))
+    model = {e["name"]: e for e in meta["model"]}
+    assert model["blocks.0.attn.o.weight"]["tp"]["dim"] == 1 and model["blocks.0.attn.o.weight"]["shape"] == [16, 16]

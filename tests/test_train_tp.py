@@ -41,8 +41,9 @@ def test_gpt_tp_plan_gives_the_unsplit_models_logits_loss_and_gradients():
 
 
 def test_tp_shards_joined_by_their_placement_and_parts_are_the_whole_tensors():
-    # c_attn's shards are each rank's slice of q, k and v: joined by flat.join_tp with flat.tp_parts (3), they
-    # are the model's own q | k | v; a plain concatenation would interleave them.
+    # c_attn's shards are each rank's slice of q, k and v: joined by flat.join_tp / place_tp_shard with
+    # flat.tp_parts (3), they are the model's own q | k | v (a plain concatenation would interleave them),
+    # and cut from the whole by checkpoint.whole.its_shard, each rank's own shard.
     for rank, result in enumerate(_results()):
         assert result["gpt"]["same step"]["joined"] == {n: 0.0 for n in result["gpt"]["same step"]["joined"]}, rank
 

@@ -4,7 +4,7 @@
 (dp 2, tp 2) and saves it (DTensor at stages 2 and 3, Megatron-style mpu with partition_dim, an mpu without
 it), records which ranks wrote the manifest, and fails a save on one tp rank. `resumes` is the one 2-rank
 launch at (dp 1, tp 2): each checkpoint resumed with gradient accumulation 2 and trained to the end, and
-the tp-size mismatches in both directions.
+resumes on another tp size in both directions.
 """
 
 from __future__ import annotations
@@ -77,13 +77,15 @@ def _config(stage: int, mesh, gas: int) -> dict:
 
 def _train(engine, mesh, steps: range, gas: int = 1) -> None:
     """Steps `steps` of the oracle's run: this dp rank's part of each batch, in `gas` micro-batches."""
-    dp = mesh["dp"].size()
+    if mesh is None:  # no tp: the world is the dp group
+        dp, dp_rank = dist.get_world_size(), dist.get_rank()
+    else:
+        dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
     micro = BATCH // dp // gas
-    lo = mesh.get_local_rank("dp") * (BATCH // dp)
     for step in steps:
         x, y = data(step)
         for m in range(gas):
-            at = slice(lo + m * micro, lo + (m + 1) * micro)
+            at = slice(dp_rank * (BATCH // dp) + m * micro, dp_rank * (BATCH // dp) + (m + 1) * micro)
             engine.backward(engine(x[at], y[at]))
             engine.step()
 
@@ -150,9 +152,32 @@ def saves(mesh) -> dict:
     return out
 
 
+def _frozen_shard(mesh, root: str) -> dict[str, bool]:
+    """A frozen tp shard (no master: saved whole per tp rank, `model/{name}@tp{r}`) saved at tp 2 and loaded
+    into models whose value of it differs, at tp 2 and without tp."""
+    def frozen(tp: bool, shift: float):
+        model = build()
+        model.blocks[0].fc1.weight.requires_grad_(False)
+        model.blocks[0].fc1.weight.data.add_(shift)
+        if tp:
+            parallelize_module(model, mesh["tp"], plan())
+        return model, zerodp.initialize(model, optimizer(model), config(2, 2 if not tp else 1),
+                                        device_mesh=mesh if tp else None)
+    want = build().blocks[0].fc1.weight.detach()
+    _, engine = frozen(True, 0.0)
+    engine.save_checkpoint(os.path.join(root, "frozen"))
+    out = {}
+    for tp in (True, False):
+        model, engine = frozen(tp, 1.0)
+        engine.load_checkpoint(os.path.join(root, "frozen"))
+        w = model.blocks[0].fc1.weight
+        out[f"tp {2 if tp else 1}"] = torch.equal(w.full_tensor() if isinstance(w, DTensor) else w.detach(), want)
+    return out
+
+
 def resumes(rank: int, world: int, root: str) -> dict:
-    """At (dp 1, tp 2) with gradient accumulation 2: each checkpoint resumed and trained to STEPS; the
-    tp-size mismatches both ways."""
+    """At (dp 1, tp 2) with gradient accumulation 2: each checkpoint resumed and trained to STEPS; and
+    on another tp size, both ways."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     out = {}
@@ -168,10 +193,21 @@ def resumes(rank: int, world: int, root: str) -> dict:
     _train(engine, mesh, range(SAVE_AT, STEPS), gas=2)
     with engine.gathered_parameters():
         out["mpu"] = _whole(model)
-    # Without tp, from a tp checkpoint; with tp, from a checkpoint saved without it.
+    # Another tp size: the (dp 2, tp 2) checkpoint resumed without tp (dp 2), saved again there (at step
+    # SAVE_AT still) and that resumed with tp 2: both trained to the end.
     plain = build()
     plain_engine = zerodp.initialize(plain, optimizer(plain), config(2, 2))
-    out["tp into plain"] = _error(lambda: plain_engine.load_checkpoint(os.path.join(root, "dtensor2")))
+    plain_engine.load_checkpoint(os.path.join(root, "dtensor2"))
     plain_engine.save_checkpoint(os.path.join(root, "plain"))
-    out["plain into tp"] = _error(lambda: engine.load_checkpoint(os.path.join(root, "plain")))
+    _train(plain_engine, None, range(SAVE_AT, STEPS))
+    out["tp 2 into tp 1"] = _whole(plain)
+    model, engine = _dtensor_engine(mesh, 2, gas=2)
+    engine.load_checkpoint(os.path.join(root, "plain"))
+    _train(engine, mesh, range(SAVE_AT, STEPS), gas=2)
+    with engine.gathered_parameters():
+        out["tp 1 into tp 2"] = _whole(model)
+    out["no axis into tp 1"] = _error(lambda: plain_engine.load_checkpoint(os.path.join(root, "mpu_no_dim")))
+    out["frozen shard"] = _frozen_shard(mesh, root)
+    deepspeed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed", "stage2_fp32")
+    out["deepspeed into tp"] = _error(lambda: engine.load_checkpoint(deepspeed))
     return out

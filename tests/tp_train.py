@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import zerodp
-from zerodp.engine.flat import join_tp, tp_parts
+from zerodp.checkpoint.whole import its_shard
+from zerodp.engine.flat import join_tp, place_tp_shard, tp_parts
 from zerodp.models.gpt import GPT, GPTConfig, parallelize
 
 # 4 heads of 4 channels: 2 heads per tp rank. Tiny vocabulary and context: the launch's budget.
@@ -58,16 +59,22 @@ def same_step(mesh: DeviceMesh) -> dict:
 
 
 def joined(mesh: DeviceMesh, params: dict[str, torch.Tensor]) -> dict[str, float]:
-    """flat.join_tp of the tp ranks' local shards, by the placement's dim and flat.tp_parts, against
-    full_tensor(): what a join of shards (an export, a consolidation) must give."""
-    group, out = mesh.get_group("tp"), {}
+    """Against full_tensor() and the local shard: the tp ranks' shards joined by the placement's dim and
+    flat.tp_parts (flat.join_tp: the export; flat.place_tp_shard one shard at a time: consolidate), and this
+    rank's shard cut from the whole (checkpoint.whole.its_shard: a resume on another tp size)."""
+    group, tp, out = mesh.get_group("tp"), mesh["tp"].size(), {}
     for name in ("blocks.0.attn.c_attn.weight", "blocks.0.attn.c_attn.bias", "blocks.0.mlp.c_fc.weight",
                  "blocks.0.mlp.c_proj.weight"):
-        p = params[name]
-        shards = [torch.empty_like(p.to_local()) for _ in range(mesh["tp"].size())]
+        p, dim = params[name], params[name].placements[0].dim
+        shards = [torch.empty_like(p.to_local()) for _ in range(tp)]
         dist.all_gather(shards, p.to_local().contiguous(), group=group)
-        whole = join_tp(shards, p.placements[0].dim, tp_parts(p))
-        out[name] = (whole - p.full_tensor()).abs().max().item()
+        out[f"{name} joined"] = (join_tp(shards, dim, tp_parts(p)) - p.full_tensor()).abs().max().item()
+        placed = torch.zeros_like(p.full_tensor())
+        for r, shard in enumerate(shards):
+            place_tp_shard(placed, shard, dim, r * shard.shape[dim], tp_parts(p))
+        out[f"{name} placed"] = (placed - p.full_tensor()).abs().max().item()
+        cut = its_shard(p, mesh.get_local_rank("tp"), tp, p.to_local().shape, p.full_tensor())
+        out[f"{name} cut"] = (cut - p.to_local()).abs().max().item()
     return out
 
 

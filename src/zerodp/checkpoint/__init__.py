@@ -26,6 +26,8 @@ One concept per file, read in this order:
   read.py     finding and checking a checkpoint (and the newest intact one); the restricted
               unpickler; chunked tensor reads
   load.py     load_checkpoint: stage everything, agree, then apply
+  whole.py    saved tensors made whole (pieces end to end, tp shards joined): export, and a resume on
+              another tensor-parallel size
   apply.py    the second phase of every load: what was staged, written into the engine
   export.py   consolidate / write_consolidated / write_hf_folder / `zerodp consolidate` (main)
   export_engine.py  a live engine's weights written bucket by bucket (final.pt, OUT/hf, save_16bit_model)

@@ -10,15 +10,12 @@ models.weight_files): the whole model is never in memory.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import torch
 
-from zerodp.checkpoint import deepspeed
+from zerodp.checkpoint import deepspeed, whole
 from zerodp.checkpoint.errors import CheckpointError
-from zerodp.checkpoint.pieces import saved_pieces, stored
-from zerodp.checkpoint.read import iter_tensors, read_metadata, resolve
-from zerodp.engine.flat import place_tp_shard
+from zerodp.checkpoint.read import read_metadata, resolve
 from zerodp.engine.weights import Weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
@@ -40,96 +37,18 @@ def consolidate(load_dir: str, tag: str | None = None) -> tuple[dict[str, torch.
 def checkpoint_weights(load_dir: str, tag: str | None = None, chunk_numel: int = EXPORT_CHUNK_NUMEL) -> Weights:
     """A checkpoint's weights as consolidate() gives them (trained parameters from their fp32 master
     pieces, the rest as saved, floating ones in fp32), read `chunk_numel` elements at a time; a
-    tensor-parallel shard joined with its other tp ranks' along its axis, under the model's name.
-    Everything missing is found before the first value is read. A DeepSpeed checkpoint is read tensor
-    by tensor from its memory-mapped partitions."""
+    tensor-parallel shard joined with its other tp ranks' along its axis, under the model's name
+    (whole.py). Everything missing is found before the first value is read. A DeepSpeed checkpoint is
+    read tensor by tensor from its memory-mapped partitions."""
     ds_path = deepspeed.find(load_dir, tag)
     if ds_path is not None:
         return deepspeed.weights(ds_path)
     path, meta = resolve(load_dir, tag)
     metadata = read_metadata(path)
-    md = metadata.state_dict_metadata
-    pieces = saved_pieces(metadata, "master/")
-    shapes, ties, keys, owner, parts = {}, {}, [], {}, {}
-    for e in meta["model"]:
-        name, shape = e["name"], torch.Size(e["shape"])
-        if e["alias_of"] is not None:
-            ties[name] = e["alias_of"]
-            shapes[name] = shapes[e["alias_of"]]
-            continue
-        parts[name] = _parts(path, e)
-        for i, (saved_as, part) in enumerate(parts[name].items()):
-            if e["kind"] == "trained":
-                found = sorted(pieces.get(saved_as, []))
-                covered = sum(numel for _, numel, _ in found)
-                if covered != part.numel():
-                    raise CheckpointError(f"checkpoint '{path}' is corrupt: parameter '{saved_as}' has "
-                                          f"{covered} of {part.numel()} elements saved")
-                owner.update({key: (name, i, start) for start, _, key in found})
-                keys += [key for _, _, key in found]
-                dtype = torch.float32
-            else:
-                key = f"model/{saved_as}"
-                if key not in md:
-                    raise CheckpointError(f"checkpoint '{path}' is corrupt: '{saved_as}' is not saved")
-                dtype = md[key].properties.dtype
-                dtype = torch.float32 if dtype.is_floating_point else dtype
-                owner[key] = (name, i, None)
-                keys.append(key)
-        shapes[name] = (shape, dtype)
-    tp_dims = {e["name"]: (e["tp"]["dim"], e["tp"].get("parts", 1)) for e in meta["model"] if e.get("tp")}
-    chunks = iter_tensors(path, metadata, keys, meta, chunk_numel)
-    return Weights(shapes, ties, _assemble(chunks, owner, shapes, parts, tp_dims))
-
-
-def _parts(path: str, e: dict) -> dict[str, torch.Size]:
-    """{saved name: shape} of what makes up entry `e`: itself, or each tp rank's shard (pieces.stored)."""
-    if not e.get("tp"):
-        return {e["name"]: torch.Size(e["shape"])}
-    if e["tp"]["dim"] is None:
-        raise CheckpointError(f"checkpoint '{path}': '{e['name']}' is a tensor-parallel shard whose axis was not "
-                              f"recorded (its parameter was marked tensor_model_parallel / model_parallel without "
-                              f"Megatron's partition_dim), so its {len(e['tp']['shapes'])} tp shards cannot be "
-                              "joined into one tensor; set `partition_dim` (and partition_stride 1) on the model's "
-                              "tensor-parallel parameters before saving, or resume it with the same tp size")
-    return {stored(e["name"], r): torch.Size(s) for r, s in enumerate(e["tp"]["shapes"])}
-
-
-def _assemble(chunks: Iterator[dict[str, torch.Tensor]], owner: dict[str, tuple[str, int, int | None]],
-              shapes: dict[str, tuple[torch.Size, torch.dtype]], parts: dict[str, dict[str, torch.Size]],
-              tp_dims: dict[str, tuple[int, int]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole tensors from the saved keys (a tensor's parts, and each part's pieces, come in order, one
-    after another): each given as soon as its last piece is read. A part is the whole tensor, or one tp
-    rank's shard, which is copied to its place along the tp axis once complete: the exporter holds the
-    tensor being assembled and one shard of it."""
-    current, whole, part, filled, joined = None, None, None, 0, 0
-    for chunk in chunks:
-        for key, t in chunk.items():
-            n, i, start = owner[key]
-            if start is None and n not in tp_dims:  # saved whole
-                yield n, t.float() if t.is_floating_point() else t
-                continue
-            shard_shapes = list(parts[n].values())
-            if current is None or current[0] != n:
-                whole = torch.empty(shapes[n][0], dtype=shapes[n][1]) if n in tp_dims else None
-                joined = 0
-            if current != (n, i):
-                current, filled = (n, i), 0
-                part = torch.empty(shard_shapes[i].numel(), dtype=shapes[n][1])
-            start = start or 0  # a tp shard of an untrained tensor is saved whole
-            part[start:start + t.numel()] = t.reshape(-1)
-            filled += t.numel()
-            if filled < part.numel():
-                continue
-            if n not in tp_dims:
-                yield n, part.view(shapes[n][0])
-                continue
-            dim, n_parts = tp_dims[n]
-            place_tp_shard(whole, part.view(shard_shapes[i]), dim, sum(s[dim] for s in shard_shapes[:i]), n_parts)
-            joined += 1
-            if joined == sum(1 for s in shard_shapes if s.numel()):  # an empty shard has no pieces
-                yield n, whole
-                current = whole = None
+    reading = whole.plan(path, meta, metadata, [e for e in meta["model"] if e["alias_of"] is None])
+    ties = {e["name"]: e["alias_of"] for e in meta["model"] if e["alias_of"] is not None}
+    shapes = {e["name"]: reading.shapes[ties.get(e["name"], e["name"])] for e in meta["model"]}
+    return Weights(shapes, ties, reading.stream(path, meta, metadata, chunk_numel))
 
 
 def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:

@@ -6,10 +6,11 @@ fresh CPU tensors, every rank agrees that all of them succeeded (errors.agree), 
 Working-precision parameters are not stored: they are the masters cast to the working dtype,
 exactly what a step would have left.
 
-Tensor parallelism: a checkpoint resumes on any data-parallel size with the tensor-parallel size it was
-saved with; each tp rank reads the pieces of its own shards (pieces.py). Another tp size (a checkpoint
-without tp into a tp job, or the reverse) is refused, naming both sizes, on every rank before the engine
-is touched: `zerodp consolidate` joins the shards into whole tensors.
+Tensor parallelism: with the tp size it was saved with, each tp rank reads the pieces of its own shards
+(pieces.py), any data-parallel size. With another tp size (a checkpoint without tp into a tp job, or the
+reverse, included) each rank reads whole every tensor it keeps a part of, its saved tp shards joined
+(whole.py), and cuts out its own shard: more reading, one tensor held at a time. That needs each tp
+shard's axis: a Megatron shard without partition_dim is refused, on every rank before the engine is touched.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     untrained,
 )
-from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
+from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
+from zerodp.checkpoint.whole import its_shard, plan
+from zerodp.engine.flat import local
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
@@ -67,7 +70,6 @@ def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_sch
 
 
 def _check_model(engine, path: str, meta: dict) -> None:
-    _check_tp(engine, path, meta)
     current = signature(engine)
     saved = {e["name"]: e for e in meta["model"]}
     names = {e["name"] for e in current}
@@ -77,9 +79,11 @@ def _check_model(engine, path: str, meta: dict) -> None:
         s = saved.get(e["name"])
         if s is None:
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' {tuple(e['shape'])} is not in the checkpoint")
-        if "tp" in e or "tp" in s:
+        if _resharding(engine, meta):
+            _check_axis_known(engine, path, meta, e, s)
+        if ("tp" in e or "tp" in s) and not _resharding(engine, meta):
             _check_tp_shard(engine, prefix, e, s)
-        elif s["shape"] != e["shape"]:
+        elif s["shape"] != e["shape"]:  # the whole tensor's
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' has shape {tuple(s['shape'])} in the "
                                   f"checkpoint and {tuple(e['shape'])} in the model")
         if s["alias_of"] != e["alias_of"]:
@@ -104,17 +108,44 @@ def _check_model(engine, path: str, meta: dict) -> None:
 def _stage(engine, path: str, meta: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
+    md = metadata.state_dict_metadata
     shards, rank = engine.master_shards(), engine.comm.everyone.rank
     masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in shards]
-    keys = {k.split("/")[1] for k in metadata.state_dict_metadata if k.startswith("optim/")}
+    keys = {k.split("/")[1] for k in md if k.startswith("optim/")}
     states = {}
     for key in sorted(keys):
-        dtype = next(md.properties.dtype for k, md in metadata.state_dict_metadata.items()
-                     if k.startswith(f"optim/{key}/"))
+        dtype = next(m.properties.dtype for k, m in md.items() if k.startswith(f"optim/{key}/"))
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
-    copies: dict[str, list] = {}  # saved piece -> [(source offset, destination, its offset, numel)]
+    small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
+    frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
+    if _resharding(engine, meta):
+        copies, model_state = {}, _reshard(engine, path, meta, metadata, masters, states)
+    else:
+        copies, model_state = _copies(engine, path, meta, metadata, masters, states), None
+        small += [key for key in frozen if key in md]
+    rest: dict[str, torch.Tensor] = {}
+
+    def consume(chunk: dict[str, torch.Tensor]) -> None:
+        for key, t in chunk.items():
+            for src_off, dest, dest_off, n in copies.get(key, ()):
+                dest[dest_off:dest_off + n].copy_(t[src_off:src_off + n])
+            if key not in copies:
+                rest[key] = t
+
+    read_tensors(path, metadata, list(copies) + small, meta, consume)
+    scalars = {k[len("optim_scalar/"):]: t for k, t in rest.items() if k.startswith("optim_scalar/")}
+    if model_state is None:
+        model_state = {frozen[k]: t for k, t in rest.items() if k.startswith("model/")}
+    rng = {k.rsplit("/", 1)[1]: t for k, t in rest.items() if k.startswith("rng/")}
+    return Staged(masters, states, scalars, model_state, rng)
+
+
+def _copies(engine, path: str, meta: dict, metadata, masters: list, states: dict) -> dict[str, list]:
+    """The saved pieces that overlap what this rank owns: {key: [(source offset, destination, its offset,
+    numel)]} (a tp shard's from this rank's tp coordinate)."""
+    copies: dict[str, list] = {}
     saved = {"master": saved_pieces(metadata, "master/")}
-    saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in keys})
+    saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in states})
     for pc in owned_pieces(engine):
         for kind, dests in [("master", masters), *states.items()]:
             covered = 0
@@ -130,39 +161,58 @@ def _stage(engine, path: str, meta: dict) -> Staged:
             if covered != pc.numel and not never:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
                                       f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
-    md = metadata.state_dict_metadata
-    small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
-    frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
-    small += [key for key in frozen if key in md]
-    whole: dict[str, torch.Tensor] = {}
-
-    def consume(chunk: dict[str, torch.Tensor]) -> None:
-        for key, t in chunk.items():
-            for src_off, dest, dest_off, n in copies.get(key, ()):
-                dest[dest_off:dest_off + n].copy_(t[src_off:src_off + n])
-            if key not in copies:
-                whole[key] = t
-
-    read_tensors(path, metadata, list(copies) + small, meta, consume)
-    scalars = {k[len("optim_scalar/"):]: t for k, t in whole.items() if k.startswith("optim_scalar/")}
-    model_state = {frozen[k]: t for k, t in whole.items() if k.startswith("model/")}
-    rng = {k.rsplit("/", 1)[1]: t for k, t in whole.items() if k.startswith("rng/")}
-    return Staged(masters, states, scalars, model_state, rng)
+    return copies
 
 
-def _check_tp(engine, path: str, meta: dict) -> None:
-    saved, now = meta.get("tp", 1), tp_size(engine)
-    if saved != now:
-        said = {1: "without tensor parallelism (tp 1)"}
-        raise CheckpointError(f"checkpoint '{path}' was saved {said.get(saved, f'with tensor parallelism tp {saved}')}"
-                              f" and this job runs {said.get(now, f'with tp {now}')}: a checkpoint resumes on any "
-                              f"data-parallel size but only with the tp size it was saved with (tp {saved}); "
-                              "`zerodp consolidate` joins its shards into whole tensors")
+def _reshard(engine, path: str, meta: dict, metadata, masters: list, states: dict) -> dict[str, torch.Tensor]:
+    """Another tp size: each tensor this rank keeps a part of is read whole (its saved tp shards joined,
+    whole.py) and this rank's shard of it cut out, one tensor at a time. Returns the untrained tensors'."""
+    saved = {e["name"]: e for e in meta["model"]}
+    params = dict(engine.module.named_parameters())
+    local_shapes = {id(s.param): s.shape for _, s in engine.layout.slots()}  # a stage-3 parameter's own is empty
+    mine: dict[str, list] = {}
+    for pc in owned_pieces(engine):
+        mine.setdefault(pc.name, []).append(pc)
+    never = {n for n, count in (meta.get("step_counts") or {}).items() if count == 0}
+    verified: set[str] = set()  # each file's checksum once, not once per pass
+
+    def cut(t: torch.Tensor, shape: torch.Size, w: torch.Tensor) -> torch.Tensor:
+        return its_shard(t, tp_shard(engine, t), tp_size(engine), shape, w)
+
+    for kind, dests in [("master", masters), *states.items()]:
+        prefix = "master/" if kind == "master" else f"optim/{kind}/"
+        entries = [saved[n] for n in mine if kind == "master" or n not in never]  # never stepped: zeros
+        reading = plan(path, meta, metadata, entries, prefix)
+        for name, w in reading.stream(path, meta, metadata, LOAD_CHUNK_NUMEL, verified):
+            p = params[name]
+            flat = cut(p, local_shapes[id(p)], w).reshape(-1)
+            for pc in mine[name]:
+                dests[pc.master][pc.offset:pc.offset + pc.numel].copy_(flat[pc.start:pc.start + pc.numel])
+    frozen = untrained(engine)
+    reading = plan(path, meta, metadata, [saved[n] for n in frozen])
+    return {n: cut(frozen[n], local(frozen[n]).shape, w).clone()
+            for n, w in reading.stream(path, meta, metadata, LOAD_CHUNK_NUMEL, verified)}
+
+
+def _resharding(engine, meta: dict) -> bool:
+    """Whether the checkpoint was saved with another tp size than the engine's."""
+    return meta.get("tp", 1) != tp_size(engine)
+
+
+def _check_axis_known(engine, path: str, meta: dict, e: dict, s: dict) -> None:
+    """Resuming on another tp size joins the saved tp shards and cuts this rank's: along a known axis."""
+    for side, entry, tp in (("saved", s, meta.get("tp", 1)), ("in the model", e, tp_size(engine))):
+        if entry.get("tp") and entry["tp"]["dim"] is None:
+            raise CheckpointError(f"checkpoint '{path}' was saved with tp {meta.get('tp', 1)} and this job runs with "
+                                  f"tp {tp_size(engine)}, but '{e['name']}' ({side}, tp {tp}) is a tensor-parallel "
+                                  "shard whose axis is unknown (marked tensor_model_parallel / model_parallel "
+                                  "without Megatron's partition_dim): set partition_dim on the model's tp shards, "
+                                  f"or resume with tp {meta.get('tp', 1)}")
 
 
 def _check_tp_shard(engine, prefix: str, e: dict, s: dict) -> None:
-    """A tensor-parallel shard (in the model or the checkpoint): the same on both sides, this tp rank's
-    shard of the same shape (the whole tensor's shape, where the model's tp shards cannot say it)."""
+    """At the saved tp size, a tensor-parallel shard (in the model or the checkpoint) is one on both sides,
+    along the same axis where both say it, and this tp rank's shard has the same shape."""
     where = {True: "a tensor-parallel shard", False: "whole on every tp rank"}
     if ("tp" in e) != ("tp" in s):
         raise CheckpointError(f"{prefix} '{e['name']}' is {where['tp' in s]} in the checkpoint and "

@@ -11,7 +11,8 @@ parameter marked the Megatron way) is saved in the coordinates of the shard each
 `{name}@tp{r}` (`stored`): its pieces `master/{name}@tp{r}@{start}` are elements of tp rank r's local
 tensor. One rule for every placement: a column shard (Shard(1)) is no contiguous range of the whole
 tensor, so global coordinates would cut each of its pieces into one piece per row. The manifest records
-each shard's axis and every tp rank's shape (signature, "tp"), which is what consolidation joins along.
+each shard's axis and every tp rank's shape (signature, "tp"): what consolidation, and a resume on another
+tp size, join the shards along (whole.py).
 A tp of one splits nothing and saves exactly as no tp.
 """
 
@@ -102,8 +103,8 @@ def signature(engine) -> list[dict]:
     """Every state_dict entry: trained parameter, frozen parameter or buffer, with tied aliases.
 
     A tensor-parallel shard's entry has "tp": {"dim": its axis (tp_dim), "shapes": [this rank's shard's
-    shape]}, and "shape" is the whole tensor's where this rank can tell (a DTensor's), else its shard's:
-    save joins every tp rank's shapes into the manifest (join_tp_shapes), which then says both."""
+    shape]}, and "shape" is the whole tensor's (a Megatron shard's: tp equal parts), or its shard's where
+    the axis is unknown; save joins every tp rank's shapes into the manifest (join_tp_shapes)."""
     layout = engine.layout
     trained = {id(s.param): b.group for b, s in layout.slots()}
     # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
@@ -114,12 +115,14 @@ def signature(engine) -> list[dict]:
     for name, t in engine.module.state_dict(keep_vars=True).items():
         kind = "trained" if id(t) in trained else "frozen" if id(t) in params else "buffer"
         mine = list(shapes.get(id(t), local(t).shape))
-        e = {"name": name, "kind": kind, "shape": list(t.shape) if isinstance(t, DTensor) else mine,
+        e = {"name": name, "kind": kind, "shape": list(t.shape if isinstance(t, DTensor) else mine),
              "dtype": str(t.dtype), "alias_of": first.get(id(t)), "group": trained.get(id(t))}
         if tp_shard(engine, t) is not None:
             e["tp"] = {"dim": tp_dim(t), "shapes": [mine]}
             if tp_parts(t) > 1:  # each shard is its slice of each part (a fused q | k | v): joined part by part
                 e["tp"]["parts"] = tp_parts(t)
+            if not isinstance(t, DTensor) and e["tp"]["dim"] is not None:  # Megatron splits evenly
+                e["shape"][e["tp"]["dim"]] *= tp_size(engine)
         out.append(e)
         first.setdefault(id(t), name)
     return out
