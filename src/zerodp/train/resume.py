@@ -45,19 +45,8 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
     except CheckpointError as e:
         raise SystemExit(f"zerodp train: --resume: {e}")
     opts.resume_path = path
-    same_tp(opts, meta, path)
     keep_global_batch(opts, meta, world)
     continue_schedule(opts, meta, path)
-
-
-def same_tp(opts: argparse.Namespace, meta: dict, path: str) -> None:
-    """A checkpoint resumes at its own --tp only: each rank's saved state is its tensor-parallel shard (the
-    manifest records tp when it is over 1)."""
-    saved = meta.get("tp", 1)
-    if saved != opts.tp:
-        raise SystemExit(f"zerodp train: --resume: checkpoint '{path}' was written with --tp {saved}, and this run "
-                         f"has --tp {opts.tp}: resuming on another tensor-parallel size is not supported; pass "
-                         f"--tp {saved} (the number of data-parallel ranks may change)")
 
 
 def continue_schedule(opts: argparse.Namespace, meta: dict, path: str) -> None:
@@ -88,7 +77,6 @@ def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
         if deepspeed.find(opts.resume_from) is None:  # neither kind: one line, before any rank starts
             raise SystemExit(f"zerodp train: --resume-from: {e}")
         return  # a DeepSpeed checkpoint: the engine's load checks it, on every rank
-    same_tp(opts, meta, opts.resume_from)
     keep_global_batch(opts, meta, world)
     continue_schedule(opts, meta, opts.resume_from)
 
