@@ -64,12 +64,12 @@ def test_deepspeed_stage3_save_16bit_model_writes_whole_tensors_of_a_megatron_mo
     for rank, result in enumerate(_results()):
         got = result["16bit"]
         assert got["wrote"] == (rank == 0), rank
-        # GatheredParameters makes each parameter whole over dp: under an mpu that is this rank's tp shard,
-        # as in DeepSpeed (a column-parallel weight has half the rows).
-        assert got["gathered"]["blocks.0.fc1.weight"] == (whole["blocks.0.fc1.weight"].shape[0] // 2,
-                                                          whole["blocks.0.fc1.weight"].shape[1])
-        assert got["gathered"]["blocks.0.fc2.weight"] == (whole["blocks.0.fc2.weight"].shape[0],
-                                                          whole["blocks.0.fc2.weight"].shape[1] // 2)
+        # GatheredParameters and a stage-3 state_dict() make each parameter whole over dp: under an mpu that
+        # is this rank's tp shard, as in DeepSpeed and Megatron (a column-parallel weight has half the rows).
+        (rows, cols), (out, inp) = whole["blocks.0.fc1.weight"].shape, whole["blocks.0.fc2.weight"].shape
+        for where in ("gathered", "state_dict"):
+            assert got[where]["blocks.0.fc1.weight"] == (rows // 2, cols), where
+            assert got[where]["blocks.0.fc2.weight"] == (out, inp // 2), where
     file = _results()[0]["16bit"]["file"]
     assert list(file) == list(whole)
     for name, w in whole.items():
