@@ -42,7 +42,8 @@ def test_tp_export_refuses_a_marked_shard_that_does_not_say_its_partition_dim():
     # DeepSpeed's `model_parallel` marking has no partition_dim: joining the shards would be a guess.
     for rank, result in enumerate(_results()):
         error = result["deepspeed mpu dp2 tp2 stage 2"]["export"].get("error", "no error")
-        assert "cannot join parameter 'blocks.0.attn.q.weight'" in error and "model_parallel=True" in error, (rank, error)
+        assert "cannot join parameter 'blocks.0.attn.q.weight'" in error, (rank, error)
+        assert "model_parallel=True" in error, error
         assert "partition_dim" in error, error
 
 
@@ -64,12 +65,12 @@ def test_deepspeed_stage3_save_16bit_model_writes_whole_tensors_of_a_megatron_mo
     for rank, result in enumerate(_results()):
         got = result["16bit"]
         assert got["wrote"] == (rank == 0), rank
-        # GatheredParameters makes each parameter whole over dp: under an mpu that is this rank's tp shard,
-        # as in DeepSpeed (a column-parallel weight has half the rows).
-        assert got["gathered"]["blocks.0.fc1.weight"] == (whole["blocks.0.fc1.weight"].shape[0] // 2,
-                                                          whole["blocks.0.fc1.weight"].shape[1])
-        assert got["gathered"]["blocks.0.fc2.weight"] == (whole["blocks.0.fc2.weight"].shape[0],
-                                                          whole["blocks.0.fc2.weight"].shape[1] // 2)
+        # GatheredParameters and a stage-3 state_dict() make each parameter whole over dp: under an mpu that
+        # is this rank's tp shard, as in DeepSpeed and Megatron (a column-parallel weight has half the rows).
+        (rows, cols), (out, inp) = whole["blocks.0.fc1.weight"].shape, whole["blocks.0.fc2.weight"].shape
+        for where in ("gathered", "state_dict"):
+            assert got[where]["blocks.0.fc1.weight"] == (rows // 2, cols), where
+            assert got[where]["blocks.0.fc2.weight"] == (out, inp // 2), where
     file = _results()[0]["16bit"]["file"]
     assert list(file) == list(whole)
     for name, w in whole.items():
@@ -95,7 +96,8 @@ def test_tp_llama_hf_export_loads_with_from_pretrained_and_gives_the_trained_log
     assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL)
     # The folder's model computes what the tp engine computed, and what one process training the whole
     # Llama on the whole batch computes; training moved the logits far beyond that tolerance.
-    print(f"tp Llama stage {stage}: loaded vs the tp engine's logits {(got['loaded'] - got['trained']).abs().max():.1e}, "
+    print(f"tp Llama stage {stage}: loaded vs the tp engine's logits "
+          f"{(got['loaded'] - got['trained']).abs().max():.1e}, "
           f"vs one process's {(got['loaded'] - ref['trained']).abs().max():.1e}; training moved them "
           f"{(got['loaded'] - got['before']).abs().max():.2f}")
     torch.testing.assert_close(got["loaded"], got["trained"], atol=1e-5, rtol=1e-5)

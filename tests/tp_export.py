@@ -38,18 +38,18 @@ LLAMA_STEPS, LLAMA_BATCH, LLAMA_SEQ, VOCAB, LLAMA_CLIP = 3, 4, 8, 64, 1.0
 def exported(engine) -> dict:
     """The engine's export: global shapes (before any value), full_state_dict and the saved file (on the
     world's rank 0; None elsewhere, where no file may appear), or the error every rank raised."""
-    path = os.path.join(tempfile.mkdtemp(prefix="tp_export."), "weights.pt")
-    try:
-        weights = engine_weights(engine)
-        shapes = {n: (tuple(s), d) for n, (s, d) in weights.shapes.items()}
-        weights.drain()
-        full = engine.full_state_dict()
-        save_weights(engine, path)
-    except ValueError as e:
-        return {"error": str(e)}
-    written = os.path.exists(path)
-    return {"shapes": shapes, "full": full, "wrote": written,
-            "file": torch.load(path, weights_only=True) if written else None}
+    with tempfile.TemporaryDirectory(prefix="tp_export.") as folder:
+        path = os.path.join(folder, "weights.pt")
+        try:
+            # Its stream is left unstarted: none of its collectives begun, none left waiting.
+            shapes = {n: (tuple(s), d) for n, (s, d) in engine_weights(engine).shapes.items()}
+            full = engine.full_state_dict()
+            save_weights(engine, path)
+        except ValueError as e:
+            return {"error": str(e)}
+        written = os.path.exists(path)
+        return {"shapes": shapes, "full": full, "wrote": written,
+                "file": torch.load(path, weights_only=True) if written else None}
 
 
 def _tiny_llama() -> LlamaForCausalLM:
@@ -124,19 +124,21 @@ def llama(mesh: DeviceMesh, stage: int) -> dict:
     engine.eval()
     with torch.no_grad():
         trained = engine(input_ids=probe).logits
-    out = os.path.join(tempfile.mkdtemp(prefix="tp_export_hf."), "hf")
-    save_hf(engine, out, description(model, None))
-    result = {"before": before, "trained": trained, "losses": losses, "wrote": os.path.exists(out)}
-    if dist.get_rank() == 0:
-        loaded = LlamaForCausalLM.from_pretrained(out)
-        with torch.no_grad():
-            result["loaded"] = loaded(probe).logits
+    with tempfile.TemporaryDirectory(prefix="tp_export_hf.") as folder:
+        out = os.path.join(folder, "hf")
+        save_hf(engine, out, description(model, None))
+        result = {"before": before, "trained": trained, "losses": losses, "wrote": os.path.exists(out)}
+        if dist.get_rank() == 0:
+            loaded = LlamaForCausalLM.from_pretrained(out)
+            with torch.no_grad():
+                result["loaded"] = loaded(probe).logits
     return result
 
 
 def deepspeed_16bit(mesh: DeviceMesh) -> dict:
     """A Megatron-style (dp 2, tp 2) model at stage 3 through zerodp.deepspeed, untrained: what
-    save_16bit_model writes (the world's rank 0), and the parameters' shapes inside GatheredParameters."""
+    save_16bit_model writes (the world's rank 0), and the parameters' shapes inside GatheredParameters and
+    in model.state_dict()."""
     from test_tensor_parallel import ParallelState, build, config, optimizer, split_by_hand  # the oracle's model
 
     model = split_by_hand(build(), mesh.get_group("tp"), "tensor_model_parallel")
@@ -145,11 +147,13 @@ def deepspeed_16bit(mesh: DeviceMesh) -> dict:
                                 mpu=ParallelState(mesh.get_group("dp"), mesh.get_group("tp")))
     with zds.zero.GatheredParameters(list(model.parameters())):
         gathered = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    folder = tempfile.mkdtemp(prefix="tp_export_16bit.")
-    engine.save_16bit_model(folder)
-    path = os.path.join(folder, "pytorch_model.bin")
-    written = os.path.exists(path)
-    return {"gathered": gathered, "wrote": written, "file": torch.load(path, weights_only=True) if written else None}
+    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # stage 3: gathered over dp (every rank)
+    with tempfile.TemporaryDirectory(prefix="tp_export_16bit.") as folder:
+        engine.save_16bit_model(folder)
+        path = os.path.join(folder, "pytorch_model.bin")
+        written = os.path.exists(path)
+        return {"gathered": gathered, "state_dict": state, "wrote": written,
+                "file": torch.load(path, weights_only=True) if written else None}
 
 
 class _Odd(torch.nn.Module):

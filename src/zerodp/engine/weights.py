@@ -72,7 +72,8 @@ def engine_weights(engine: Engine) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
     floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
     tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
-    tp joins each shard over the tp group): every rank must iterate it to the end."""
+    tp joins each shard over the tp group): every rank must iterate it to the end. Under tp, making the
+    Weights is one too (the shards' sizes, for the whole shapes): call it on every rank."""
     engine.wait_for_parameters()
     layout = engine.layout
     slots = layout.by_param()
