@@ -69,15 +69,6 @@ def check(module: nn.Module, comm: Comm, from_source: bool) -> None:
             "model with its values, or parallelize it with torch's parallelize_module and pass device_mesh= instead")
 
 
-def refuse(comm: Comm, what: str) -> None:
-    """Raise, on every rank alike, that `what` does not support tensor parallelism yet."""
-    if comm.tp is not None:
-        raise TensorParallelUnsupported(
-            f"{what} is not supported with tensor parallelism (a device_mesh with a 'tp' dimension, or an mpu) yet: it "
-            "would write or return each rank's local tensor-parallel shard under the whole parameter's name. "
-            "Read the weights inside `with engine.gathered_parameters():` (a DTensor's p.full_tensor(), on every rank)")
-
-
 def _ranks(mesh) -> list:
     return mesh.mesh.tolist()
 
