@@ -33,7 +33,7 @@ class Staged:
     rng: dict[str, torch.Tensor]
 
 
-def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
+def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> None:
     """Write what was staged into the engine; parts says what besides the weights."""
     with torch.no_grad():
         for m, new in zip(engine.master_shards(), staged.masters):
@@ -42,20 +42,20 @@ def apply(engine, meta: dict, staged: Staged, parts: Parts = Parts()) -> None:
             if name in staged.untrained:
                 local(t).data.copy_(staged.untrained[name])  # a tp shard's: this rank's own
     if parts.optimizer:
-        _apply_optimizer(engine, meta, staged)
+        _apply_optimizer(engine, manifest, staged)
     engine.weights_from_masters()
     engine.drop_gradients()
-    if engine.lr_scheduler is not None and meta.get("lr_scheduler") is not None and parts.lr_scheduler:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    if engine.lr_scheduler is not None and manifest.get("lr_scheduler") is not None and parts.lr_scheduler:
+        engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     if not parts.training_state:
         return
-    if engine.dtype == torch.float16 and meta["dtype"] == str(torch.float16):
-        engine.scaler.load_state_dict(meta["loss_scaler"])  # a bf16/fp32 run has no scale to resume
-    engine.resume_counters(meta["counters"]["global_steps"], meta["counters"]["skipped_steps"])
-    _restore_rng(engine, meta, staged.rng)
+    if engine.dtype == torch.float16 and manifest["dtype"] == str(torch.float16):
+        engine.scaler.load_state_dict(manifest["loss_scaler"])  # a bf16/fp32 run has no scale to resume
+    engine.resume_counters(manifest["counters"]["global_steps"], manifest["counters"]["skipped_steps"])
+    _restore_rng(engine, manifest, staged.rng)
 
 
-def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
+def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
     opt, masters = engine.optimizer, engine.master_shards()
@@ -66,23 +66,23 @@ def _apply_optimizer(engine, meta: dict, staged: Staged) -> None:
         entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
         entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
                       if k.split("/", 1)[0] == str(b.group)})
-        entry.update(meta.get("optim_scalars", {}).get(str(b.group), {}))
+        entry.update(manifest.get("optim_scalars", {}).get(str(b.group), {}))
         if entry:
             state[index[id(m)]] = entry
     sd["state"] = state
-    for group, saved in zip(sd["param_groups"], meta["param_groups"]):
+    for group, saved in zip(sd["param_groups"], manifest["param_groups"]):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    engine.restore_step_counts(masters, meta.get("step_counts"))
+    engine.restore_step_counts(masters, manifest.get("step_counts"))
 
 
-def _restore_rng(engine, meta: dict, rng: dict[str, torch.Tensor]) -> None:
+def _restore_rng(engine, manifest: dict, rng: dict[str, torch.Tensor]) -> None:
     rank = engine.comm.everyone.rank  # with tp, each rank of the world saved its own
-    host = meta.get("rng", {}).get(str(rank))
+    host = manifest.get("rng", {}).get(str(rank))
     if host is None or "torch" not in rng:
         # More ranks than were saved: a deterministic, distinct stream per rank.
-        seed_everything((meta["config"].get("seed") or 0) + rank)
+        seed_everything((manifest["config"].get("seed") or 0) + rank)
         return
     torch.set_rng_state(rng["torch"])
     if engine.device.type in rng:

@@ -319,7 +319,7 @@ def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> 
 # ---- loading one into an engine ------------------------------------------------------------------
 def load(engine, path: str, parts=None) -> dict:
     """load_checkpoint for a DeepSpeed tag directory: stage, agree on every rank, then apply.py."""
-    err = meta = staged = None
+    err = manifest = staged = None
     try:
         if tp_size(engine) > 1:  # its partitions are of whole parameters: a tp rank would read another's
             raise CheckpointError(f"'{path}' is a DeepSpeed checkpoint, which loads into a job without tensor "
@@ -328,15 +328,15 @@ def load(engine, path: str, parts=None) -> dict:
         verify_records(path, engine.comm.rank, engine.comm.world_size)
         ckpt = read(path)
         _check_model(engine, ckpt)
-        meta = _meta(engine, ckpt)
+        manifest = _manifest(engine, ckpt)
         staged = _stage(engine, ckpt)
     except CheckpointError as e:
         err = str(e)
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
     agree(engine.comm, err)
-    apply(engine, meta, staged, parts or Parts())
-    return meta["client_state"]
+    apply(engine, manifest, staged, parts or Parts())
+    return manifest["client_state"]
 
 
 def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
@@ -381,7 +381,7 @@ def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     return Staged(masters, kinds, dict(ckpt.scalars), model_state, {})
 
 
-def _meta(engine, ckpt: DeepSpeedCheckpoint) -> dict:
+def _manifest(engine, ckpt: DeepSpeedCheckpoint) -> dict:
     """What apply.py's apply reads from a zerodp.json, from DeepSpeed's host state."""
     ds_config = ckpt.model.get("ds_config") or {}
     fp16 = bool((ds_config.get("fp16") or {}).get("enabled"))

@@ -43,12 +43,12 @@ def checkpoint_weights(load_dir: str, tag: str | None = None, chunk_numel: int =
     ds_path = deepspeed.find(load_dir, tag)
     if ds_path is not None:
         return deepspeed.weights(ds_path)
-    path, meta = resolve(load_dir, tag)
+    path, manifest = resolve(load_dir, tag)
     metadata = read_metadata(path)
-    reading = whole.plan(path, meta, metadata, [e for e in meta["model"] if e["alias_of"] is None])
-    ties = {e["name"]: e["alias_of"] for e in meta["model"] if e["alias_of"] is not None}
-    shapes = {e["name"]: reading.shapes[ties.get(e["name"], e["name"])] for e in meta["model"]}
-    return Weights(shapes, ties, reading.stream(path, meta, metadata, chunk_numel))
+    reading = whole.plan(path, manifest, metadata, [e for e in manifest["model"] if e["alias_of"] is None])
+    ties = {e["name"]: e["alias_of"] for e in manifest["model"] if e["alias_of"] is not None}
+    shapes = {e["name"]: reading.shapes[ties.get(e["name"], e["name"])] for e in manifest["model"]}
+    return Weights(shapes, ties, reading.stream(path, manifest, metadata, chunk_numel))
 
 
 def write_consolidated(load_dir: str, out: str, tag: str | None = None) -> None:
@@ -86,8 +86,8 @@ def _recorded_hf(load_dir: str, tag: str | None) -> dict:
     if deepspeed.find(load_dir, tag) is not None:
         raise CheckpointError(f"'{load_dir}' is a DeepSpeed checkpoint, which records no Hugging Face config: "
                               "pass --hf-config with the model's folder (save_pretrained's) or its config.json")
-    path, meta = resolve(load_dir, tag)
-    client = meta.get("client_state")
+    path, manifest = resolve(load_dir, tag)
+    client = manifest.get("client_state")
     hf = client.get("hf") if isinstance(client, dict) else None
     if not isinstance(hf, dict) or not isinstance(hf.get("config"), dict):
         raise CheckpointError(f"checkpoint '{path}' records no Hugging Face config (only `zerodp train` with "

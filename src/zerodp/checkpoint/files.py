@@ -23,7 +23,7 @@ import zlib
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.manifest import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
 
-META = "zerodp.json"
+MANIFEST = "zerodp.json"
 LATEST = "latest"
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
@@ -36,15 +36,15 @@ def prepare(save_dir: str, tmp: str) -> None:
             continue
         if name.startswith(".tmp."):  # a save killed before its rename: never a checkpoint
             shutil.rmtree(path, ignore_errors=True)
-        elif name.startswith(".old.") and os.path.isfile(os.path.join(save_dir, name[len(".old."):], META)):
+        elif name.startswith(".old.") and os.path.isfile(os.path.join(save_dir, name[len(".old."):], MANIFEST)):
             shutil.rmtree(path, ignore_errors=True)  # its re-save completed; else resolve still needs it
     os.makedirs(tmp)
 
 
-def finish(save_dir: str, tmp: str, tag: str, meta: dict, keep_last: int | None = None) -> None:
+def finish(save_dir: str, tmp: str, tag: str, manifest: dict, keep_last: int | None = None) -> None:
     """Write zerodp.json last, so a temp dir without it is an unfinished save; commit; prune."""
-    path = os.path.join(tmp, META)
-    text = json.dumps(meta, indent=1)
+    path = os.path.join(tmp, MANIFEST)
+    text = json.dumps(manifest, indent=1)
     validate(text, path)  # the reader's own check: never write what a load would refuse
     write_atomic(path, text)
     commit(save_dir, tmp, tag)
@@ -62,7 +62,7 @@ def prune(save_dir: str, keep_last: int, latest: str) -> list[str]:
             continue
         step = saved_step(path)
         if step is not None:
-            found.append((step, os.path.getmtime(os.path.join(path, META)), name))
+            found.append((step, os.path.getmtime(os.path.join(path, MANIFEST)), name))
     doomed = [name for _, _, name in sorted(found, reverse=True)[keep_last:] if name != latest]
     for name in doomed:
         shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
@@ -78,7 +78,7 @@ def check_keep_last(keep_last: int | None) -> None:
 def saved_step(path: str) -> int | None:
     """The global step of checkpoint directory `path`, or None if it is not a valid zerodp checkpoint."""
     try:
-        with open(os.path.join(path, META), encoding="utf-8") as f:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             return validate(f.read(), path)["counters"]["global_steps"]
     except (OSError, ValueError):  # CheckpointError is a ValueError
         return None

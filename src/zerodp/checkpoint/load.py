@@ -55,23 +55,23 @@ def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_sch
     ds_path = deepspeed.find(load_dir, tag)
     if ds_path is not None:  # a DeepSpeed ZeRO checkpoint: deepspeed.py reads it, apply.py loads it
         return deepspeed.load(engine, ds_path, parts)
-    err = staged = meta = None
+    err = staged = manifest = None
     try:
-        path, meta = resolve(load_dir, tag)
-        _check_model(engine, path, meta)
-        staged = _stage(engine, path, meta)
+        path, manifest = resolve(load_dir, tag)
+        _check_model(engine, path, manifest)
+        staged = _stage(engine, path, manifest)
     except CheckpointError as e:
         err = str(e)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reach the agreement, or other ranks hang
         err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
     agree(engine.comm, err)
-    apply(engine, meta, staged, parts)
-    return meta["client_state"] if meta["client_state"] is not None else {}
+    apply(engine, manifest, staged, parts)
+    return manifest["client_state"] if manifest["client_state"] is not None else {}
 
 
-def _check_model(engine, path: str, meta: dict) -> None:
+def _check_model(engine, path: str, manifest: dict) -> None:
     current = signature(engine)
-    saved = {e["name"]: e for e in meta["model"]}
+    saved = {e["name"]: e for e in manifest["model"]}
     names = {e["name"] for e in current}
     what = lambda e: "buffer" if e["kind"] == "buffer" else "parameter"  # noqa: E731
     prefix = f"checkpoint '{path}' is of a different model:"
@@ -79,9 +79,9 @@ def _check_model(engine, path: str, meta: dict) -> None:
         s = saved.get(e["name"])
         if s is None:
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' {tuple(e['shape'])} is not in the checkpoint")
-        if _resharding(engine, meta):
-            _check_axis_known(engine, path, meta, e, s)
-        if ("tp" in e or "tp" in s) and not _resharding(engine, meta):
+        if _resharding(engine, manifest):
+            _check_axis_known(engine, path, manifest, e, s)
+        if ("tp" in e or "tp" in s) and not _resharding(engine, manifest):
             _check_tp_shard(engine, prefix, e, s)
         elif s["shape"] != e["shape"]:  # the whole tensor's
             raise CheckpointError(f"{prefix} {what(e)} '{e['name']}' has shape {tuple(s['shape'])} in the "
@@ -93,19 +93,19 @@ def _check_model(engine, path: str, meta: dict) -> None:
             state = {True: "trained", False: "not trained"}
             raise CheckpointError(f"{prefix} parameter '{e['name']}' is {state[s['kind'] == 'trained']} in the "
                                   f"checkpoint and {state[e['kind'] == 'trained']} now (requires_grad differs)")
-    for s in meta["model"]:
+    for s in manifest["model"]:
         if s["name"] not in names:
             raise CheckpointError(f"{prefix} it has {what(s)} '{s['name']}' {tuple(s['shape'])}, which the "
                                   "model does not have")
-    if meta.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
-        raise CheckpointError(f"checkpoint '{path}' holds {meta['optimizer']} state, the optimizer is "
+    if manifest.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
+        raise CheckpointError(f"checkpoint '{path}' holds {manifest['optimizer']} state, the optimizer is "
                               f"{type(engine.optimizer).__name__}")
-    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
-        raise CheckpointError(f"checkpoint '{path}' has {len(meta['param_groups'])} optimizer param groups, "
+    if len(manifest["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint '{path}' has {len(manifest['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
 
 
-def _stage(engine, path: str, meta: dict) -> Staged:
+def _stage(engine, path: str, manifest: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
     md = metadata.state_dict_metadata
@@ -118,10 +118,10 @@ def _stage(engine, path: str, meta: dict) -> Staged:
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
     frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
-    if _resharding(engine, meta):
-        copies, model_state = {}, _reshard(engine, path, meta, metadata, masters, states)
+    if _resharding(engine, manifest):
+        copies, model_state = {}, _reshard(engine, path, manifest, metadata, masters, states)
     else:
-        copies, model_state = _copies(engine, path, meta, metadata, masters, states), None
+        copies, model_state = _copies(engine, path, manifest, metadata, masters, states), None
         small += [key for key in frozen if key in md]
     rest: dict[str, torch.Tensor] = {}
 
@@ -132,7 +132,7 @@ def _stage(engine, path: str, meta: dict) -> Staged:
             if key not in copies:
                 rest[key] = t
 
-    read_tensors(path, metadata, list(copies) + small, meta, consume)
+    read_tensors(path, metadata, list(copies) + small, manifest, consume)
     scalars = {k[len("optim_scalar/"):]: t for k, t in rest.items() if k.startswith("optim_scalar/")}
     if model_state is None:
         model_state = {frozen[k]: t for k, t in rest.items() if k.startswith("model/")}
@@ -140,7 +140,7 @@ def _stage(engine, path: str, meta: dict) -> Staged:
     return Staged(masters, states, scalars, model_state, rng)
 
 
-def _copies(engine, path: str, meta: dict, metadata, masters: list, states: dict) -> dict[str, list]:
+def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: dict) -> dict[str, list]:
     """The saved pieces that overlap what this rank owns: {key: [(source offset, destination, its offset,
     numel)]} (a tp shard's from this rank's tp coordinate)."""
     copies: dict[str, list] = {}
@@ -157,23 +157,23 @@ def _copies(engine, path: str, meta: dict, metadata, masters: list, states: dict
                     covered += hi - lo
             # A parameter never stepped (no gradient yet, unused.py) has no optimizer state: zeros,
             # which Adam's first step treats as its fresh state.
-            never = (meta.get("step_counts") or {}).get(pc.name) == 0 and kind != "master"
+            never = (manifest.get("step_counts") or {}).get(pc.name) == 0 and kind != "master"
             if covered != pc.numel and not never:
                 raise CheckpointError(f"checkpoint '{path}' is corrupt: {kind} of '{pc.name}' elements "
                                       f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
     return copies
 
 
-def _reshard(engine, path: str, meta: dict, metadata, masters: list, states: dict) -> dict[str, torch.Tensor]:
+def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states: dict) -> dict[str, torch.Tensor]:
     """Another tp size: each tensor this rank keeps a part of is read whole (its saved tp shards joined,
     whole.py) and this rank's shard of it cut out, one tensor at a time. Returns the untrained tensors'."""
-    saved = {e["name"]: e for e in meta["model"]}
+    saved = {e["name"]: e for e in manifest["model"]}
     params = dict(engine.module.named_parameters())
     local_shapes = {id(s.param): s.shape for _, s in engine.layout.slots()}  # a stage-3 parameter's own is empty
     mine: dict[str, list] = {}
     for pc in owned_pieces(engine):
         mine.setdefault(pc.name, []).append(pc)
-    never = {n for n, count in (meta.get("step_counts") or {}).items() if count == 0}
+    never = {n for n, count in (manifest.get("step_counts") or {}).items() if count == 0}
     verified: set[str] = set()  # each file's checksum once, not once per pass
 
     def cut(t: torch.Tensor, shape: torch.Size, w: torch.Tensor) -> torch.Tensor:
@@ -182,32 +182,32 @@ def _reshard(engine, path: str, meta: dict, metadata, masters: list, states: dic
     for kind, dests in [("master", masters), *states.items()]:
         prefix = "master/" if kind == "master" else f"optim/{kind}/"
         entries = [saved[n] for n in mine if kind == "master" or n not in never]  # never stepped: zeros
-        reading = plan(path, meta, metadata, entries, prefix)
-        for name, w in reading.stream(path, meta, metadata, LOAD_CHUNK_NUMEL, verified):
+        reading = plan(path, manifest, metadata, entries, prefix)
+        for name, w in reading.stream(path, manifest, metadata, LOAD_CHUNK_NUMEL, verified):
             p = params[name]
             flat = cut(p, local_shapes[id(p)], w).reshape(-1)
             for pc in mine[name]:
                 dests[pc.master][pc.offset:pc.offset + pc.numel].copy_(flat[pc.start:pc.start + pc.numel])
     frozen = untrained(engine)
-    reading = plan(path, meta, metadata, [saved[n] for n in frozen])
+    reading = plan(path, manifest, metadata, [saved[n] for n in frozen])
     return {n: cut(frozen[n], local(frozen[n]).shape, w).clone()
-            for n, w in reading.stream(path, meta, metadata, LOAD_CHUNK_NUMEL, verified)}
+            for n, w in reading.stream(path, manifest, metadata, LOAD_CHUNK_NUMEL, verified)}
 
 
-def _resharding(engine, meta: dict) -> bool:
+def _resharding(engine, manifest: dict) -> bool:
     """Whether the checkpoint was saved with another tp size than the engine's."""
-    return meta.get("tp", 1) != tp_size(engine)
+    return manifest.get("tp", 1) != tp_size(engine)
 
 
-def _check_axis_known(engine, path: str, meta: dict, e: dict, s: dict) -> None:
+def _check_axis_known(engine, path: str, manifest: dict, e: dict, s: dict) -> None:
     """Resuming on another tp size joins the saved tp shards and cuts this rank's: along a known axis."""
-    for side, entry, tp in (("saved", s, meta.get("tp", 1)), ("in the model", e, tp_size(engine))):
+    for side, entry, tp in (("saved", s, manifest.get("tp", 1)), ("in the model", e, tp_size(engine))):
         if entry.get("tp") and entry["tp"]["dim"] is None:
-            raise CheckpointError(f"checkpoint '{path}' was saved with tp {meta.get('tp', 1)} and this job runs with "
+            raise CheckpointError(f"checkpoint '{path}' was saved with tp {manifest.get('tp', 1)} and this job runs with "
                                   f"tp {tp_size(engine)}, but '{e['name']}' ({side}, tp {tp}) is a tensor-parallel "
                                   "shard whose axis is unknown (marked tensor_model_parallel / model_parallel "
                                   "without Megatron's partition_dim): set partition_dim on the model's tp shards, "
-                                  f"or resume with tp {meta.get('tp', 1)}")
+                                  f"or resume with tp {manifest.get('tp', 1)}")
 
 
 def _check_tp_shard(engine, prefix: str, e: dict, s: dict) -> None:

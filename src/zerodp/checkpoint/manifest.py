@@ -94,7 +94,7 @@ class CheckpointMeta(_Strict):
 def validate(text: str, where: str) -> dict:
     """The parsed zerodp.json `text` (from file `where`), checked; CheckpointError naming the field."""
     try:
-        meta = json.loads(text)
+        manifest = json.loads(text)
     except ValueError as e:
         raise CheckpointError(f"{where} cannot be read (not JSON: {e})") from None
     try:
@@ -102,7 +102,7 @@ def validate(text: str, where: str) -> dict:
     except ValidationError as e:
         raise CheckpointError(f"{where} is not a valid zerodp checkpoint description: "
                               f"{field_errors(e)}") from None
-    return meta
+    return manifest
 
 
 def field_errors(e: ValidationError, limit: int = 3) -> str:

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from zerodp.checkpoint import files
 from zerodp.checkpoint.deepspeed import directory_contents
 from zerodp.checkpoint.errors import CheckpointError, failure_text
-from zerodp.checkpoint.files import LATEST, META, TAG
+from zerodp.checkpoint.files import LATEST, MANIFEST, TAG
 from zerodp.checkpoint.manifest import validate
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
@@ -40,14 +40,14 @@ def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> t
     load_dir = os.fspath(load_dir)
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"no checkpoint at '{load_dir}': the directory does not exist")
-    if tag is None and os.path.isfile(os.path.join(load_dir, META)):
+    if tag is None and os.path.isfile(os.path.join(load_dir, MANIFEST)):
         path = load_dir
     else:
         named_by = "given"
         if tag is None:
             latest = os.path.join(load_dir, LATEST)
             if not os.path.isfile(latest):
-                tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, META)))
+                tags = sorted(d for d in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, d, MANIFEST)))
                 hint = f"; tags found: {', '.join(tags)} (pass tag=...)" if tags else ""
                 raise CheckpointError(f"no checkpoint in '{load_dir}': there is no '{LATEST}' file{hint}; neither a "
                                       f"zerodp nor a DeepSpeed checkpoint: {directory_contents(load_dir)}")
@@ -60,20 +60,20 @@ def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> t
             path = os.path.join(load_dir, f".old.{tag}")  # a crash while a re-save of `tag` swapped dirs
         if not tag or not os.path.isdir(path):
             raise CheckpointError(f"checkpoint tag '{tag}' ({named_by}) does not exist in '{load_dir}'")
-    meta_path = os.path.join(path, META)
-    if not os.path.isfile(meta_path):
-        raise CheckpointError(f"'{path}' is neither a zerodp nor a DeepSpeed checkpoint ({META} or "
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"'{path}' is neither a zerodp nor a DeepSpeed checkpoint ({MANIFEST} or "
                               f"mp_rank_00_model_states.pt; an interrupted save?): {directory_contents(path)}")
-    _inside(path, META, "the checkpoint itself")
+    _inside(path, MANIFEST, "the checkpoint itself")
     try:
-        with open(meta_path, encoding="utf-8") as f:
+        with open(manifest_path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt: {meta_path} cannot be read ({e})") from None
-    meta = validate(text, f"checkpoint '{path}' is corrupt: {meta_path}")
-    for name in meta["files"]:
-        _inside(path, name, meta_path)
-    for name, rec in meta["files"].items():
+        raise CheckpointError(f"checkpoint '{path}' is corrupt: {manifest_path} cannot be read ({e})") from None
+    manifest = validate(text, f"checkpoint '{path}' is corrupt: {manifest_path}")
+    for name in manifest["files"]:
+        _inside(path, name, manifest_path)
+    for name, rec in manifest["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} is missing")
@@ -82,8 +82,8 @@ def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> t
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} has {size} bytes, "
                                   f"{rec['size']} were written (truncated?)")
     if checksums:
-        _verify_files(path, meta, set(meta["files"]))
-    return path, meta
+        _verify_files(path, manifest, set(manifest["files"]))
+    return path, manifest
 
 
 def newest_intact(save_dir: str) -> tuple[str, dict]:
@@ -96,15 +96,15 @@ def newest_intact(save_dir: str) -> tuple[str, dict]:
         if name.startswith(".") or not os.path.isdir(os.path.join(save_dir, name)):
             continue
         try:
-            path, meta = resolve(save_dir, name)
+            path, manifest = resolve(save_dir, name)
         except CheckpointError as e:
             broken.append(str(e))
             continue
-        found.append((meta["counters"]["global_steps"], os.path.getmtime(os.path.join(path, META)), path, meta))
-    for _, _, path, meta in sorted(found, key=lambda f: f[:2], reverse=True):
+        found.append((manifest["counters"]["global_steps"], os.path.getmtime(os.path.join(path, MANIFEST)), path, manifest))
+    for _, _, path, manifest in sorted(found, key=lambda f: f[:2], reverse=True):
         try:  # the checksums, newest first: reading every byte of the older ones is not needed
-            _verify_files(path, meta, set(meta["files"]))
-            return path, meta
+            _verify_files(path, manifest, set(manifest["files"]))
+            return path, manifest
         except CheckpointError as e:
             broken.append(str(e))
     why = f": {'; '.join(broken)}" if broken else ""
@@ -119,11 +119,11 @@ def _inside(path: str, name: str, named_in: str) -> None:
                               "directory; refusing to read it")
 
 
-def _verify_files(path: str, meta: dict, names: set[str], verified: set[str] | None = None) -> None:
+def _verify_files(path: str, manifest: dict, names: set[str], verified: set[str] | None = None) -> None:
     """The crc32 of each file in `names`; those in `verified` were checked already, and are added to it."""
     for name in sorted(names - (verified or set())):
         file = os.path.join(path, name)
-        if name not in meta["files"] or files.record(file)["crc32"] != meta["files"][name]["crc32"]:
+        if name not in manifest["files"] or files.record(file)["crc32"] != manifest["files"][name]["crc32"]:
             raise CheckpointError(f"checkpoint '{path}' is corrupt: file {file} does not match its "
                                   "checksum")
         if verified is not None:
@@ -177,14 +177,14 @@ def read_metadata(path: str):
                               f"cannot be read ({type(e).__name__}: {e})") from None
 
 
-def read_tensors(path: str, metadata, keys: list[str], meta: dict, consume: Callable[[dict], None],
+def read_tensors(path: str, metadata, keys: list[str], manifest: dict, consume: Callable[[dict], None],
                  verified: set[str] | None = None) -> None:
     """Read the saved tensors `keys` whole, in chunks of bounded size; `consume` gets each chunk."""
-    for chunk in iter_tensors(path, metadata, keys, meta, verified=verified):
+    for chunk in iter_tensors(path, metadata, keys, manifest, verified=verified):
         consume(chunk)
 
 
-def iter_tensors(path: str, metadata, keys: list[str], meta: dict, chunk_numel: int = LOAD_CHUNK_NUMEL,
+def iter_tensors(path: str, metadata, keys: list[str], manifest: dict, chunk_numel: int = LOAD_CHUNK_NUMEL,
                  verified: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The saved tensors `keys`, whole, in chunks of about `chunk_numel` elements, in key order
     (the files checked once, before the first). verified: the files whose crc32 a reader of many
@@ -194,7 +194,7 @@ def iter_tensors(path: str, metadata, keys: list[str], meta: dict, chunk_numel: 
         if not isinstance(md.get(key), TensorStorageMetadata):
             raise CheckpointError(f"checkpoint '{path}' is corrupt: tensor {key} is missing from its .metadata")
     wanted = set(keys)
-    _verify_files(path, meta, {info.relative_path for idx, info in metadata.storage_data.items()
+    _verify_files(path, manifest, {info.relative_path for idx, info in metadata.storage_data.items()
                                if idx.fqn in wanted} | {".metadata"}, verified)
     chunk, size = {}, 0
     for i, key in enumerate(keys):

@@ -32,7 +32,7 @@ from zerodp.checkpoint.errors import (
     on_rank0,
     root_oserror,
 )
-from zerodp.checkpoint.files import FORMAT, LATEST, META, TAG
+from zerodp.checkpoint.files import FORMAT, LATEST, MANIFEST, TAG
 from zerodp.checkpoint.pieces import (
     bucket_params,
     first_non_finite,
@@ -66,24 +66,24 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
     err = state = None
     try:
         files.check_keep_last(keep_last)
-        meta = _metadata(engine, tag, client_state)
+        manifest = _metadata(engine, tag, client_state)
         state = local_state(engine)
     except CheckpointError as e:
-        err, meta = str(e), None
+        err, manifest = str(e), None
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
-        err, meta = f"save_checkpoint failed: {type(e).__name__}: {e}", None
+        err, manifest = f"save_checkpoint failed: {type(e).__name__}: {e}", None
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-    shards = (tp_rank(engine), {} if meta is None else tp_shapes(meta["model"]))
+    shards = (tp_rank(engine), {} if manifest is None else tp_shapes(manifest["model"]))
     first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards))
     needed = sum(f[0] for f in first)  # the bytes this save writes, for a "no space" message
     _check_same_everywhere([f[1] for f in first], [f[2] for f in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     # The manifest's tp shapes are every tp rank's; then the temp dir, also clearing killed saves' leftovers.
-    agree(comm, on_rank0(comm, _prepare, meta, [f[3] for f in first], save_dir, tmp))
+    agree(comm, on_rank0(comm, _prepare, manifest, [f[3] for f in first], save_dir, tmp))
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=comm.group)
-        names = sorted(f for f in os.listdir(tmp) if f != META)
+        names = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
         mine = {f: files.record(os.path.join(tmp, f)) for i, f in enumerate(names) if i % comm.world_size == comm.rank}
         err = None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
@@ -94,14 +94,14 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
         on_rank0(comm, shutil.rmtree, tmp)  # nothing renamed: `latest` and older checkpoints stand
         raise
     if comm.rank == 0:
-        meta["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
-        meta["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
-    agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, meta, keep_last))
+        manifest["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
+        manifest["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
+    agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, manifest, keep_last))
     return tag
 
 
-def _prepare(meta: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str) -> None:
-    join_tp_shapes(meta["model"], shards)
+def _prepare(manifest: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str) -> None:
+    join_tp_shapes(manifest["model"], shards)
     files.prepare(save_dir, tmp)
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from zerodp.checkpoint import deepspeed
-from zerodp.checkpoint.files import META
+from zerodp.checkpoint.files import MANIFEST
 from zerodp.checkpoint.pieces import saved_pieces
 from zerodp.checkpoint.read import read_metadata, read_tensors, resolve
 from zerodp.models.hf_folder import CONFIG, PREFIXES
@@ -57,7 +57,7 @@ def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
     ds = deepspeed.find(path) if os.path.isdir(path) else None
     if ds is not None:
         return DeepSpeedSource(ds, model)
-    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (META, "latest")):
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST, "latest")):
         return ZeroCheckpointSource(path, model)
     found = deepspeed.directory_contents(path) if os.path.isdir(path) else "it does not exist" if not os.path.exists(path) \
         else "it is a file not ending in .safetensors"
@@ -229,20 +229,20 @@ class ZeroCheckpointSource(FileSource):
     """The fp32 masters of a zerodp checkpoint (frozen parameters from its `model/` tensors)."""
 
     def __init__(self, path: str, model: nn.Module):
-        self.path, meta = resolve(path)
-        if meta.get("tp", 1) > 1:  # its tp shards are saved per tp rank: no range of a whole parameter
-            raise ValueError(f"checkpoint '{self.path}' was saved with tensor parallelism (tp {meta['tp']}): its "
+        self.path, manifest = resolve(path)
+        if manifest.get("tp", 1) > 1:  # its tp shards are saved per tp rank: no range of a whole parameter
+            raise ValueError(f"checkpoint '{self.path}' was saved with tensor parallelism (tp {manifest['tp']}): its "
                              "parameters are saved as tp shards; `zerodp consolidate` it and pass the "
                              "consolidated file as weights=")
-        self.meta, self.metadata = meta, read_metadata(self.path)
+        self.manifest, self.metadata = manifest, read_metadata(self.path)
         self.pieces = saved_pieces(self.metadata, "master/")
-        self.alias = {e["name"]: e["alias_of"] for e in meta["model"] if e["alias_of"] is not None}
-        entries = [e for e in meta["model"] if e["kind"] != "buffer"]
+        self.alias = {e["name"]: e["alias_of"] for e in manifest["model"] if e["alias_of"] is not None}
+        entries = [e for e in manifest["model"] if e["kind"] != "buffer"]
         self.verified: set[str] = set()
         self._last: tuple[tuple[str, ...], dict[str, torch.Tensor]] = ((), {})
         super().__init__(f"the weights of checkpoint '{self.path}'",
                          {e["name"]: torch.Size(e["shape"]) for e in entries}, model,
-                         other={e["name"] for e in meta["model"]})
+                         other={e["name"] for e in manifest["model"]})
 
     def read_key(self, key: str, start: int, stop: int) -> torch.Tensor:
         """The saved master pieces that overlap [start, stop), cut to it."""
@@ -264,7 +264,7 @@ class ZeroCheckpointSource(FileSource):
         """The saved tensors `keys`; the last set read is kept, as consecutive ranges share pieces."""
         if tuple(keys) != self._last[0]:
             got: dict[str, torch.Tensor] = {}
-            read_tensors(self.path, self.metadata, keys, self.meta, got.update, verified=self.verified)
+            read_tensors(self.path, self.metadata, keys, self.manifest, got.update, verified=self.verified)
             self._last = (tuple(keys), got)
         return self._last[1]
 

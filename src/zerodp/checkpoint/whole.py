@@ -31,14 +31,14 @@ class Reading:
     tp_dims: dict[str, int]                            # name -> the axis its tp shards join along
     tp_parts: dict[str, int]                           # name -> flat.tp_parts: joined part by part when over 1
 
-    def stream(self, path: str, meta: dict, metadata, chunk_numel: int,
+    def stream(self, path: str, manifest: dict, metadata, chunk_numel: int,
                verified: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, whole tensor), each as soon as its last piece is read, `chunk_numel` elements read at once
         (verified: read.iter_tensors's, the files already checked)."""
-        return _assemble(iter_tensors(path, metadata, self.keys, meta, chunk_numel, verified), self)
+        return _assemble(iter_tensors(path, metadata, self.keys, manifest, chunk_numel, verified), self)
 
 
-def plan(path: str, meta: dict, metadata, entries: list[dict], prefix: str = "master/") -> Reading:
+def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str = "master/") -> Reading:
     """The Reading of model entries `entries` (zerodp.json's, no aliases): a trained one from its pieces
     `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32; the rest from `model/{name}`,
     a floating one in fp32. Everything missing is found here, before the first value is read."""

@@ -34,30 +34,30 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
     ckpt_dir = Path(opts.out) / "checkpoints"
     try:
         if opts.resume is not True:
-            path, meta = resolve(ckpt_dir, opts.resume)
+            path, manifest = resolve(ckpt_dir, opts.resume)
         elif not (ckpt_dir / LATEST).exists() and not _any_checkpoint(ckpt_dir):
             if not opts.resume_from:  # a restartable job's first run, or a mistyped --out: one line says which
                 warn(f"--resume: no checkpoint in '{ckpt_dir}': training from scratch")
             _choose_resume_from(opts, world)  # nothing of this run's to continue
             return
         else:
-            path, meta = _latest_or_newest_intact(ckpt_dir)
+            path, manifest = _latest_or_newest_intact(ckpt_dir)
     except CheckpointError as e:
         raise SystemExit(f"zerodp train: --resume: {e}")
     opts.resume_path = path
-    keep_global_batch(opts, meta, world)
-    continue_schedule(opts, meta, path)
+    keep_global_batch(opts, manifest, world)
+    continue_schedule(opts, manifest, path)
 
 
-def continue_schedule(opts: argparse.Namespace, meta: dict, path: str) -> None:
+def continue_schedule(opts: argparse.Namespace, manifest: dict, path: str) -> None:
     """Stop when the checkpoint has reached --steps already; with another --steps than the saved run's,
     record where the lr schedule must bend (build.job_schedule) so that it goes on without a jump."""
-    done = meta["counters"]["global_steps"]
+    done = manifest["counters"]["global_steps"]
     if done >= opts.steps:
         note(f"--resume: checkpoint '{path}' is at step {done}, and --steps is {opts.steps}: nothing left to "
              "train; pass a larger --steps to continue it")
         raise SystemExit(0)
-    saved = (meta.get("client_state") or {}).get("options") or {}
+    saved = (manifest.get("client_state") or {}).get("options") or {}
     opts.schedule_from = list(saved.get("schedule_from") or [])
     if "steps" in saved and saved["steps"] != opts.steps and done >= opts.warmup:
         opts.schedule_from.append([done, saved["steps"]])
@@ -72,35 +72,35 @@ def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
         return
     opts.resume_path = opts.resume_from
     try:
-        _, meta = resolve(opts.resume_from)
+        _, manifest = resolve(opts.resume_from)
     except CheckpointError as e:
         if deepspeed.find(opts.resume_from) is None:  # neither kind: one line, before any rank starts
             raise SystemExit(f"zerodp train: --resume-from: {e}")
         return  # a DeepSpeed checkpoint: the engine's load checks it, on every rank
-    keep_global_batch(opts, meta, world)
-    continue_schedule(opts, meta, opts.resume_from)
+    keep_global_batch(opts, manifest, world)
+    continue_schedule(opts, manifest, opts.resume_from)
 
 
 def _latest_or_newest_intact(ckpt_dir: Path) -> tuple[str, dict]:
     try:  # every checksum, once, here: a flipped bit would otherwise fail every restart at the load
         return resolve(ckpt_dir, checksums=True)
     except CheckpointError as bad:
-        path, meta = newest_intact(ckpt_dir)
+        path, manifest = newest_intact(ckpt_dir)
         warn(f"{bad}; resuming from the newest intact checkpoint '{path}' (step "
-             f"{meta['counters']['global_steps']}) instead")
-        return path, meta
+             f"{manifest['counters']['global_steps']}) instead")
+        return path, manifest
 
 
 def _any_checkpoint(ckpt_dir: Path) -> bool:
     return ckpt_dir.is_dir() and any(not p.name.startswith(".") and p.is_dir() for p in ckpt_dir.iterdir())
 
 
-def keep_global_batch(opts: argparse.Namespace, meta: dict, world: int) -> None:
+def keep_global_batch(opts: argparse.Namespace, manifest: dict, world: int) -> None:
     """Keep the checkpoint's global batch on `world` ranks by setting opts.grad_accum (see module)."""
-    saved_opts = (meta.get("client_state") or {}).get("options") or {}
+    saved_opts = (manifest.get("client_state") or {}).get("options") or {}
     if not {"micro_batch", "grad_accum"} <= saved_opts.keys():
         return  # not written by this job: nothing to keep
-    saved = (meta["world_size"], saved_opts["grad_accum"], saved_opts["micro_batch"])
+    saved = (manifest["world_size"], saved_opts["grad_accum"], saved_opts["micro_batch"])
     now = (world, opts.grad_accum, opts.micro_batch)
     if _product(saved) == _product(now):
         return
