@@ -19,7 +19,8 @@ from test_train import TINY, corpus, metrics, train
 from tp_train import CLIP
 from zerodp.checkpoint.export import write_consolidated
 from zerodp.config import load_config
-from zerodp.models.gpt import GPT, GPTConfig, check_tp
+from zerodp.engine.memory import activation_estimate
+from zerodp.models.gpt import GPT, GPTConfig, check_tp, gpt_config
 from zerodp.monitor.step import StepMonitor
 from zerodp.train.options import parse_options
 
@@ -77,7 +78,13 @@ def test_tp_job_trains_to_a_falling_loss_and_its_checkpoint_consolidates_and_res
     val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 6, 12]
     assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
-    assert len([r for r in lines if r["kind"] == "memory"][-1]["ranks"]) == 4
+    ranks = [r for r in lines if r["kind"] == "memory"][-1]["ranks"]
+    assert len(ranks) == 4
+    # Each block's activations split over tp, the GPT's whole head not: the chart's estimate says so.
+    shape = gpt_config("tiny")
+    assert ranks[0]["activations_estimate"] == activation_estimate(shape, 4, shape.block_size, "fp32", tp=2,
+                                                                   vocab_parallel=False)
+    assert ranks[0]["activations_estimate"] < activation_estimate(shape, 4, shape.block_size, "fp32")
     assert proc.stdout.count("4 rank(s) (2 data-parallel x 2 tensor-parallel), fp32, global batch 8 x 64") == 1
     assert proc.stdout.count("final validation loss") == 1, proc.stdout
     final = torch.load(out / "final.pt", weights_only=True)

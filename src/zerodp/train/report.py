@@ -27,8 +27,9 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
     if "cuda_peak_allocated" in report:  # measured: the peak beyond what the engine holds
         parts["activations_and_temporaries"] = max(0, report["cuda_peak_allocated"] - sum(parts.values()))
     else:  # no allocator statistics on the CPU: the formula of zerodp.engine.memory
+        # --tp splits each block's activations; the GPT's head is whole on every tp rank (models/gpt.py).
         parts["activations_estimate"] = activation_estimate(shape, opts.micro_batch, shape.block_size,
-                                                            opts.dtype)
+                                                            opts.dtype, tp=opts.tp, vocab_parallel=False)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, parts)
     return gathered
