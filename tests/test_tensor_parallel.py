@@ -193,6 +193,7 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     out["model on another mesh"] = set_up_error(wrong, mesh)
     out["sizes"] = set_up_error(build(), DeviceMesh("cpu", torch.tensor([[0, 1]]), mesh_dim_names=("dp", "tp")))
     out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
+    out["nothing split"] = set_up_error(build(), mesh)  # a tp mesh, the model never parallelized
     out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
     return out
 
@@ -348,6 +349,8 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
+    whole = build()  # not split: nothing marked as a tp shard
+
     def init(mpu, stage=2, zero=None, **kw):
         model = split_by_hand(build(), tp_group, "tensor_model_parallel")
         return lambda: zerodp.initialize(model, optimizer(model), config(stage, 2, **(zero or {})), mpu=mpu, **kw)
@@ -355,7 +358,9 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
             "mpu and mesh": error(init(ParallelState(dp_group, tp_group), device_mesh=mesh)),
             "mpu lacks groups": error(init(object())),
             "mpu stage 0": error(init(ParallelState(dp_group, tp_group), stage=0)),
-            "mpu hierarchical": error(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1}))}
+            "mpu hierarchical": error(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1})),
+            "mpu nothing marked": error(lambda: zerodp.initialize(whole, optimizer(whole), config(2, 2),
+                                                                  mpu=ParallelState(dp_group, tp_group)))}
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -466,6 +471,7 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         assert "is a DTensor on mesh" in bad["model on another mesh"], bad["model on another mesh"]
         assert "must multiply to the world size" in bad["sizes"], bad["sizes"]
         assert "do not name the roles" in bad["names"], bad["names"]
+        assert "has 2 ranks, but no parameter of the model is split over it" in bad["nothing split"], bad["nothing split"]
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
 
 
@@ -477,5 +483,6 @@ def test_mpu_setup_errors_on_every_rank_before_any_collective():
         assert "get_data_parallel_group()" in bad["mpu lacks groups"], bad["mpu lacks groups"]
         assert "stage 0" in bad["mpu stage 0"], bad["mpu stage 0"]
         assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
+        assert "the mpu's tensor-parallel group has 2 ranks, but no parameter" in bad["mpu nothing marked"], bad
 
 

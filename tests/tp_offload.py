@@ -45,6 +45,7 @@ def runs(mesh: DeviceMesh) -> dict:
         out["frozen tp shards from weights"] = frozen_from_weights(mesh, build, plan, path)
     out[RUNS[4]] = train(mesh, 3, make=lambda sometimes: on_meta(build, own_seed=True))
     model = on_meta(build)
+    model.blocks[0].fc1.weight.tensor_model_parallel = True  # a Megatron shard: the meta refusal, not "nothing split"
     out["mpu on meta"] = _error(lambda: zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CONFIG,
                                                           mpu=Mpu(mesh)))
     return out

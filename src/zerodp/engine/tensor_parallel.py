@@ -55,6 +55,7 @@ def check(module: nn.Module, comm: Comm, from_source: bool) -> None:
         if not all(pl.is_shard() or pl.is_replicate() or isinstance(pl, _StridedShard) for pl in p.placements):
             raise ValueError(f"parameter '{name}' has placements {tuple(p.placements)}; a tensor-parallel "
                              "parameter must be Shard (or _StridedShard) or Replicate over the 'tp' dimension")
+    _check_something_is_split(module, comm)
     building = from_source or any(p.is_meta for p in module.parameters())
     strided = [n for n, p in dtensors if any(isinstance(pl, _StridedShard) for pl in p.placements)]
     if building and strided:  # its shard is `parts` blocks of the whole tensor, not the one box tp_shards reads
@@ -67,6 +68,19 @@ def check(module: nn.Module, comm: Comm, from_source: bool) -> None:
             "weights= and models built on the 'meta' device are not supported with an mpu (tensor parallelism by "
             "plain local shards): zerodp cannot tell which part of the whole tensor each rank's shard is. Build the "
             "model with its values, or parallelize it with torch's parallelize_module and pass device_mesh= instead")
+
+
+def _check_something_is_split(module: nn.Module, comm: Comm) -> None:
+    """A tp group of several ranks over a model none of whose parameters is split over it would train
+    correctly but tp-fold redundantly: every tp rank the same whole model on the same batch."""
+    if comm.tp is None or comm.tp.world_size == 1 or not all(tp_duplicate(p) for p in module.parameters()):
+        return
+    given = ("the device_mesh's 'tp' dimension" if comm.tp_mesh is not None else "the mpu's tensor-parallel group")
+    raise ValueError(f"{given} has {comm.tp.world_size} ranks, but no parameter of the model is split over it (no "
+                     "DTensor parameter with a Shard placement, none marked tensor_model_parallel / model_parallel): "
+                     "each tp rank would train the same whole model. Parallelize the model first "
+                     "(parallelize_module(model, mesh['tp'], plan), or mark Megatron's shards), or give a mesh "
+                     "without a 'tp' dimension")
 
 
 def _ranks(mesh) -> list:
