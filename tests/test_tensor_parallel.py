@@ -173,12 +173,17 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
     return out
 
 
-def set_up_error(model: nn.Module, mesh, stage: int = 2, **zero) -> str:
+def error_text(call) -> str:
+    """'Type: message' of what call() raised, or "no error" (the tp tests read every rank's text)."""
     try:
-        zerodp.initialize(model, optimizer(model), config(stage, 2, **zero), device_mesh=mesh)
+        call()
     except Exception as e:  # noqa: BLE001 - the test reads its text
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def set_up_error(model: nn.Module, mesh, stage: int = 2, **zero) -> str:
+    return error_text(lambda: zerodp.initialize(model, optimizer(model), config(stage, 2, **zero), device_mesh=mesh))
 
 
 def bad_inputs(mesh: DeviceMesh) -> dict:
@@ -342,24 +347,17 @@ def train_mpu(mesh: DeviceMesh, deepspeed: bool, **zero) -> dict:
 def bad_mpu(mesh: DeviceMesh) -> dict:
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
 
-    def error(call) -> str:
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - the test reads its text
-            return f"{type(e).__name__}: {e}"
-        return "no error"
-
     whole = build()  # not split: nothing marked as a tp shard
 
     def init(mpu, stage=2, zero=None, **kw):
         model = split_by_hand(build(), tp_group, "tensor_model_parallel")
         return lambda: zerodp.initialize(model, optimizer(model), config(stage, 2, **(zero or {})), mpu=mpu, **kw)
-    return {"mpu sizes": error(init(ParallelState(dist.group.WORLD, tp_group))),
-            "mpu and mesh": error(init(ParallelState(dp_group, tp_group), device_mesh=mesh)),
-            "mpu lacks groups": error(init(object())),
-            "mpu stage 0": error(init(ParallelState(dp_group, tp_group), stage=0)),
-            "mpu hierarchical": error(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1})),
-            "mpu nothing marked": error(lambda: zerodp.initialize(whole, optimizer(whole), config(2, 2),
+    return {"mpu sizes": error_text(init(ParallelState(dist.group.WORLD, tp_group))),
+            "mpu and mesh": error_text(init(ParallelState(dp_group, tp_group), device_mesh=mesh)),
+            "mpu lacks groups": error_text(init(object())),
+            "mpu stage 0": error_text(init(ParallelState(dp_group, tp_group), stage=0)),
+            "mpu hierarchical": error_text(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1})),
+            "mpu nothing marked": error_text(lambda: zerodp.initialize(whole, optimizer(whole), config(2, 2),
                                                                   mpu=ParallelState(dp_group, tp_group)))}
 
 
@@ -471,7 +469,8 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         assert "is a DTensor on mesh" in bad["model on another mesh"], bad["model on another mesh"]
         assert "must multiply to the world size" in bad["sizes"], bad["sizes"]
         assert "do not name the roles" in bad["names"], bad["names"]
-        assert "has 2 ranks, but no parameter of the model is split over it" in bad["nothing split"], bad["nothing split"]
+        nothing = bad["nothing split"]
+        assert "has 2 ranks, but no parameter of the model is split over it" in nothing, nothing
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
 
 

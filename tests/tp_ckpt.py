@@ -27,6 +27,7 @@ from test_tensor_parallel import (
     build,
     config,
     data,
+    error_text,
     optimizer,
     plan,
     split_by_hand,
@@ -108,14 +109,6 @@ def _shared_dir() -> str:
     return box[0]
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads its text
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def saves(mesh) -> dict:
     """At (dp 2, tp 2): the checkpoints that `resumes` reads, and who wrote each manifest."""
     root, rank = _shared_dir(), dist.get_rank()
@@ -138,7 +131,8 @@ def saves(mesh) -> dict:
         out["writes"] = dict(calls)
         # One tp rank's bad client_state: every rank of the world raises, nothing is written.
         bad = {"x": object()} if rank == 3 else {}
-        out["one rank fails"] = _error(lambda: engine.save_checkpoint(os.path.join(root, "failed"), client_state=bad))
+        out["one rank fails"] = error_text(lambda: engine.save_checkpoint(os.path.join(root, "failed"),
+                                                                           client_state=bad))
         out["failed dir"] = sorted(os.listdir(os.path.join(root, "failed"))) if os.path.isdir(
             os.path.join(root, "failed")) else []
     finally:
@@ -206,8 +200,8 @@ def resumes(rank: int, world: int, root: str) -> dict:
     _train(engine, mesh, range(SAVE_AT, STEPS), gas=2)
     with engine.gathered_parameters():
         out["tp 1 into tp 2"] = _whole(model)
-    out["no axis into tp 1"] = _error(lambda: plain_engine.load_checkpoint(os.path.join(root, "mpu_no_dim")))
+    out["no axis into tp 1"] = error_text(lambda: plain_engine.load_checkpoint(os.path.join(root, "mpu_no_dim")))
     out["frozen shard"] = _frozen_shard(mesh, root)
     deepspeed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed", "stage2_fp32")
-    out["deepspeed into tp"] = _error(lambda: engine.load_checkpoint(deepspeed))
+    out["deepspeed into tp"] = error_text(lambda: engine.load_checkpoint(deepspeed))
     return out

@@ -46,8 +46,8 @@ def runs(mesh: DeviceMesh) -> dict:
     out[RUNS[4]] = train(mesh, 3, make=lambda sometimes: on_meta(build, own_seed=True))
     model = on_meta(build)
     model.blocks[0].fc1.weight.tensor_model_parallel = True  # a Megatron shard: the meta refusal, not "nothing split"
-    out["mpu on meta"] = _error(lambda: zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CONFIG,
-                                                          mpu=Mpu(mesh)))
+    out["mpu on meta"] = tp.error_text(lambda: zerodp.initialize(model, torch.optim.AdamW(model.parameters()), CONFIG,
+                                                                 mpu=Mpu(mesh)))
     return out
 
 
@@ -117,9 +117,3 @@ class Mpu:
         return self.tp
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads its text
-        return f"{type(e).__name__}: {e}"
-    return "no error"
