@@ -50,20 +50,20 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     """At stage 3 (only, as DeepSpeed), each partitioned parameter gets `ds_id` (its index in
     module.parameters()), `ds_numel` and `ds_shape` (whole), `ds_tensor` (this rank's elements of it, a
     flat view of this rank's shard: empty, part or all of it, since zerodp shards buckets, not each
-    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are not partitioned
-    (every rank holds them whole) and get none, as DeepSpeed's unpartitioned parameters."""
+    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are partitioned too
+    (a LoRA base: DeepSpeed-Chat's merge gathers the weights that have `ds_id`) and get them alike."""
     inner = engine.engine
     if inner.stage != 3:
         return
     index = {id(p): i for i, p in enumerate(inner.module.parameters())}
     layout = inner.layout
-    for b in layout.buckets:
+    for b in layout.gathered:
         first = layout.shard_start(b)
         for s in b.slots:
             lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
             s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
             s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
-    params = {b.index: [s.param for s in b.slots] for b in layout.buckets}
+    params = {b.index: [s.param for s in b.slots] for b in layout.gathered}
 
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)

@@ -46,7 +46,7 @@ from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
-from zerodp.engine.spec import EngineSpec, local_check
+from zerodp.engine.spec import EngineSpec, frozen_params, local_check
 from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, Units
 from zerodp.engine.unused import UsedParameters
@@ -93,11 +93,12 @@ class Engine:
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load methods
         spec, optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn, stage3_unit)
         self.spec: EngineSpec = spec  # stage, batch, shard size, dtype, device, units: decided once, read after
-        self._cast_and_sync_untrained(groups)
+        frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
+        self._cast_and_sync_untrained(groups, frozen or [])
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
-        layout, fp32_shards = self._flat_buffers(groups)
+        layout, fp32_shards = self._flat_buffers(groups, frozen)
         self.layout: Layout = layout  # the buckets the trained parameters are views into, this rank's shard
         self.used_only = self._used_parameters(layout)  # the parameters a step updates (unused.py); None: all
         # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
@@ -152,7 +153,8 @@ class Engine:
         self._check_same_everywhere(spec.filling)
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
+        in_buffers = groups + ([frozen_params(self.module, groups)] if spec.shards_frozen else [])
+        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in in_buffers for p in g})
         return spec, optimizer, groups
 
     def _check_same_everywhere(self, filling: Filling) -> None:
@@ -178,10 +180,11 @@ class Engine:
             if len(other) != len(sigs[0][0]):
                 raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
 
-    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
-        """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
-        read from weights are every rank's already: fill.start read them)."""
-        trained = {id(p) for g in groups for p in g}
+    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter]) -> None:
+        """Frozen parameters kept whole (stages 0-2) and floating buffers: working precision, rank 0's
+        values (frozen parameters read from weights are every rank's already: fill.start read them).
+        The `sharded` frozen parameters (stage 3) are the flat buffers', filled like the trained ones."""
+        trained = {id(p) for g in groups + [sharded] for p in g}
         read = {id(p) for p in self.module.parameters()} if self.spec.filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
@@ -191,13 +194,15 @@ class Engine:
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[Layout, list[torch.Tensor]]:
+    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[nn.Parameter] | None
+                      ) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
-        and this rank's fp32 values, bucket by bucket, which the masters start from."""
+        and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = Layout.build(groups, self.stage, self.units, comm, zero)
-        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
-                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
+        layout = Layout.build(groups, self.stage, self.units, comm, zero, frozen)
+        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device,
+                                self.stage == 3, self.offload_param, zero.offload_param.pin_memory and can_pin(),
+                                frozen=layout.frozen)
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
         return layout, fp32_shards
@@ -258,6 +263,7 @@ class Engine:
     @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
         """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
+        self._refuse_without_training("backward()")
         # Kept on device, unsynced: step() reports which rank's loss was non-finite.
         seen = loss.detach()
         self._window_loss = seen if self._window_loss is None else self._window_loss + seen.float()
@@ -277,6 +283,13 @@ class Engine:
                 self.gatherer.release_all()
         self.micro_steps += 1
 
+    def _refuse_without_training(self, call: str) -> None:
+        if not self.spec.trains:
+            raise RuntimeError(f"{call} on an engine with nothing to train: it was built without an optimizer "
+                               "for a model whose parameters all have requires_grad=False (a reference or "
+                               "teacher model), so it runs forward only; run it under torch.no_grad(), or give "
+                               "zerodp.initialize an optimizer and set requires_grad=True on what to train")
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
         return self.micro_steps - self._stepped_at + 1 >= self.gas
@@ -289,6 +302,7 @@ class Engine:
         More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
         add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
+        self._refuse_without_training("step()")
         if self._no_sync:
             raise RuntimeError("step() inside no_sync(): call it after the block, once a backward() outside "
                                "no_sync() has reduced the gradients")
@@ -507,7 +521,7 @@ class Engine:
         unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
-        buckets = [b for b in self.partitioned_optimizer.buckets
+        buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
@@ -581,6 +595,12 @@ class Engine:
     def full_master(self, b: Bucket) -> torch.Tensor:
         """Bucket b's fp32 master values from every rank (collective in stages 1-3)."""
         return self.partitioned_optimizer.full_master(b, self.partitioned_optimizer.masters[b.index])
+
+    def full_frozen(self, b: Bucket) -> torch.Tensor:
+        """Stage 3's frozen bucket b, whole, in fp32, from every rank's working shard (collective)."""
+        full = torch.empty(b.numel, dtype=b.owned.dtype, device=self.device)
+        self.comm.shard_gather(full, b.owned.to(self.device))
+        return full.float()
 
     def weights_from_masters(self) -> None:
         """The working parameters from the fp32 masters, on every rank (collective): after the masters

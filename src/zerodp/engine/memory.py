@@ -35,7 +35,8 @@ GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
 WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-MODEL_STATES = ("working_params", "frozen_params_and_buffers", "gradients", "fp32_master", "optimizer_states")
+MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "gradients", "fp32_master",
+                "optimizer_states")
 
 
 # ---- measured -----------------------------------------------------------------------------------
@@ -47,7 +48,8 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     """Bytes this rank holds, by category, counted from the tensors the engine owns: its layout, its
     reducer and partitioned optimizer, and (`gathers`, stage 3) the gathered copies.
 
-    model_states = working params (flat buffers, padding included) + frozen params and buffers +
+    model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) +
+    frozen params kept whole and buffers +
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
@@ -55,25 +57,29 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
     layout = engine.layout
-    flat = layout.by_param()
+    flat = {**layout.by_param(), **layout.by_frozen_param()}
     untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
                  if id(t) not in flat}
     grads, opt = reducer.bytes(), partitioned
+    frozen = layout.frozen
     report = {
         "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
+        # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
+        "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": grads["gradients"],
         **opt.bytes(),
         "reduce_buckets": grads["reduce_buckets"],
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.buckets),
+        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.gathered),
         # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
         # sub_group_size elements at a time.
         "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
-            "working_params": getattr(engine, "offload_param", False)}  # stage 3's offload_param
+            "working_params": getattr(engine, "offload_param", False),  # stage 3's offload_param
+            "frozen_params": getattr(engine, "offload_param", False)}
     if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
                                        + report.get("offload_gradients", 0) + report.get("offload_staging", 0))

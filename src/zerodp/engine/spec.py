@@ -38,6 +38,12 @@ class EngineSpec:
     filling: Filling  # where the parameters' values come from: rank 0's module, initialisers or files
     units: Units | None  # stage 3's units, gathered and released together; None below stage 3
     offload_param: bool  # stage 3's offload_param: this rank's parameter shards live in host memory
+    # Stage 3: frozen parameters are partitioned and gathered like trained ones (Layout.frozen), with no
+    # gradient, master or optimizer state. False: stages 0-2, which keep every parameter whole.
+    shards_frozen: bool = False
+    # Something to train. False: a frozen-only engine (a DPO reference model, a distillation teacher),
+    # built without any optimizer for a model with no trainable parameter: forward only.
+    trains: bool = True
 
     @property
     def gas(self) -> int:
@@ -49,7 +55,8 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
                 source: ParameterSource | None, param_init_fn: ParamInitFn | None,
                 stage3_unit: UnitRule | None) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
     """Everything about the set-up that this rank can check alone: the spec, the optimizer (the config's
-    when none is given) and the trained parameters of each optimizer param group. No collective."""
+    when none is given; for a frozen-only engine one over no parameter) and the trained parameters of
+    each optimizer param group. No collective."""
     zero = config.zero_optimization
     stage = zero.stage
     batch = config.batch(comm.world_size)
@@ -68,13 +75,16 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
             raise ConfigError(f"with an mpu (tensor parallelism), ZeRO shards over the whole data-parallel group "
                               f"at stage 1, 2 or 3: got stage {stage}, shard size {shard_size} of "
                               f"{comm.world_size}; use stage 1-3 and leave zero_optimization.mics_shard_size out")
-    if optimizer is None:
-        if config.optimizer is None:
-            raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
-                              "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
-        optimizer = config.optimizer.build
+    trains = optimizer is not None or config.optimizer is not None
+    if not trains and any(p.requires_grad for p in module.parameters()):
+        raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
+                          "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}; a model that "
+                          "is not trained (a reference or teacher model) is wrapped without one once none "
+                          "of its parameters requires grad (model.requires_grad_(False))")
+    optimizer = optimizer if optimizer is not None else (config.optimizer.build if trains else _NOTHING_TO_STEP)
     groups = _trainable_groups(module, optimizer)
-    _check_model(module, groups)
+    if trains:
+        _check_model(module, groups)
     tensor_parallel.check(module, comm, source is not None)
     filling = filling_for(module, source, param_init_fn)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
@@ -82,8 +92,20 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
     # config/zero_optimization.py resets offload_param below stage 3.
     spec = EngineSpec(stage, batch, shard_size, config.dtype, device, filling, units,
-                      zero.offload_param.device == "cpu")
+                      zero.offload_param.device == "cpu", shards_frozen=stage == 3, trains=trains)
     return spec, optimizer, groups
+
+
+def _NOTHING_TO_STEP(groups: list[dict]) -> Optimizer:
+    """A frozen-only engine's optimizer: over no parameter (torch accepts a group with an empty list), so
+    that the engine's parts are those of any engine; backward() and step() refuse before reaching it."""
+    return torch.optim.SGD(groups, lr=0.0)
+
+
+def frozen_params(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
+    """The model's parameters that no optimizer group trains, in registration order."""
+    trained = {id(p) for g in groups for p in g}
+    return [p for p in module.parameters() if id(p) not in trained]
 
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:

@@ -80,7 +80,10 @@ class Gatherer(TimedGathers):
     def __init__(self, units: Units, layout: Layout, comm: Comm, prefetch_numel: int,
                  host_shards: bool = False):
         self.comm = comm
-        buckets = layout.buckets
+        buckets = layout.gathered  # trained and frozen (Layout.frozen): gathered alike
+        # Frozen buckets get no gradient that would tell the backward is done with them: a hook on the
+        # unit's inputs' gradients does (_after_unit_backward).
+        self.frozen = {b.index for b in layout.frozen_buckets if not b.persistent}
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
         self.persistent = {b.index for b in buckets if b.persistent}
@@ -103,7 +106,7 @@ class Gatherer(TimedGathers):
             for b in bs:
                 self.users.setdefault(b.index, set()).add(u)
         self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
-        self.reduced: set[int] = set()              # buckets whose gradients this backward are all in
+        self.reduced: set[int] = set()              # buckets this backward is done with (gradients all in)
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
         self.unit_order: dict[int, None] = {}  # units in the order of their first forward
         self.traced = False                 # a whole forward and backward have run: the order is known
@@ -111,7 +114,7 @@ class Gatherer(TimedGathers):
         self._handles = []
         for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
             if any(b.index not in self.persistent for b in bs):  # a unit always gathered needs no hooks
-                self._handles.append(root.register_forward_pre_hook(self._pre_hook(u, bs)))
+                self._handles.append(root.register_forward_pre_hook(self._pre_hook(u, bs), with_kwargs=True))
                 self._handles.append(root.register_forward_hook(self._post_hook(u, bs)))
         for b in buckets:
             self._free(b)
@@ -123,13 +126,29 @@ class Gatherer(TimedGathers):
     # graph saved for backward ("modified by an inplace operation"). Disabled, each hook runs eagerly
     # between the compiled pieces of the forward (one graph break per unit).
     def _pre_hook(self, unit: int, buckets: list[Bucket]):
+        frozen = [b for b in buckets if b.index in self.frozen]
+
         @torch.compiler.disable
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if not self.traced:
                 self.unit_order.setdefault(unit)
             self.gather(buckets)
             self._prefetch_after(buckets[-1])
+            if frozen and torch.is_grad_enabled():
+                self._after_unit_backward(frozen, (args, kwargs))
         return hook
+
+    def _after_unit_backward(self, frozen: list[Bucket], inputs) -> None:
+        """Release a unit's frozen buckets once the backward has gone through the unit: when the gradients
+        of its inputs are computed (FSDP2's post-backward). A unit whose inputs need no gradient (the
+        first, on token ids) keeps them to the end of the backward (release_all)."""
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._backward_done(frozen), mode="all")
+
+    def _backward_done(self, frozen: list[Bucket]) -> None:
+        self.reduced.update(b.index for b in frozen)
+        self.release(frozen)
 
     def _post_hook(self, unit: int, buckets: list[Bucket]):
         @torch.compiler.disable

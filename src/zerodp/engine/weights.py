@@ -4,8 +4,8 @@
 known before any value (a file's layout is fixed first), the names that share a tensor with another
 (ties), and the values, each once, in whatever order they become available. `engine_weights` gives
 a trained engine's: the fp32 master values bucket by bucket (each bucket's shards gathered from its
-owners, so every rank takes part and holds one bucket at a time), then the buffers and frozen
-parameters, which every rank holds whole. `Engine.full_state_dict` is the same values all at once.
+owners, so every rank takes part and holds one bucket at a time), stage 3's frozen parameters the
+same way from their working shards, then the buffers and the frozen parameters every rank holds whole. `Engine.full_state_dict` is the same values all at once.
 
 Tensor parallelism: a bucket gathered over dp holds this rank's tp shard of each parameter; each
 shard is then joined over the tp group (comm.tp) along the dimension it was split on, one parameter
@@ -76,7 +76,7 @@ def engine_weights(engine: Engine) -> Weights:
     Weights is one too (the shards' sizes, for the whole shapes): call it on every rank."""
     engine.wait_for_parameters()
     layout = engine.layout
-    slots = layout.by_param()
+    slots = {**layout.by_param(), **layout.by_frozen_param()}
     state = engine.module.state_dict(keep_vars=True)
     held = {id(t): layout.shape_of(slots[id(t)][1]) if id(t) in slots else local(t).shape for t in state.values()}
     splits = _splits(engine.comm, state, held)  # a local check, then the tp ranks' sizes (collective)
@@ -112,8 +112,8 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
 def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
             ) -> Iterator[tuple[str, torch.Tensor]]:
     trained, tp = set(), engine.comm.tp
-    for b in engine.layout.buckets:
-        full = engine.full_master(b)  # one bucket, fp32, on every rank
+    for b in engine.layout.gathered:  # stage 3's frozen buckets last: their working values, no master
+        full = engine.full_master(b) if b.index < len(engine.layout.buckets) else engine.full_frozen(b)
         for s in b.slots:
             trained.add(id(s.param))
             value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
