@@ -59,7 +59,11 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     each optimizer param group. No collective."""
     zero = config.zero_optimization
     stage = zero.stage
-    batch = config.batch(comm.world_size)
+    trains = optimizer is not None or config.optimizer is not None
+    if trains or config.train_batch_size is not None or config.train_micro_batch_size_per_gpu is not None:
+        batch = config.batch(comm.world_size)
+    else:  # a frozen-only engine takes no step: no batch size to check (its forward takes any batch)
+        batch = BatchSizes(comm.world_size, 1, 1)
     shard_size = zero.shard_size(comm.world_size)
     if comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
         if zero.mics_shard_size not in (-1, comm.shard_size):
@@ -75,7 +79,6 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
             raise ConfigError(f"with an mpu (tensor parallelism), ZeRO shards over the whole data-parallel group "
                               f"at stage 1, 2 or 3: got stage {stage}, shard size {shard_size} of "
                               f"{comm.world_size}; use stage 1-3 and leave zero_optimization.mics_shard_size out")
-    trains = optimizer is not None or config.optimizer is not None
     if not trains and any(p.requires_grad for p in module.parameters()):
         raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
                           "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}; a model that "
