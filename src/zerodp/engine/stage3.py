@@ -107,6 +107,7 @@ class Gatherer(TimedGathers):
                 self.users.setdefault(b.index, set()).add(u)
         self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
         self.reduced: set[int] = set()              # buckets this backward is done with (gradients all in)
+        self.through: set[int] = set()              # units this backward has gone through (frozen buckets)
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
         self.unit_order: dict[int, None] = {}  # units in the order of their first forward
         self.traced = False                 # a whole forward and backward have run: the order is known
@@ -135,20 +136,23 @@ class Gatherer(TimedGathers):
             self.gather(buckets)
             self._prefetch_after(buckets[-1])
             if frozen and torch.is_grad_enabled():
-                self._after_unit_backward(frozen, (args, kwargs))
+                self._after_unit_backward(unit, frozen, (args, kwargs))
         return hook
 
-    def _after_unit_backward(self, frozen: list[Bucket], inputs) -> None:
-        """Release a unit's frozen buckets once the backward has gone through the unit: when the gradients
-        of its inputs are computed (FSDP2's post-backward). A unit whose inputs need no gradient (the
-        first, on token ids) keeps them to the end of the backward (release_all)."""
+    def _after_unit_backward(self, unit: int, frozen: list[Bucket], inputs) -> None:
+        """Release a unit's frozen buckets once the backward has gone through every unit that reads them:
+        a unit is through when the gradients of its inputs are computed (FSDP2's post-backward). A unit
+        whose inputs need no gradient (the first, on token ids) never is, and keeps its frozen buckets,
+        and those it shares with other units, to the end of the backward (release_all)."""
         tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, lambda grads: self._backward_done(frozen), mode="all")
+            register_multi_grad_hook(tensors, lambda grads: self._backward_done(unit, frozen), mode="all")
 
-    def _backward_done(self, frozen: list[Bucket]) -> None:
-        self.reduced.update(b.index for b in frozen)
-        self.release(frozen)
+    def _backward_done(self, unit: int, frozen: list[Bucket]) -> None:
+        self.through.add(unit)
+        done = [b for b in frozen if self.users[b.index] <= self.through]
+        self.reduced.update(b.index for b in done)
+        self.release(done)
 
     def _post_hook(self, unit: int, buckets: list[Bucket]):
         @torch.compiler.disable
@@ -256,6 +260,7 @@ class Gatherer(TimedGathers):
     def release_all(self) -> None:
         """At the end of a backward (and before a step): nothing stays gathered but persistent buckets."""
         self.reduced.clear()
+        self.through.clear()
         self.release([self.buckets[i] for i in list(self.gathered)])
         if self.unit_order and not self.traced:  # the first forward is over: its order is known
             self.traced = True
