@@ -26,6 +26,7 @@ from torch import nn
 
 from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
 from zerodp.engine.flat import Bucket
+from zerodp.engine.gathered_state import LoneCall
 from zerodp.engine.stage3 import BucketState
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
@@ -68,7 +69,9 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
     inner.watch_gathers(status)
-    inner.advise_on_lone_state_dict(_ADVICE)
+    # DeepSpeed's state_dict() on some ranks only returns its placeholders (DeepSpeed-Chat's rank-0-only
+    # save_hf_format writes them, and its every-rank save_zero_three_model overwrites the file at once)
+    inner.advise_on_lone_state_dict(_ADVICE, LoneCall.PLACEHOLDERS)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
-from zerodp.engine.gathered_state import GatheredStateDict
+from zerodp.engine.gathered_state import GatheredStateDict, LoneCall
 from zerodp.engine.layout import Layout
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
@@ -523,6 +523,8 @@ class Engine:
         wanted = None if params is None else {id(p) for p in params}
         buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
+        if self.gatherer is not None and any(b.index not in self.gatherer.gathered for b in buckets):
+            self.gathered_state.entering_gathers()  # a lone state_dict() on another rank learns of it
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
@@ -631,8 +633,8 @@ class Engine:
             names = {id(p): n for n, p in self.module.named_parameters()}
             self.used_only.after_load(self.optimizer, masters, names, saved)
 
-    def advise_on_lone_state_dict(self, advice: str) -> None:
-        """Stage 3: what the error of a module.state_dict() called on one rank only suggests instead (a
-        compatibility layer names its own saving calls)."""
+    def advise_on_lone_state_dict(self, advice: str, answer: LoneCall = LoneCall.RAISE) -> None:
+        """Stage 3: what a module.state_dict() called on some ranks only suggests instead (a compatibility
+        layer names its own saving calls), and whether it raises or returns placeholders (LoneCall)."""
         if self.gathered_state is not None:
-            self.gathered_state.advice = advice
+            self.gathered_state.advice, self.gathered_state.lone = advice, answer
