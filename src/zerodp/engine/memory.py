@@ -152,6 +152,22 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     return {"device": device, "host": host}
 
 
+def finetune(num_params: int, trainable: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
+             gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
+             offload_param: bool = False) -> dict[str, int]:
+    """A fine-tune's bytes per rank (plan/finetune.py): `trainable` of the `num_params` elements trained,
+    by placed(); the rest frozen, its working copy alone (no gradient, master or optimizer state): whole
+    on every rank below stage 3, 1/N at stage 3 (which partitions frozen parameters too), in host memory
+    with offload_param. Returns frozen, trained (device and host), device and host."""
+    trained = placed(trainable, world, stage, dtype, optimizer, gradient_accumulation_steps, offload_optimizer,
+                     offload_param)
+    frozen = WORKING_BYTES[dtype] * (num_params - trainable)
+    frozen = round(frozen / world) if stage == 3 else frozen
+    return {"frozen": frozen, "trained": trained["device"] + trained["host"],
+            "device": trained["device"] + (0 if offload_param else frozen),
+            "host": trained["host"] + (frozen if offload_param else 0)}
+
+
 def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16",
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE, largest_module: int | None = None) -> int:
     """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
