@@ -86,8 +86,8 @@ def table(rows: list[dict]) -> str:
     unit = WIDTH * WIDTH + WIDTH + 2 * RANK * WIDTH  # one module's initialiser stand-ins, fp32
     out = [f"{LAYERS} x (frozen Linear({WIDTH}, {WIDTH}) + rank-{RANK} LoRA) on meta (frozen {frozen / 1e6:.1f}M, "
            f"trained {trained / 1e6:.2f}M), stage 3, fp32; per-rank peak RSS above the baseline, MiB; frozen held: "
-           "the engine's frozen bytes (memory_report); bound = 4 Ψ_frozen / N + 16 Ψ_trained / N + the fp32 staging of "
-           "one bucket's shard (4 x 5e7 / N) + one layer's initialiser stand-ins (fp32)", "",
+           "the engine's frozen bytes (memory_report); bound = 4 Ψ_frozen / N + 16 Ψ_trained / N + the fp32 "
+           "staging of one bucket's shard (4 x 5e7 / N) + one layer's initialiser stand-ins (fp32)", "",
            "| world | zerodp | rank 0 | rank 1 | rank 2 | rank 3 | frozen held per rank | bound | worst / bound |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["world"], r["mode"] != "main")):

@@ -202,5 +202,6 @@ def test_a_fine_tune_plans_the_frozen_base_whole_below_stage_3_and_one_nth_at_st
     assert rows[0][2:4] == size(frozen).split() and rows[1][2:4] == size(round(frozen / 4)).split()
     assert rows[1][4:6] == size(memory.formula(lora, 4, 3)).split()
     assert memory.finetune(psi, lora, 4, 3, offload_param=True)["host"] == round(frozen / 4) + round(2 * lora / 4)
-    estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--trainable-fraction", "0.5", "--measure", "none"])
+    estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--trainable-fraction", "0.5",
+                   "--measure", "none"])
     assert f"({params_text(round(psi / 2))} of {params_text(psi)}, 50.00%)" in " ".join(capsys.readouterr().out.split())

@@ -41,7 +41,8 @@ class Reading:
 def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str = "master/") -> Reading:
     """The Reading of model entries `entries` (zerodp.json's, no aliases): a trained one from its pieces
     `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32, and so a frozen one stage 3
-    sharded from its pieces `frozen/{name}@{start}`; the rest from `model/{name}`, a floating one in fp32. Everything missing is found here, before the first value is read."""
+    sharded from its pieces `frozen/{name}@{start}`; the rest from `model/{name}`, a floating one in fp32.
+    Everything missing is found here, before the first value is read."""
     md = metadata.state_dict_metadata
     pieces = saved_pieces(metadata, prefix)
     frozen_pieces = saved_pieces(metadata, "frozen/")  # stage 3's frozen parameters (ModelEntry.sharded)

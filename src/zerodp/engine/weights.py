@@ -5,7 +5,8 @@ known before any value (a file's layout is fixed first), the names that share a 
 (ties), and the values, each once, in whatever order they become available. `engine_weights` gives
 a trained engine's: the fp32 master values bucket by bucket (each bucket's shards gathered from its
 owners, so every rank takes part and holds one bucket at a time), stage 3's frozen parameters the
-same way from their working shards, then the buffers and the frozen parameters every rank holds whole. `Engine.full_state_dict` is the same values all at once.
+same way from their working shards, then the buffers and the frozen parameters every rank holds whole.
+`Engine.full_state_dict` is the same values all at once.
 
 Tensor parallelism: a bucket gathered over dp holds this rank's tp shard of each parameter; each
 shard is then joined over the tp group (comm.tp) along the dimension it was split on, one parameter
