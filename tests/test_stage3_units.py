@@ -101,8 +101,8 @@ def _gpt(rank: int, world: int, name: str, checkpointing: bool = False, frozen: 
     out["state"] = engine.full_state_dict()  # (its gathers are not the steps')
     if stage == 3:
         out["units"] = sum(1 for used in engine.units.uses if used)
-        out["buckets"] = len(engine.partitioned_optimizer.buckets)
-        out["planned"] = planned_gathers(engine.units, engine.partitioned_optimizer.buckets, engine.gatherer.last_unit)
+        out["buckets"] = len(engine.layout.buckets)  # reduced: the trained ones
+        out["planned"] = planned_gathers(engine.units, engine.layout.gathered, engine.gatherer.last_unit)
     return out
 
 
@@ -151,6 +151,10 @@ def test_stage3_shards_a_frozen_base_and_trains_as_stage2_releasing_each_block_a
         torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     # a bucket per block, and the model's own unit's (the embeddings, and what comes after the blocks)
     assert run[name]["frozen_buckets"] >= GPT_MODEL["n_layer"] + 1
+    # a step: the planned gathers of trained and frozen buckets, a reduce_scatter per trained bucket, the norm
+    gathers, _ = run[name]["planned"]
+    assert run[name]["calls"] == {"all_gather": STEPS * gathers, "reduce_scatter": STEPS * run[name]["buckets"],
+                                  "all_reduce": STEPS}
     assert run[name]["frozen_peak"] <= run[name]["frozen_buckets"] - GPT_MODEL["n_layer"] + 2, run[name]["frozen_peak"]
 
 
