@@ -524,7 +524,7 @@ class Engine:
         buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
         if self.gatherer is not None and any(b.index not in self.gatherer.gathered for b in buckets):
-            self.gathered_state.entering_gathers()  # a lone state_dict() on another rank learns of it
+            self.gathered_state.entering("a gathered_parameters block")  # a lone state_dict() elsewhere learns of it
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
@@ -534,6 +534,8 @@ class Engine:
         """fp32 master weights of every rank, keyed like module.state_dict(), each tensor whole (joined over
         the tp group under tensor parallelism; collective). It gathers the whole model on every rank: files
         are written without that (zerodp.checkpoint.export_engine, from engine_weights, one bucket at a time)."""
+        if self.gathered_state is not None:
+            self.gathered_state.entering("full_state_dict()")
         weights = engine_weights(self)
         values = {name: t.clone() for name, t in weights.stream}
         return {name: values[weights.ties.get(name, name)] for name in weights.shapes}
@@ -542,6 +544,8 @@ class Engine:
                         keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
         self.wait_for_parameters()
+        if self.gathered_state is not None:
+            self.gathered_state.entering("save_checkpoint()")
         return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, optimizer_states: bool = True,

@@ -12,8 +12,8 @@ one rank saves). A call on one rank only (`if rank == 0: torch.save(model.state_
 wait for ever in its first all_gather, or pair it with another rank's different collective. So each
 call that has something to gather first checks, through the process group's store (which no
 collective uses), that every rank has made it too. A missing rank that is already in another gather of
-this engine (a `gathered_parameters` block it entered after the blocks this rank has been through, as
-DeepSpeed-Chat's every-rank save after its rank-0-only one) will not make this call: that is found at
+this engine that this rank has not reached (a `gathered_parameters` block that gathers, full_state_dict,
+save_checkpoint: DeepSpeed-Chat's every-rank save after its rank-0-only one) will not make this call: that is found at
 once (`LoneCall`), else after `comm_timeout_s`. Then the call raises, naming what works instead, or
 (`LoneCall.PLACEHOLDERS`, zerodp.deepspeed's choice) returns DeepSpeed's placeholders with one warning line:
 each released parameter as the empty tensor it is, the persistent ones whole, no collective.
@@ -61,7 +61,7 @@ class GatheredStateDict:
         # What a call made on too few ranks is told to do instead (zerodp.deepspeed names its own API).
         self.advice = ENGINE_ADVICE
         self.lone = LoneCall.RAISE  # what a call made on too few ranks returns
-        self.blocks = 0  # gathering gathered_parameters blocks this rank has entered (entering_gathers)
+        self.entered = 0  # collective calls of this engine this rank has entered (entering)
         self.gathering = True  # this call gathers (False: it returns placeholders)
         self.bucket_of = {id(s.param): b for b in gatherer.buckets if not b.persistent for s in b.slots}
         self.tag = f"zerodp/stage3_state_dict/{next(_NUMBER)}"  # this engine's keys in the store
@@ -119,13 +119,14 @@ class GatheredStateDict:
         return any((b := self.bucket_of.get(id(p))) is not None and b.index not in gathered
                    for p in module.parameters())
 
-    def entering_gathers(self) -> None:
-        """(Engine.gathered_parameters) This rank enters a block that gathers: a rank waiting in a
-        state_dict() call this rank has not made learns that it will not make it (_elsewhere)."""
+    def entering(self, call: str) -> None:
+        """(the engine) This rank enters a collective call (a gathered_parameters block that gathers,
+        full_state_dict, save_checkpoint), which every rank makes in the same order: a rank waiting in a
+        state_dict() call this rank has not made learns that this rank will not make it first (_wait)."""
         if self.comm.world_size > 1 and not self.comm.is_fake():
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"{self.tag}/gathers/{self.comm.everyone.rank}", f"{self.calls} {self.blocks}")
-        self.blocks += 1
+            store.set(f"{self.tag}/entered/{self.comm.everyone.rank}", f"{self.calls} {self.entered} {call}")
+        self.entered += 1
 
     def _every_rank_called(self) -> bool:
         """Before a call's first gather: whether every rank of the group makes this call too (True), or
@@ -156,15 +157,15 @@ class GatheredStateDict:
         """Until every rank has made the call (None), another rank is found in a gather this rank has not
         reached, or comm_timeout_s passes (then why this rank stops waiting)."""
         start, told = time.monotonic(), False
-        others = [f"{self.tag}/gathers/{r}" for r in range(world) if r != self.comm.everyone.rank]
+        others = [f"{self.tag}/entered/{r}" for r in range(world) if r != self.comm.everyone.rank]
         while True:
             if _waited(store, done, _POLL_S):
                 return None
             for k in others:
                 if store.check([k]):
-                    calls, block = map(int, store.get(k).decode().split())
-                    if calls < self.calls and block >= self.blocks:  # it will not make this call first
-                        return (f"rank {k.rsplit('/', 1)[1]} is in a gathered_parameters block instead "
+                    calls, entered, call = store.get(k).decode().split(maxsplit=2)
+                    if int(calls) < self.calls and int(entered) >= self.entered:  # it will not make this one first
+                        return (f"rank {k.rsplit('/', 1)[1]} is in {call} instead "
                                 f"(found in {time.monotonic() - start:.1f} s)")
             waited = time.monotonic() - start
             if not told and waited > min(_FIRST_WAIT_S, self.timeout_s):
