@@ -84,7 +84,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
                           "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}; a model that "
                           "is not trained (a reference or teacher model) is wrapped without one once none "
                           "of its parameters requires grad (model.requires_grad_(False))")
-    optimizer = optimizer if optimizer is not None else (config.optimizer.build if trains else _NOTHING_TO_STEP)
+    optimizer = optimizer if optimizer is not None else (config.optimizer.build if trains else _nothing_to_step)
     groups = _trainable_groups(module, optimizer)
     if trains:
         _check_model(module, groups)
@@ -99,7 +99,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     return spec, optimizer, groups
 
 
-def _NOTHING_TO_STEP(groups: list[dict]) -> Optimizer:
+def _nothing_to_step(groups: list[dict]) -> Optimizer:
     """A frozen-only engine's optimizer: over no parameter (torch accepts a group with an empty list), so
     that the engine's parts are those of any engine; backward() and step() refuse before reaching it."""
     return torch.optim.SGD(groups, lr=0.0)
