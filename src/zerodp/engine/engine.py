@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zerodp.config import BatchSizes, Config
@@ -23,6 +24,7 @@ from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict
+from zerodp.engine.grad_placement import GradPlacements, names_of
 from zerodp.engine.layout import Layout
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
@@ -233,9 +235,11 @@ class Engine:
         config, zero = self.config, self.config.zero_optimization
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
+        placements = GradPlacements(layout, self.comm, names_of(self.module)) if self.comm.tp is not None else None
         return Reducer(layout, self.comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                        comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
+                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size,
+                       grad_placements=placements)
 
     def _scheduler(self, lr_scheduler: Callable | None):
         """The given scheduler factory, else the config's, built on the partitioned optimizer."""
@@ -260,6 +264,8 @@ class Engine:
         """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
         # Kept on device, unsynced: step() reports which rank's loss was non-finite.
         seen = loss.detach()
+        if isinstance(seen, DTensor):  # loss parallel: a Replicate DTensor (full_tensor: its value, no collective)
+            seen = seen.full_tensor()
         self._window_loss = seen if self._window_loss is None else self._window_loss + seen.float()
         self._scale_used = self.scaler.scale
         factor = self._scale_used / self.gas
@@ -319,6 +325,8 @@ class Engine:
         with self.monitor.span("reduce_wait"):
             self.reducer.wait()
         grads = self.reducer.shard_grads()
+        if self.reducer.grad_placements is not None:  # tensor parallelism: partial gradients summed over tp
+            self.reducer.grad_placements.sum_over_tp(grads)
         flags = step_flags(self._window_loss, self.comm.everyone.rank)  # (with tp: the rank in the world)
         if self.used_only is None:
             norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)

@@ -1,0 +1,220 @@
+"""Rank-side runs of tests/test_tp_titan.py, inside tests/test_tensor_parallel.py's one 4-rank launch (issue 31):
+tensor parallelism as torchtitan, torch and Hugging Face ship it, every gradient placement they produce.
+
+A Llama-shaped model (token embedding, RMSNorm, attention q/k/v/o, SwiGLU MLP, final norm, untied head) in
+torchtitan's own module layout, split by `apply_tp` below, written as torchtitan's `parallelize_llama` writes
+it with torch's own styles: a vocabulary-parallel embedding whose backward returns a Replicate gradient of the
+Shard(0) table, SequenceParallel norms whose weights' gradients are Partial(sum), PrepareModuleInput
+gathering the sequence before attention and the MLP, Colwise / Rowwise(output_layouts=Shard(1)), and the
+head from Shard(1), with or without loss parallel. The oracle: one process, the whole model, the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+import tp_export
+import zerodp
+
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH, STEPS, LR, CLIP = 32, 16, 4, 32, 2, 4, 4, 5, 2e-3, 0.05
+HEAD_DIM = DIM // HEADS
+TOL = 2e-5
+
+
+# ---- the model, in torchtitan's llama3 layout ---------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1: this tp rank's heads (ColwiseParallel hands back the local columns)
+        q, k, v = (w(x).view(b, t, -1, HEAD_DIM) for w in (self.wq, self.wk, self.wv))
+        q, k = q * freqs[None, :, None, :], k * freqs[None, :, None, :]  # a stand-in for rotary embedding
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(HIDDEN, DIM, bias=False), \
+            nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(DIM), Attention()
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(DIM), FeedForward()
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock() for i in range(LAYERS)})
+        self.norm, self.output = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+        self.register_buffer("freqs", 1 + 0.1 * torch.cos(torch.arange(SEQ * HEAD_DIM).float()).view(SEQ, HEAD_DIM),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs)
+        return self.output(self.norm(h))
+
+
+def build() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer()
+    with torch.no_grad():  # RMSNorm weights start at 1: moved off it, a partial sum trained as the whole shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> Transformer:
+    """torchtitan's llama3 apply_tp (torchtitan/models/llama3/infra/parallelize.py), float8 left out."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    return model
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(400 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def reference(steps: int = STEPS) -> dict:
+    """One process, the whole model, the whole batch: AdamW and clip_grad_norm_."""
+    model = build()
+    opt = adamw(model)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = data(step)
+        loss = loss_of(model(x), y)
+        loss.backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _config(stage: int, dp: int, bf16: bool = False, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_clipping": CLIP, "bf16": {"enabled": bf16},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 1500, **zero}}
+
+
+def whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()).float()
+            for n, p in model.named_parameters()}
+
+
+def _placements_seen(model: nn.Module) -> dict:
+    """The placements of the embedding's and the final norm's gradients as autograd hands them over."""
+    seen = {}
+    for name in ("tok_embeddings.weight", "norm.weight"):
+        p = dict(model.named_parameters())[name]
+        if isinstance(p, DTensor):
+            p.register_hook(lambda g, name=name: seen.setdefault(name, str(tuple(g.placements))) and None)
+    return seen
+
+
+def steps(engine, mesh: DeviceMesh, lp: bool, run: range) -> tuple[list[float], list[float]]:
+    """Train the given steps of the oracle's run, each dp rank its rows of the batch; world-mean losses."""
+    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+    rows = slice(dp_rank * (BATCH // dp), (dp_rank + 1) * (BATCH // dp))
+    losses, norms = [], []
+    for step in run:
+        x, y = (t[rows] for t in data(step))
+        with loss_parallel() if lp else nullcontext():
+            loss = loss_of(engine(x), y)
+            engine.backward(loss)
+        engine.step()
+        mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+        dist.all_reduce(mean)  # tp ranks of one dp rank hold the same loss: the world mean is the dp mean
+        losses.append(float(mean) / dist.get_world_size())
+        norms.append(engine.grad_norm)
+    return losses, norms
+
+
+def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, **zero) -> dict:
+    """The titan-style model over (dp, tp): losses, norms, whole weights, the export, the gradient placements."""
+    model = apply_tp(build(), mesh["tp"], lp)
+    seen = _placements_seen(model)
+    engine = zerodp.initialize(model, adamw(model), _config(stage, mesh["dp"].size(), bf16, **zero), device_mesh=mesh)
+    losses, norms = steps(engine, mesh, lp, range(STEPS))
+    with engine.gathered_parameters():
+        weights = whole(model)
+    return {"losses": losses, "norms": norms, "weights": weights, "export": tp_export.exported(engine)["full"],
+            "seen": dict(seen)}
+
+
+def runs(mesh: DeviceMesh) -> dict:
+    """Every case test_tp_titan.py reads, on the launch's (dp 2, tp 2) mesh and its other shapes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {"reference": reference()}
+    for stage in (1, 2, 3):
+        out[f"titan dp2 tp2 stage {stage}"] = train(mesh, stage)
+    out["titan dp2 tp2 stage 2 loss parallel"] = train(mesh, 2, lp=True)
+    out["titan dp2 tp2 stage 3 loss parallel"] = train(mesh, 3, lp=True)
+    for dp, tp in ((1, 4), (4, 1)):
+        out[f"titan dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
+    out["titan dp2 tp2 stage 2 bf16"] = train(mesh, 2, bf16=True)
+    return out
