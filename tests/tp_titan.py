@@ -217,4 +217,183 @@ def runs(mesh: DeviceMesh) -> dict:
     for dp, tp in ((1, 4), (4, 1)):
         out[f"titan dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
     out["titan dp2 tp2 stage 2 bf16"] = train(mesh, 2, bf16=True)
+    out["refused"] = refused(mesh)
+    out["mpu reference"], out["mpu sequence parallel"] = mpu_reference(), mpu_sequence_parallel(mesh)
     return out
+
+
+def refused(mesh: DeviceMesh) -> str:
+    """A gradient placement zerodp cannot bring to its parameter's (a Replicate norm weight's gradient made
+    Shard(0) by a hook): the error every rank raises from engine.backward."""
+    model = apply_tp(build(), mesh["tp"], False)
+    model.norm.weight.register_hook(lambda g: g.redistribute(placements=[Shard(0)]))
+    engine = zerodp.initialize(model, adamw(model), _config(2, mesh["dp"].size()), device_mesh=mesh)
+    x, y = data(0)
+    try:
+        engine.backward(loss_of(engine(x[:2]), y[:2]))
+    except Exception as e:  # noqa: BLE001 - the test reads its text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+SAVE_AT = 3
+
+
+def save(mesh: DeviceMesh, root: str) -> None:
+    """At (dp 2, tp 2), stage 2: SAVE_AT steps of the oracle's run, saved under root/titan."""
+    model = apply_tp(build(), mesh["tp"], False)
+    engine = zerodp.initialize(model, adamw(model), _config(2, mesh["dp"].size()), device_mesh=mesh)
+    steps(engine, mesh, False, range(SAVE_AT))
+    engine.save_checkpoint(os.path.join(root, "titan"))
+
+
+def resume(root: str) -> dict[str, torch.Tensor]:
+    """At (dp 1, tp 2) (test_tp_ckpt.py's 2-rank launch): root/titan resumed and trained to STEPS; whole weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = apply_tp(build(), mesh["tp"], False)
+    engine = zerodp.initialize(model, adamw(model), _config(2, 1), device_mesh=mesh)
+    engine.load_checkpoint(os.path.join(root, "titan"))
+    steps(engine, mesh, False, range(SAVE_AT, STEPS))
+    with engine.gathered_parameters():
+        return whole(model)
+
+
+# ---- Megatron-style sequence parallelism through an mpu -----------------------------------------------
+# test_tensor_parallel's Net split by hand (SplitLinear) and run as Megatron runs it with
+# sequence_parallel: the residual stream holds this tp rank's slice of the sequence; it is gathered before
+# each column-parallel layer and the row-parallel outputs are reduce-scattered back to slices. The norms
+# (and the row-parallel biases, added after the reduce-scatter) see only their slice: Megatron marks them
+# `sequence_parallel`, and their gradients are summed over tp.
+MPU_SEQ = 4
+
+
+def _chunk(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), 1)[dist.get_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return _chunk(x, group)
+
+
+class _ToSlices(torch.autograd.Function):
+    """The whole sequence -> this rank's slice; backward gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    """Slices -> the whole sequence; backward reduce-scatters (the consumer is tensor-parallel: partial
+    input gradients) or takes this rank's slice (it is replicated: every rank's gradient is whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group, summed):
+        ctx.group, ctx.summed = group, summed
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_reduce_scatter(g, ctx.group) if ctx.summed else _chunk(g, ctx.group)), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Partial sums of the whole sequence -> this rank's slice of their sum; backward gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.group), None
+
+
+class MegatronSequenceParallel(nn.Module):
+    """test_tensor_parallel's Net (split by hand into SplitLinear shards) run with sequence parallelism."""
+
+    def __init__(self, net: nn.Module, group):
+        super().__init__()
+        self.net, self.group = net, group
+        for name, p in net.named_parameters():  # Megatron's marking of what sees only its sequence slice
+            if "ln" in name or name.startswith("norm") or name.endswith(("o.bias", "fc2.bias")):
+                p.sequence_parallel = True
+
+    def _attention(self, attn, a: torch.Tensor) -> torch.Tensor:
+        from test_tensor_parallel import HEAD_DIM as HD
+        b, t, _ = a.shape
+        q, k, v = (F.linear(a, m.weight, m.bias).view(b, t, -1, HD).transpose(1, 2) for m in (attn.q, attn.k, attn.v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
+        return _ReduceScatter.apply(F.linear(out, attn.o.weight), self.group) + attn.o.bias
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        net, g = self.net, self.group
+        h = _ToSlices.apply(net.inp(x), g)
+        for block in net.blocks:
+            h = h + self._attention(block.attn, _Gather.apply(block.ln1(h), g, True))
+            m = _Gather.apply(block.ln2(h), g, True)
+            hidden = F.gelu(F.linear(m, block.fc1.weight, block.fc1.bias))
+            h = h + _ReduceScatter.apply(F.linear(hidden, block.fc2.weight), g) + block.fc2.bias
+        return F.mse_loss(net.head(_Gather.apply(net.norm(h), g, False)), y)
+
+
+def _mpu_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from test_tensor_parallel import BATCH as B, D_IN, D_OUT
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(B, MPU_SEQ, D_IN, generator=g), torch.randn(B, MPU_SEQ, D_OUT, generator=g)
+
+
+def mpu_reference() -> dict:
+    """One process, the whole Net, the whole batch of MPU_SEQ positions."""
+    import test_tensor_parallel as tp
+    model = tp.build()
+    opt = tp.optimizer(model)
+    losses = []
+    for step in range(tp.STEPS):
+        loss = model(*_mpu_data(step))
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), tp.CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def mpu_sequence_parallel(mesh: DeviceMesh) -> dict:
+    """(dp 2, tp 2) at stage 2 through an mpu, Megatron's sequence parallelism: losses and whole weights."""
+    import test_tensor_parallel as tp
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+    model = MegatronSequenceParallel(tp.split_by_hand(tp.build(), tp_group, "tensor_model_parallel"), tp_group)
+    engine = zerodp.initialize(model, tp.optimizer(model), tp.config(2, 2), mpu=tp.ParallelState(dp_group, tp_group))
+    rows = slice(mesh.get_local_rank("dp") * (tp.BATCH // 2), (mesh.get_local_rank("dp") + 1) * (tp.BATCH // 2))
+    losses = []
+    for step in range(tp.STEPS):
+        loss = engine(*(t[rows] for t in _mpu_data(step)))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    weights = {}
+    with engine.gathered_parameters():
+        for name, module in model.net.named_modules():
+            if isinstance(module, tp.SplitLinear):
+                weights.update({f"{name}.{k}": v for k, v in module.whole().items()})
+        weights.update({n: p.detach().clone() for n, p in model.net.named_parameters() if n not in weights})
+    return {"losses": losses, "weights": weights}

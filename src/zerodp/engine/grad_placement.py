@@ -57,8 +57,8 @@ class GradPolicy:
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's gradient in the slot's shape (a view or a new tensor; never the summed one)."""
-        if self.placements is None or not isinstance(grad, DTensor):
-            return local(grad)
+        if self.placements is None or not isinstance(grad, DTensor) or self.tp == 1:
+            return local(grad)  # (over one tp rank, every placement is the whole tensor)
         if tuple(grad.placements) == self.placements:
             return grad._local_tensor / self.tp if self.summed and self.tp > 1 else grad._local_tensor
         if all(pl.is_replicate() for pl in self.placements) and all(_partial_sum(pl) for pl in grad.placements):
