@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from zerodp.distributed.comm import Comm
@@ -59,7 +59,7 @@ class GradPolicy:
         """This rank's gradient in the slot's shape (a view or a new tensor; never the summed one)."""
         if self.placements is None or not isinstance(grad, DTensor) or self.tp == 1:
             return local(grad)  # (over one tp rank, every placement is the whole tensor)
-        if tuple(grad.placements) == self.placements:
+        if tuple(grad.placements) == self.placements or _normal(grad.placements, grad.ndim) == self.placements:
             return grad._local_tensor / self.tp if self.summed and self.tp > 1 else grad._local_tensor
         if all(pl.is_replicate() for pl in self.placements) and all(_partial_sum(pl) for pl in grad.placements):
             if self.summed:
@@ -82,6 +82,11 @@ class GradPolicy:
             "parameter's gradient is in one of those placements")
 
 
+def _normal(placements, ndim: int) -> tuple:
+    """Placements with each Shard's dim counted from the front (Shard(-1) of a matrix is Shard(1))."""
+    return tuple(Shard(pl.dim % ndim) if type(pl) is Shard else pl for pl in placements)
+
+
 def _partial_sum(pl) -> bool:
     return pl.is_partial() and getattr(pl, "reduce_op", "sum") == "sum"
 
@@ -101,7 +106,7 @@ def _cut(p: torch.Tensor) -> tuple[int, int, int] | None:
     Replicate parameter or a _StridedShard one (its shard is no single box: DTensor cuts it)."""
     if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
         return None
-    if len(p.placements) != 1 or type(p.placements[0]).__name__ != "Shard":
+    if len(p.placements) != 1 or type(p.placements[0]) is not Shard:
         return None
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     dim = p.placements[0].dim % p.dim()
@@ -119,7 +124,7 @@ class GradPlacements:
         tp = comm.tp.world_size if comm.tp is not None else 1
         self.policies: list[list[GradPolicy]] = [
             [GradPolicy(names.get(id(s.param), f"of shape {tuple(s.shape)}"),
-                        tuple(s.param.placements) if isinstance(s.param, DTensor) else None,
+                        _normal(s.param.placements, s.param.ndim) if isinstance(s.param, DTensor) else None,
                         id(s.param) in summed and uneven is None, tp, _cut(s.param), uneven)
              for s in b.slots] for b in layout.buckets]
         # (bucket, lo, hi) in shard coordinates of each summed slot's part of this rank's shard
