@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
-    resume_from=None, seed=1337, nproc=None, tp=1, ds_config=None, timeout=600.0, save_on_signal=True,
+    resume_from=None, seed=1337, nproc=None, tp=1, sequence_parallel=False, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
 # Fault injection for the tests, not for --config.
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
                    "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
                    "tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="with --tp: sequence parallelism for the GPT's norms (each tp rank normalises its slice of "
+                   "the sequence and keeps only that slice's activations between the blocks' halves)")
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
@@ -222,7 +225,12 @@ def _check(o: dict[str, Any]) -> None:
 def _check_tp(o: dict[str, Any]) -> None:
     """--tp: what the tensor-parallel job supports, refused here with the reason (every rank parses alike)."""
     tp, world = o["tp"], int(os.environ.get("WORLD_SIZE", o["nproc"]))
+    if not isinstance(o["sequence_parallel"], bool):
+        raise SystemExit(f"zerodp train: sequence_parallel {o['sequence_parallel']!r}: expected true or false")
     if tp == 1:
+        if o["sequence_parallel"]:
+            raise SystemExit("zerodp train: --sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                             "give --tp N with N > 1 too")
         return
     if world % tp:
         raise SystemExit(f"zerodp train: --tp {tp} does not divide the {world} rank(s) (--nproc or torchrun's "
@@ -236,6 +244,10 @@ def _check_tp(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --tp {tp}: --model {o['model']} has n_head={shape['n_head']} and "
                          f"n_embd={shape['n_embd']}, which tensor parallelism splits by heads; use a --tp that "
                          "divides both")
+    block = o["block_size"] or shape["block_size"]
+    if o["sequence_parallel"] and block % tp:
+        raise SystemExit(f"zerodp train: --sequence-parallel with --tp {tp}: the sequence ({block} tokens, "
+                         f"--block-size) must be divisible by {tp}")
     if o["stage"] == 0:  # the engine's too: tensor parallelism needs ZeRO's one step over the whole world
         raise SystemExit(f"zerodp train: --tp {tp}: --stage 0 is not supported with tensor parallelism; use "
                          "--stage 1, 2 or 3, or --tp 1")

@@ -29,7 +29,8 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
     else:  # no allocator statistics on the CPU: the formula of zerodp.engine.memory
         # --tp splits each block's activations; the GPT's head is whole on every tp rank (models/gpt.py).
         parts["activations_estimate"] = activation_estimate(shape, opts.micro_batch, shape.block_size,
-                                                            opts.dtype, tp=opts.tp, vocab_parallel=False)
+                                                            opts.dtype, tp=opts.tp, vocab_parallel=False,
+                                                            sequence_parallel=opts.sequence_parallel)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, parts)
     return gathered
