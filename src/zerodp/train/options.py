@@ -77,13 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
-    p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
-                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
-                   "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
-                   "tensor-parallel")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="with --tp: sequence parallelism for the GPT's norms (each tp rank normalises its slice of "
-                   "the sequence and keeps only that slice's activations between the blocks' halves)")
+    add_parallel_options(p)
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
@@ -96,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the default), skip: go on (the config's non_finite section)")
     add_fault_options(p)
     return p
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    """--tp and --sequence-parallel: the GPT split over tensor-parallel ranks, ZeRO over the rest."""
+    p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
+                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
+                   "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
+                   "tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="with --tp: sequence parallelism for the GPT's norms (each tp rank normalises its slice of "
+                   "the sequence and keeps only that slice's activations between the blocks' halves)")
 
 
 def add_fault_options(p: argparse.ArgumentParser) -> None:
