@@ -17,7 +17,7 @@ from tp_titan import CLIP, TOL
 
 RUNS = ["titan dp2 tp2 stage 1", "titan dp2 tp2 stage 2", "titan dp2 tp2 stage 3",
         "titan dp2 tp2 stage 2 loss parallel", "titan dp2 tp2 stage 3 loss parallel",
-        "titan dp1 tp4 stage 2", "titan dp4 tp1 stage 2"]
+        "titan dp1 tp4 stage 2", "titan dp4 tp1 stage 2", "titan dp2 tp2 stage 3 meta weights offload"]
 
 
 def _titan(rank: int) -> dict:

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -81,8 +82,13 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleDict({str(i): TransformerBlock() for i in range(LAYERS)})
         self.norm, self.output = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-        self.register_buffer("freqs", 1 + 0.1 * torch.cos(torch.arange(SEQ * HEAD_DIM).float()).view(SEQ, HEAD_DIM),
-                             persistent=False)
+        self.register_buffer("freqs", torch.empty(SEQ, HEAD_DIM), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The buffer's values (what a build on meta runs, as torchtitan's init_weights fills freqs_cis)."""
+        with torch.no_grad():
+            self.freqs.copy_(1 + 0.1 * torch.cos(torch.arange(SEQ * HEAD_DIM).float()).view(SEQ, HEAD_DIM))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -193,11 +199,18 @@ def steps(engine, mesh: DeviceMesh, lp: bool, run: range) -> tuple[list[float], 
     return losses, norms
 
 
-def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, **zero) -> dict:
-    """The titan-style model over (dp, tp): losses, norms, whole weights, the export, the gradient placements."""
-    model = apply_tp(build(), mesh["tp"], lp)
+def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, weights: str | None = None,
+          **zero) -> dict:
+    """The titan-style model over (dp, tp): losses, norms, whole weights, the export, the gradient placements.
+    With `weights` (a file of the whole model) it is built on meta and its values read from there."""
+    if weights is not None:
+        with torch.device("meta"):
+            model = apply_tp(Transformer(), mesh["tp"], lp)
+    else:
+        model = apply_tp(build(), mesh["tp"], lp)
     seen = _placements_seen(model)
-    engine = zerodp.initialize(model, adamw(model), _config(stage, mesh["dp"].size(), bf16, **zero), device_mesh=mesh)
+    engine = zerodp.initialize(model, adamw(model), _config(stage, mesh["dp"].size(), bf16, **zero), device_mesh=mesh,
+                               weights=weights)
     losses, norms = steps(engine, mesh, lp, range(STEPS))
     with engine.gathered_parameters():
         weights = whole(model)
@@ -217,6 +230,15 @@ def runs(mesh: DeviceMesh) -> dict:
     for dp, tp in ((1, 4), (4, 1)):
         out[f"titan dp{dp} tp{tp} stage 2"] = train(init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), 2)
     out["titan dp2 tp2 stage 2 bf16"] = train(mesh, 2, bf16=True)
+    with tempfile.TemporaryDirectory(prefix="tp_titan.") as folder:  # the large-model recipe: meta, files, offload
+        path = os.path.join(folder, "whole.safetensors")
+        if dist.get_rank() == 0:
+            save_file({n: p.detach().contiguous() for n, p in build().named_parameters()}, path)
+        dist.barrier()
+        cpu = {"device": "cpu"}
+        out["titan dp2 tp2 stage 3 meta weights offload"] = train(mesh, 3, weights=path, offload_optimizer=cpu,
+                                                                  offload_param=cpu)
+        dist.barrier()
     out["refused"] = refused(mesh)
     out["mpu reference"], out["mpu sequence parallel"] = mpu_reference(), mpu_sequence_parallel(mesh)
     return out
