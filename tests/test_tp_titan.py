@@ -7,6 +7,7 @@ test_tensor_parallel's one 4-rank launch (tests/tp_titan.py); the resume in test
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -107,3 +108,16 @@ def test_titan_checkpoint_saved_at_dp2_tp2_resumes_at_dp1_tp2_to_the_uninterrupt
     for rank, result in enumerate(_resumed()):
         worst = _assert_close(result["titan"], ref, f"titan resumed, rank {rank}")
         print(f"titan resumed rank {rank}: {worst:.2e}")
+
+
+def test_titan_checkpoint_consolidates_to_the_whole_weights_at_the_save():
+    # `zerodp consolidate` joins the (dp 2, tp 2) checkpoint's shards: the embedding's rows, the head's, the
+    # projections' along their Shard dims, and the norm weights saved once.
+    from test_tp_ckpt import _root
+    from tp_titan import SAVE_AT, reference
+    from zerodp.checkpoint import consolidate
+
+    state, ties = consolidate(os.path.join(_root(), "titan"))
+    assert ties == {}
+    worst = _assert_close(state, reference(SAVE_AT)["weights"], "titan consolidated")
+    print(f"titan consolidated: {worst:.2e}")
