@@ -392,6 +392,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["tp ckpt"] = tp_ckpt.saves(mesh)  # test_tp_ckpt.py's checkpoints
     out["titan"] = tp_titan.runs(mesh)  # test_tp_titan.py: torchtitan's plan, sequence and loss parallel
     tp_titan.save(mesh, out["tp ckpt"]["dir"])
+    out["titan"]["hf own mesh"] = tp_titan.hf_own_mesh(mesh)  # last: transformers' own set-up of a mesh
     return out
 
 

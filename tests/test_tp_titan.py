@@ -84,6 +84,12 @@ def test_megatron_sequence_parallel_norms_through_an_mpu_match_one_process_at_st
         print(f"mpu sequence parallel rank {rank}: {worst:.2e}")
 
 
+def test_a_hugging_face_model_on_transformers_own_mesh_is_refused_naming_the_route():
+    for rank in range(4):
+        text = _titan(rank)["hf own mesh"]
+        assert "is a DTensor on mesh [0, 1, 2, 3]" in text and "apply its plan on mesh['tp']" in text, text
+
+
 @functools.lru_cache(maxsize=1)
 def _initial() -> dict:
     from tp_titan import build

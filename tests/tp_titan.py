@@ -208,9 +208,9 @@ def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, we
             model = apply_tp(Transformer(), mesh["tp"], lp)
     else:
         model = apply_tp(build(), mesh["tp"], lp)
-    seen = _placements_seen(model)
     engine = zerodp.initialize(model, adamw(model), _config(stage, mesh["dp"].size(), bf16, **zero), device_mesh=mesh,
                                weights=weights)
+    seen = _placements_seen(model)  # (after: a model built on meta has its parameters made by initialize)
     losses, norms = steps(engine, mesh, lp, range(STEPS))
     with engine.gathered_parameters():
         weights = whole(model)
@@ -239,6 +239,22 @@ def runs(mesh: DeviceMesh) -> dict:
     out["refused"] = refused(mesh)
     out["mpu reference"], out["mpu sequence parallel"] = mpu_reference(), mpu_sequence_parallel(mesh)
     return out
+
+
+def hf_own_mesh(mesh: DeviceMesh) -> str:
+    """A Llama loaded with transformers' own tensor parallelism (DistributedConfig(tp_size=4): its mesh over
+    the whole world, not the given mesh's "tp"): zerodp.initialize's error."""
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    with tempfile.TemporaryDirectory(prefix="tp_titan_hf.") as folder:  # each rank its own copy
+        tp_export._tiny_llama().save_pretrained(folder)
+        model = LlamaForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_size=4))
+    try:
+        zerodp.initialize(model, adamw(model), _config(2, 2), device_mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def refused(mesh: DeviceMesh) -> str:
