@@ -248,7 +248,9 @@ def hf_own_mesh(mesh: DeviceMesh) -> str:
     from transformers.distributed import DistributedConfig
 
     with tempfile.TemporaryDirectory(prefix="tp_titan_hf.") as folder:  # each rank its own copy
-        tp_export._tiny_llama().save_pretrained(folder)
+        llama = tp_export._tiny_llama()  # written by hand: save_pretrained writes on the world's rank 0 only
+        llama.config.to_json_file(os.path.join(folder, "config.json"))
+        save_file({n: t.contiguous() for n, t in llama.state_dict().items()}, os.path.join(folder, "model.safetensors"))
         model = LlamaForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_size=4))
     try:
         zerodp.initialize(model, adamw(model), _config(2, 2), device_mesh=mesh)

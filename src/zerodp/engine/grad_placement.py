@@ -12,7 +12,7 @@ A gradient already in its parameter's placement goes in as it is. Anything else 
 it arrives (a `GradientPlacementError` raised from the gradient hook: placements are decided by the
 model's plan, the same on every rank that computes that gradient, so every such rank raises there).
 
-The tp sum (`TpSum`) is decided once at set-up, per slot, not per arrival: every `Replicate` DTensor
+Which slots are summed over tp is decided once at set-up, per slot, not per arrival: every `Replicate` DTensor
 parameter and every plain parameter marked `sequence_parallel` (Megatron's attribute, with an mpu) is
 summed over tp at every step, whatever its gradient turned out to be, so that every rank of the world sums
 the same slots (a parameter unused on one dp rank still holds the others' partial sums after the dp
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, local
+from zerodp.engine.flat import local
 from zerodp.engine.layout import Layout
 
 
@@ -50,7 +50,7 @@ class GradPolicy:
 
     name: str                 # the parameter's name, for errors
     placements: tuple | None  # the parameter's placements over tp; None: a plain tensor (as is)
-    summed: bool              # the slot is summed over tp at every step (TpSum)
+    summed: bool              # the slot is summed over tp at every step (GradPlacements.sum_over_tp)
     tp: int                   # tp ranks: a Replicate gradient of a summed slot enters divided by it
     cut: tuple[int, int, int] | None  # (dim, start, length) of this rank's Shard of the whole tensor
     uneven: str | None        # why a partial gradient cannot be summed here (the tp ranks' buckets differ)
@@ -121,6 +121,10 @@ class GradPlacements:
         self.layout = layout
         summed = {id(s.param) for _, s in layout.slots() if _summed(s.param, comm)}
         uneven = self._uneven(summed)
+        marked = [names.get(id(s.param), "?") for _, s in layout.slots()
+                  if id(s.param) in summed and not isinstance(s.param, DTensor)]
+        if uneven is not None and marked:  # a plain gradient does not say it is partial: refused here, not later
+            raise GradientPlacementError(f"parameter '{marked[0]}' is marked sequence_parallel: {uneven}")
         tp = comm.tp.world_size if comm.tp is not None else 1
         self.policies: list[list[GradPolicy]] = [
             [GradPolicy(names.get(id(s.param), f"of shape {tuple(s.shape)}"),
