@@ -18,11 +18,16 @@ from tp_titan import CLIP, TOL
 
 RUNS = ["titan dp2 tp2 stage 1", "titan dp2 tp2 stage 2", "titan dp2 tp2 stage 3",
         "titan dp2 tp2 stage 2 loss parallel", "titan dp2 tp2 stage 3 loss parallel",
-        "titan dp1 tp4 stage 2", "titan dp4 tp1 stage 2", "titan dp2 tp2 stage 3 meta weights offload"]
+        "titan dp1 tp4 stage 2", "titan dp4 tp1 stage 2", "titan dp2 tp2 stage 3 meta weights offload",
+        "titan dp2 tp2 stage 2 vocab 33"]
 
 
 def _titan(rank: int) -> dict:
     return _results()[rank]["titan"]
+
+
+def _reference(run: str) -> str:
+    return "reference vocab 33" if run.endswith("vocab 33") else "reference"
 
 
 def _assert_close(got: dict, want: dict, what: str) -> float:
@@ -36,7 +41,7 @@ def _assert_close(got: dict, want: dict, what: str) -> float:
 @pytest.mark.parametrize("run", RUNS)
 def test_titan_plan_over_dp_x_tp_matches_one_process_on_the_whole_batch(run):
     for rank in range(4):
-        ref, got = _titan(rank)["reference"], _titan(rank)[run]
+        ref, got = _titan(rank)[_reference(run)], _titan(rank)[run]
         assert min(ref["norms"]) > CLIP  # clipping binds on every step
         assert got["losses"] == pytest.approx(ref["losses"], abs=TOL, rel=TOL), (run, rank)
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), (run, rank)
@@ -50,7 +55,7 @@ def test_sequence_parallel_norm_gradients_arrive_partial_and_are_summed_over_tp(
     # Each tp rank's norm-weight gradient is its slice of the sequence's contribution (Partial(sum)):
     # trained as it stands, the norm weights end ~1e-2 away from one process (measured: 1.1e-2).
     for rank in range(4):
-        got, ref = _titan(rank)[run], _titan(rank)["reference"]
+        got, ref = _titan(rank)[run], _titan(rank)[_reference(run)]
         assert got["seen"]["norm.weight"] == "(Partial(sum),)", got["seen"]
         norms = {n: w for n, w in ref["weights"].items() if "norm" in n}
         _assert_close({n: got["weights"][n] for n in norms}, norms, f"{run} norm weights, rank {rank}")
@@ -61,7 +66,7 @@ def test_vocab_parallel_embedding_gradient_is_cut_to_this_ranks_shard(run):
     # RowwiseParallel(input_layouts=Replicate()) keeps a Shard(0) table whose gradient comes back Replicate
     # (the whole table): it must enter the bucket as this rank's rows, not as the whole table.
     for rank in range(4):
-        got, ref = _titan(rank)[run], _titan(rank)["reference"]
+        got, ref = _titan(rank)[run], _titan(rank)[_reference(run)]
         assert got["seen"]["tok_embeddings.weight"] == "(Replicate(),)", got["seen"]
         _assert_close({"e": got["weights"]["tok_embeddings.weight"]}, {"e": ref["weights"]["tok_embeddings.weight"]},
                       f"{run} embedding, rank {rank}")

@@ -21,9 +21,10 @@ reduce). A `Replicate` gradient of such a parameter enters its slot divided by t
 collective over the tp group (sums commute: sum over tp of the sum over dp and micro-steps is the same
 number; Megatron's finalize_model_grads also all-reduces them once, after the dp reduce): 1/dp of the
 elements a sum per bucket before the reduce would move, and one collective instead of one per bucket.
-It needs the summed slots to lie alike in every tp rank's buckets; uneven tp shards (a dimension not
-divisible by tp) can make the tp ranks' buckets differ, which one set-up collective detects: a partial
-gradient is then refused by name.
+It needs the summed slots to lie alike in every tp rank's buckets, which one set-up exchange over tp checks;
+uneven tp shards (a dimension not divisible by tp) can move them. Then a Partial gradient is summed in its
+hook instead (DTensor's redistribute: one all_reduce per such gradient), and a plain parameter marked
+sequence_parallel, whose gradient cannot say it is partial, is refused at set-up.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class GradPolicy:
     summed: bool              # the slot is summed over tp at every step (GradPlacements.sum_over_tp)
     tp: int                   # tp ranks: a Replicate gradient of a summed slot enters divided by it
     cut: tuple[int, int, int] | None  # (dim, start, length) of this rank's Shard of the whole tensor
-    uneven: str | None        # why a partial gradient cannot be summed here (the tp ranks' buckets differ)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's gradient in the slot's shape (a view or a new tensor; never the summed one)."""
@@ -64,22 +64,19 @@ class GradPolicy:
         if all(pl.is_replicate() for pl in self.placements) and all(_partial_sum(pl) for pl in grad.placements):
             if self.summed:
                 return grad._local_tensor
-            raise self._refused(grad, self.uneven)
+            # The tp ranks' buckets differ (uneven tp shards): summed here, one all_reduce for this gradient
+            return grad.redistribute(placements=self.placements)._local_tensor
         if all(pl.is_replicate() for pl in grad.placements) and not self.summed:
             if self.cut is not None:
                 dim, start, length = self.cut
                 return grad._local_tensor.narrow(dim, start, length)
             return grad.redistribute(placements=self.placements)._local_tensor  # _StridedShard: torch's own cut
-        raise self._refused(grad, None)
-
-    def _refused(self, grad: DTensor, why: str | None) -> GradientPlacementError:
-        reason = why or ("zerodp brings a Partial(sum) gradient of a Replicate parameter (summed over tp) and a "
-                         "Replicate gradient of a Shard parameter (cut to this rank's shard) to their parameter's "
-                         "placement, and takes a gradient already in it as it is")
-        return GradientPlacementError(
+        raise GradientPlacementError(
             f"parameter '{self.name}' has placements {self.placements} over the 'tp' mesh, but its gradient "
-            f"arrived as {tuple(grad.placements)}: {reason}. Change the tensor-parallel plan so that this "
-            "parameter's gradient is in one of those placements")
+            f"arrived as {tuple(grad.placements)}: zerodp brings a Partial(sum) gradient of a Replicate parameter "
+            "(summed over tp) and a Replicate gradient of a Shard parameter (cut to this rank's shard) to their "
+            "parameter's placement, and takes a gradient already in it as it is. Change the tensor-parallel plan "
+            "so that this parameter's gradient is in one of those placements")
 
 
 def _normal(placements, ndim: int) -> tuple:
@@ -129,7 +126,7 @@ class GradPlacements:
         self.policies: list[list[GradPolicy]] = [
             [GradPolicy(names.get(id(s.param), f"of shape {tuple(s.shape)}"),
                         _normal(s.param.placements, s.param.ndim) if isinstance(s.param, DTensor) else None,
-                        id(s.param) in summed and uneven is None, tp, _cut(s.param), uneven)
+                        id(s.param) in summed and uneven is None, tp, _cut(s.param))
              for s in b.slots] for b in layout.buckets]
         # (bucket, lo, hi) in shard coordinates of each summed slot's part of this rank's shard
         self.ranges = [(b.index, lo - layout.shard_start(b), hi - layout.shard_start(b))
@@ -146,9 +143,9 @@ class GradPlacements:
         everyone = comm.tp.all_gather_object(where)
         if all(w == everyone[0] for w in everyone):
             return None
-        return ("its gradient is Partial (a partial sum on each tp rank), which zerodp sums over tp on the reduced "
-                "shards, but the tp ranks' buckets differ (a parameter's tp shards are of unequal sizes: a "
-                "dimension not divisible by tp); make every split dimension divisible by the tp size")
+        return ("its gradient, a partial sum on each tp rank, is summed over tp on the reduced shards, but the tp "
+                "ranks' buckets differ (a parameter's tp shards are of unequal sizes: a dimension not divisible by "
+                "tp); make every split dimension divisible by the tp size")
 
     def sum_over_tp(self, grads: list[torch.Tensor]) -> None:
         """The step's one tp sum: each summed slot's part of this rank's reduced gradient shard, in place
