@@ -160,4 +160,5 @@ class GradPlacements:
 
 
 def names_of(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in `module`, for the errors."""
     return {id(p): n for n, p in module.named_parameters()}

@@ -1,7 +1,8 @@
 """Gradient hooks, buckets, and their overlapped reduction.
 
 As backward accumulates each parameter's gradient, a `post_accumulate_grad` hook copies it into
-its bucket and frees it. A bucket whose parameters have all arrived is launched asynchronously
+its bucket and frees it (a tensor-parallel gradient first brought to its parameter's placement:
+grad_placement.py). A bucket whose parameters have all arrived is launched asynchronously
 while backward goes on (`overlap_comm`):
   stage 0: all_reduce of the bucket (plain data parallelism, every rank keeps everything);
   stage 1: gradients accumulate in a full bucket; reduce_scatter once, at the boundary micro-step;
