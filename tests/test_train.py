@@ -88,7 +88,7 @@ def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
     out = tmp_path / name
     common = [*TINY, *_COMMON, "--data", data, "--out", str(out)]
     if crash_after is None:
-        train(*common)
+        (out.parent / f"{name}.stderr").write_text(train(*common).stderr)  # the progress bar's last state
         return out
     proc = train(*common, "--crash-after", str(crash_after), check=False)
     assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
@@ -127,6 +127,8 @@ def test_eval_every_0_means_no_validation(reference):
     lines = metrics(reference[1])
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
     assert not [r for r in lines if r["kind"] == "eval"]
+    bar = (reference[1].parent / "reference.stderr").read_text()
+    assert "8/8" in bar and "tok/s" in bar and " val " not in bar  # the bar showed 'val nan' (issue 34)
 
 
 def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
