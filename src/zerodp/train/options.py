@@ -66,8 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
     p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
-    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, with -tp<N> under --tp N; a "
-                   "fresh run refuses a default one that holds another job's checkpoints)")
+    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, -tp<N> added with --tp N)")
     p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
                    "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
