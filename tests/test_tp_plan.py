@@ -65,6 +65,7 @@ def test_estimate_prints_the_seeds_100b_setup_beside_tensor_parallelism_alone(ca
     assert rows[0][-6:-3] == ["yes", "14.6G", "NVLink"]  # ZeRO-2 + tp 16 fits a 32 GiB V100, tp inside a node
     # tp alone at the largest split of the 64 heads (never 128 or 256), on the 384 GPUs that 64 divides, said so
     assert rows[-1][:6] == ["384", "tp", "alone", "6", "x", "64"] and rows[-1][-6] == "no" and rows[-1][-4] == "IB"
+    assert rows[-1][8] == "33.7G"  # docs/DESIGN.md quotes it
     text = " ".join(out.split())
     assert "fits 32.00 GiB at no T that divides its 64 attention heads; the largest, T = 64, is shown" in text
     assert "N = 384: 400 GPUs are not a multiple of T = 64; tensor parallelism alone runs on 384 of them" in text
