@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerodp.distributed import teardown
+from zerodp.distributed import said_once, teardown
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
 
@@ -299,11 +299,13 @@ class Comm:
             dist.all_gather_object(results, (report, payload), group=self.group)
         failures = [Failure(r, *rep) for r, (rep, _) in enumerate(results) if rep is not None]
         if failures:
-            if raise_for is not None:
-                raise raise_for(failures)
-            if error is not None:
-                raise error
-            raise failures[0].exception(what)
+            raised = (raise_for(failures) if raise_for is not None else error if error is not None
+                      else failures[0].exception(what))
+            # Raised on every rank: rank 0 says it once, at the top, if it ends the process (said_once.py);
+            # a rank whose own error is not rank 0's keeps its traceback.
+            same_as_rank0 = failures[0].rank == 0 and report is not None and report[1] == failures[0].message
+            said_once.mark(raised, self.rank, self.world_size, quiet=error is None or same_as_rank0)
+            raise raised
         return [p for _, p in results]
 
     @contextmanager

@@ -36,9 +36,9 @@ from zerodp.train.ds_sections import optimizer_and_schedule
 from zerodp.train.options import ds_config
 from zerodp.train.report import (
     Metrics,
+    bar_text,
     gather_memory,
     make_report,
-    memory_text,
     progress_bar,
 )
 
@@ -168,10 +168,8 @@ def train(opts: argparse.Namespace) -> int:
             save(job)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} "
-                                f"{job.tokens_per_step / dt:,.0f} tok/s "
-                                f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
-                                f"mem/rank {memory_text(memory)}")
+            bar.set_postfix_str(refresh=False, s=bar_text(loss, job.log.last_val_loss, job.tokens_per_step / dt,
+                                                          engine.get_lr()[0], engine.loss_scale, memory))
         if stopping:
             return stopped(job, bar, stopping)
         crash_point(opts, step, job.rank, "step")

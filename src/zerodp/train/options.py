@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
     p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
-    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
+    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, -tp<N> added with --tp N)")
     p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
                    "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
@@ -132,10 +132,17 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if accelerators else "fp32"
     if opts["out"] is None:
-        name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
-        opts["out"] = os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}")
+        opts["out"] = default_out(opts)
     _check(opts)
     return argparse.Namespace(**opts)
+
+
+def default_out(opts: dict[str, Any]) -> str:
+    """runs/<model>-zero<stage>, and -tp<N> for a tensor-parallel job: the README's `--tp 2 --nproc 4` must
+    not replace the main job's checkpoints (resume.py refuses a default folder another job wrote)."""
+    name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
+    tp = f"-tp{opts['tp']}" if opts["tp"] != 1 else ""
+    return os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}{tp}")
 
 
 def _read_options_file(path: str) -> dict[str, Any]:
