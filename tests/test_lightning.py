@@ -1,0 +1,178 @@
+"""zerodp under Lightning: `ZeroStrategy` in `lightning.Trainer` and `ZeroFabricStrategy` in `lightning.Fabric`.
+
+Oracles: the same LightningModule (built in configure_model, so on meta under ZeroStrategy; AdamW + a per-step
+lr schedule from configure_optimizers; accumulate_grad_batches=2; gradient_clip_val) ends at stages 1-3 with the
+weights Lightning's own DDPStrategy ends with, same loop and data; bf16-mixed within bf16 noise of DDP's; a
+ModelCheckpoint save at 2 ranks resumed with fit(ckpt_path=...) at 1 rank ends at the uninterrupted weights;
+Fabric's loop (setup, backward, clip_gradients, no_backward_sync accumulation, save/load) equals plain torch on one
+process with the whole batch. All 2-rank runs share one fork of two gloo ranks (the processes are made outside
+Lightning, as torchrun would, so Lightning launches none)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning")
+
+from spawn import run_ranks  # noqa: E402
+
+N, DIM, BATCH, ACC, STEPS, CLIP = 32, 8, 4, 2, 4, 0.5
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    return x, x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+
+
+def loader(batch: int = BATCH):
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=batch)
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y.float())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y.float()), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x).float(), y.float()), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).float()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def trainer(strategy, devices: int = 2, precision: str = "32-true", steps: int = STEPS, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=steps,
+                     accumulate_grad_batches=ACC, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def weights(t, module: nn.Module) -> dict[str, torch.Tensor]:
+    engine = getattr(t.strategy, "engine", None)
+    state = engine.full_state_dict() if engine is not None else module.state_dict()
+    return {k: v.detach().float().clone() for k, v in state.items()}
+
+
+def fit(strategy, precision: str = "32-true", **kwargs) -> tuple[dict, dict]:
+    L.seed_everything(0, verbose=False)
+    model = Regression()
+    t = trainer(strategy, precision=precision, **kwargs)
+    t.fit(model, loader(), loader())
+    metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+    return weights(t, model), metrics, t, model
+
+
+def set_env(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", OMP_NUM_THREADS="1")
+
+
+def trainer_runs(rank: int, world: int, out: str) -> dict:
+    from zerodp.integrations.lightning import ZeroStrategy
+
+    set_env(rank, world)
+    results = {"ddp": fit("ddp")[:2]}
+    for stage in (1, 2, 3):
+        w, metrics, t, model = fit(ZeroStrategy({"zero_optimization": {"stage": stage}}))
+        results[f"zero{stage}"] = (w, metrics)
+        if stage == 3:  # after fit, through the engine (stage 3 gathers per unit)
+            results["validate"] = t.validate(model, loader(), verbose=False)[0]["val_loss"]
+            results["test"] = t.test(model, loader(), verbose=False)[0]["test_loss"]
+            results["predict"] = torch.cat(t.predict(model, loader()))
+    results["ddp_bf16"] = fit("ddp", precision="bf16-mixed")[0]
+    results["zero_bf16"] = fit(ZeroStrategy({"zero_optimization": {"stage": 2}}), precision="bf16-mixed")[0]
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=2, save_top_k=-1)
+    results["saved"] = fit(ZeroStrategy({"zero_optimization": {"stage": 2}}), callbacks=[checkpoints])[0]
+    return results
+
+
+def resume_run(rank: int, world: int, ckpt: str) -> dict:
+    from zerodp.integrations.lightning import ZeroStrategy
+
+    set_env(rank, world)
+    L.seed_everything(0, verbose=False)
+    model = Regression()
+    t = trainer(ZeroStrategy({"zero_optimization": {"stage": 2}}), devices=1, enable_checkpointing=False)
+    t.fit(model, loader(2 * BATCH), ckpt_path=ckpt)  # one rank: each micro-batch holds both ranks' rows
+    return weights(t, model)
+
+
+@functools.cache
+def trainer_results() -> tuple[dict, dict, list[str]]:
+    with tempfile.TemporaryDirectory() as out:
+        results = run_ranks(trainer_runs, 2, out, timeout_s=120)[0]
+        saved = sorted(os.listdir(f"{out}/ckpt"))
+        resumed = run_ranks(resume_run, 1, f"{out}/ckpt/{saved[0]}", timeout_s=120)[0]
+    return results, resumed, saved
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_strategy_ends_with_the_weights_of_lightnings_ddp(stage):
+    results, _, _ = trainer_results()
+    diff = max_diff(results[f"zero{stage}"][0], results["ddp"][0])
+    print(f"stage {stage}: max weight difference to DDPStrategy {diff:.2e}")
+    assert diff < 2e-5
+    ddp_metrics, metrics = results["ddp"][1], results[f"zero{stage}"][1]
+    assert metrics["train_loss"] == pytest.approx(ddp_metrics["train_loss"], abs=2e-5)
+    assert metrics["val_loss"] == pytest.approx(ddp_metrics["val_loss"], abs=2e-5)
+
+
+def test_validate_test_predict_after_fit_run_through_the_engine():
+    results, _, _ = trainer_results()
+    assert results["validate"] == pytest.approx(results["zero3"][1]["val_loss"], abs=1e-6)
+    assert results["test"] == pytest.approx(results["validate"], abs=1e-6)
+    assert results["predict"].shape == (N // 2, 1)
+
+
+def test_bf16_mixed_is_zerodp_bf16_within_bf16_noise_of_ddp():
+    results, _, _ = trainer_results()
+    diff = max_diff(results["zero_bf16"], results["ddp_bf16"])
+    moved = max_diff(results["ddp_bf16"], results["ddp"][0])
+    print(f"bf16: max weight difference to DDP bf16-mixed {diff:.2e} (DDP bf16 vs fp32 {moved:.2e})")
+    assert diff < 3e-2
+
+
+def test_model_checkpoint_at_2_ranks_resumes_at_1_rank_to_the_uninterrupted_weights():
+    results, resumed, saved = trainer_results()
+    assert saved == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+    diff = max_diff(resumed, results["saved"])
+    print(f"resumed at 1 rank: max weight difference to uninterrupted {diff:.2e}")
+    assert diff < 2e-5
