@@ -176,3 +176,83 @@ def test_model_checkpoint_at_2_ranks_resumes_at_1_rank_to_the_uninterrupted_weig
     diff = max_diff(resumed, results["saved"])
     print(f"resumed at 1 rank: max weight difference to uninterrupted {diff:.2e}")
     assert diff < 2e-5
+
+
+# ---- Fabric ---------------------------------------------------------------------------------------------
+FABRIC_STEPS, SAVE_AT = 4, 2
+
+
+def fabric_loop(fabric, model, optimizer, rank: int, world: int, steps: range, save: str | None = None) -> None:
+    """The loop of Fabric's docs: ACC micro-batches a step, the first ACC-1 under no_backward_sync, the loss
+    divided by ACC, clip_gradients, step, zero_grad; each rank takes its rows of the global micro-batch."""
+    x, y = data()
+    for step in steps:
+        for micro in range(ACC):
+            start = ((step * ACC + micro) * world * BATCH) % N + rank * BATCH
+            xb, yb = x[start:start + BATCH], y[start:start + BATCH]
+            with fabric.no_backward_sync(model, enabled=micro < ACC - 1):
+                fabric.backward(nn.functional.mse_loss(model(xb), yb) / ACC)
+        fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        if save is not None and step + 1 == SAVE_AT:
+            fabric.save(save, {"model": model, "optimizer": optimizer, "step": step + 1})
+
+
+def plain_torch() -> dict[str, torch.Tensor]:
+    """One process, the whole global micro-batch (both ranks' rows), the same loop in plain torch."""
+    torch.manual_seed(0)
+    model = net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    x, y = data()
+    for step in range(FABRIC_STEPS):
+        for micro in range(ACC):
+            start = ((step * ACC + micro) * 2 * BATCH) % N
+            (nn.functional.mse_loss(model(x[start:start + 2 * BATCH]), y[start:start + 2 * BATCH]) / ACC).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fabric_run(rank: int, world: int, stage: int, together: bool, save: str | None = None,
+               load: str | None = None) -> dict[str, torch.Tensor]:
+    from zerodp.integrations.lightning import ZeroFabricStrategy
+
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": CLIP}
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=ZeroFabricStrategy(config))
+    fabric.launch()  # the processes exist (made outside Lightning, as torchrun does): it only sets up
+    torch.manual_seed(0)
+    model = net()
+    if together:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    first = 0
+    if load is not None:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(load, state)
+        first = state["step"]
+    fabric_loop(fabric, model, optimizer, rank, world, range(first, FABRIC_STEPS), save)
+    return {k: v.float() for k, v in fabric.strategy.engine.full_state_dict().items()}
+
+
+def fabric_runs(rank: int, world: int, out: str) -> dict:
+    set_env(rank, world)
+    return {"stage2": fabric_run(rank, world, 2, True, save=f"{out}/fabric.ckpt"),
+            "stage1_separate": fabric_run(rank, world, 1, False),
+            "stage3_resumed": fabric_run(rank, world, 3, True, load=f"{out}/fabric.ckpt")}
+
+
+@functools.cache
+def fabric_results() -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        return run_ranks(fabric_runs, 2, out, timeout_s=120)[0]
+
+
+@pytest.mark.parametrize("run", ["stage2", "stage1_separate", "stage3_resumed"])
+def test_fabric_loop_with_zero_fabric_strategy_equals_plain_torch(run):
+    diff = max_diff(fabric_results()[run], plain_torch())
+    print(f"fabric {run}: max weight difference to plain torch {diff:.2e}")
+    assert diff < 2e-5
