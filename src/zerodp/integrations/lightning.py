@@ -286,7 +286,7 @@ def _micro_batch(trainer) -> int:
     """The train dataloader's batch size (what Lightning's DeepSpeed strategy reads), else 1; zerodp
     uses it only to report, the loop is Lightning's."""
     source = trainer.fit_loop._data_source
-    if source.is_defined():
+    if source.instance is not None and source.is_defined():
         loader = source.dataloader()
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
         if isinstance(size, int) and size > 0:
