@@ -170,3 +170,57 @@ def test_trl_script_with_zerodp_class_on_2_ranks_equals_plain_trl_on_one_process
     assert diff < 2e-5, f"{case}: weights differ from plain TRL by {diff}"
     if want.keys() == plain["initial"].keys():  # the run trained (not a LoRA adapter's file)
         assert max_diff(want, plain["initial"]) > 1e-3
+
+
+def test_trl_section_of_the_docs_runs_on_a_cpu_as_written(tmp_path, monkeypatch):
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "HF_TRAINER.md").read_text()
+    section = text[text.index("## TRL"):]
+    assert "    from zerodp.integrations.trl import ZeroSFTTrainer as SFTTrainer\n" in section  # what the scripts get
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__main__"}
+    with world_of_one():
+        exec(compile(blocks[0], "docs/HF_TRAINER.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert type(trainer).__name__ == "ZeroSFTTrainer" and trainer.engine.stage == 3
+    assert trainer.engine.global_steps == 2
+
+
+def test_zero_config_is_taken_with_trls_class_first_in_the_bases(tmp_path):
+    """`class T(SFTTrainer, ZeroTrainer)` handed zero_config= to SFTTrainer.__init__ (TypeError) before."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_tiny import make_folders
+    from zerodp.integrations.hf import ZeroTrainer
+
+    class TRLFirst(SFTTrainer, ZeroTrainer):
+        pass
+
+    folder = make_folders(tmp_path)["llama"]
+    data = datasets(tmp_path / "data")["sft"]
+    args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=1, max_length=16,
+                     use_cpu=True, bf16=False, report_to="none", save_strategy="no")
+    from datasets import load_dataset
+    with world_of_one():
+        trainer = TRLFirst(model=str(folder), args=args, train_dataset=load_dataset(str(data))["train"],
+                           zero_config={"zero_optimization": {"stage": 2}})
+        trainer.train()
+    assert trainer.engine.stage == 2 and trainer.engine.global_steps == 1
+
+
+def test_trl_arguments_that_read_the_policy_around_the_engine_are_refused_by_name(tmp_path):
+    from trl import SFTConfig
+
+    from hf_tiny import make_folders
+    from zerodp.integrations.trl import ZeroSFTTrainer
+
+    folder = make_folders(tmp_path)["llama"]
+    data = datasets(tmp_path / "data")["sft"]
+    args = SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
+    args.use_vllm = True  # what GRPOConfig(use_vllm=True) sets; SFTConfig has no such field
+    from datasets import load_dataset
+    with world_of_one(), pytest.raises(ValueError, match="use_vllm is not supported by ZeroSFTTrainer"):
+        ZeroSFTTrainer(model=str(folder), args=args, train_dataset=load_dataset(str(data))["train"])

@@ -19,6 +19,7 @@ ZERODP_CONFIG names, as for `ZeroTrainer`. What TRL does outside the Trainer's s
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -37,6 +38,9 @@ _REFUSED = {
                 "with transformers (use_vllm=False)",
     "generate_during_eval": "DPO's evaluation-time generation reads the policy outside the engine; leave it False",
 }
+
+# TRL trainer methods that generate with the policy (through unwrap_model_for_generation).
+_GENERATING = ("_generate_single_turn",)
 
 
 class ZeroTRLMixin(ZeroTrainer):
@@ -79,10 +83,24 @@ class ZeroTRLMixin(ZeroTrainer):
         finally:
             self.model_wrapped = wrapped
 
-    def _generate_single_turn(self, *args: Any, **kwargs: Any):
-        # GRPO (and RLOO): transformers' generate on the policy's whole weights, as TRL does under DeepSpeed ZeRO-3.
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """TRL's generation (GRPO's, RLOO's `_generate_single_turn`) runs inside `whole_policy`, whichever base
+        comes first: the subclass gets a wrapper of the method its bases define."""
+        super().__init_subclass__(**kwargs)
+        for name in _GENERATING:
+            method = next((c.__dict__[name] for c in cls.__mro__ if name in c.__dict__), None)
+            if method is not None and not getattr(method, "gathers_policy", False):
+                setattr(cls, name, _on_whole_policy(method))
+
+
+def _on_whole_policy(method):
+    def run(self, *args: Any, **kwargs: Any):
+        # transformers' generate on the policy's whole weights, as TRL does under DeepSpeed ZeRO-3.
         with self.whole_policy():
-            return super()._generate_single_turn(*args, **kwargs)
+            return method(self, *args, **kwargs)
+
+    run.gathers_policy = True
+    return functools.wraps(method)(run)
 
 
 class GatheredSyncRefModel(SyncRefModelCallback):
