@@ -298,3 +298,25 @@ def test_config_precision_section_must_agree_with_lightnings_precision():
     t = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False)
     with pytest.raises(Exception, match="enables fp16 but Lightning's precision is 'bf16-mixed'"):
         strategy._config_for(t)
+
+
+def _docs_quick_start(rank: int, world: int, out: str) -> dict:
+    import re
+    from pathlib import Path
+
+    set_env(rank, world)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "LIGHTNING.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) == 1
+    os.chdir(out)
+    namespace = {"__name__": "__main__"}
+    exec(compile(blocks[0], "docs/LIGHTNING.md", "exec"), namespace)
+    return {"trainer_steps": namespace["trainer"].global_step, "fabric_steps": namespace["fabric"].strategy.engine.global_steps,
+            "files": sorted(os.listdir(os.path.join(out, "out")))}
+
+
+def test_quick_start_of_the_docs_runs_on_a_cpu_as_written():
+    with tempfile.TemporaryDirectory() as out:
+        result = run_ranks(_docs_quick_start, 1, out, timeout_s=120)[0]
+    assert result["trainer_steps"] == 4 and result["fabric_steps"] == 4
+    assert "fabric.ckpt" in result["files"]
