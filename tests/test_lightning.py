@@ -135,7 +135,11 @@ def resume_run(rank: int, world: int, ckpt: str) -> dict:
     model = Regression()
     t = trainer(ZeroStrategy({"zero_optimization": {"stage": 2}}), devices=1, enable_checkpointing=False)
     t.fit(model, loader(2 * BATCH), ckpt_path=ckpt)  # one rank: each micro-batch holds both ranks' rows
-    return weights(t, model)
+    resumed = weights(t, model)
+    # validate on its own (no fit): configure_model builds whole on the device, as under DDP
+    fresh = trainer(ZeroStrategy({"zero_optimization": {"stage": 3}}), devices=1)
+    alone = fresh.validate(Regression(), loader(), verbose=False)[0]["val_loss"]
+    return {"resumed": resumed, "validate_alone": alone, "docs": _docs_quick_start()}
 
 
 @functools.cache
@@ -143,8 +147,8 @@ def trainer_results() -> tuple[dict, dict, list[str]]:
     with tempfile.TemporaryDirectory() as out:
         results = run_ranks(trainer_runs, 2, out, timeout_s=120)[0]
         saved = sorted(os.listdir(f"{out}/ckpt"))
-        resumed = run_ranks(resume_run, 1, f"{out}/ckpt/{saved[0]}", timeout_s=120)[0]
-    return results, resumed, saved
+        one_rank = run_ranks(resume_run, 1, f"{out}/ckpt/{saved[0]}", timeout_s=120)[0]
+    return results, one_rank, saved
 
 
 def initial() -> dict[str, torch.Tensor]:
@@ -189,7 +193,7 @@ def test_model_checkpoint_at_2_ranks_resumes_at_1_rank_to_the_uninterrupted_weig
     results, resumed, saved = trainer_results()
     assert saved == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
     assert "lightning_state.pt" in results["final_files"] and "latest" in results["final_files"]
-    diff = max_diff(resumed, results["zero2"][0])
+    diff = max_diff(resumed["resumed"], results["zero2"][0])
     print(f"resumed at 1 rank: max weight difference to uninterrupted {diff:.2e}")
     assert diff < 2e-5
 
@@ -300,23 +304,34 @@ def test_config_precision_section_must_agree_with_lightnings_precision():
         strategy._config_for(t)
 
 
-def _docs_quick_start(rank: int, world: int, out: str) -> dict:
+def _docs_quick_start() -> dict:
+    """docs/LIGHTNING.md's python block as written, in a fresh folder (run in the 1-rank launch)."""
     import re
     from pathlib import Path
 
-    set_env(rank, world)
     text = (Path(__file__).resolve().parents[1] / "docs" / "LIGHTNING.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     assert len(blocks) == 1
-    os.chdir(out)
-    namespace = {"__name__": "__main__"}
-    exec(compile(blocks[0], "docs/LIGHTNING.md", "exec"), namespace)
-    return {"trainer_steps": namespace["trainer"].global_step, "fabric_steps": namespace["fabric"].strategy.engine.global_steps,
-            "files": sorted(os.listdir(os.path.join(out, "out")))}
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as out:
+        os.chdir(out)
+        try:
+            namespace = {"__name__": "__main__"}
+            exec(compile(blocks[0], "docs/LIGHTNING.md", "exec"), namespace)
+            return {"trainer_steps": namespace["trainer"].global_step,
+                    "fabric_steps": namespace["fabric"].strategy.engine.global_steps,
+                    "files": sorted(os.listdir(os.path.join(out, "out")))}
+        finally:
+            os.chdir(here)
+
+
+def test_validate_on_its_own_runs_the_module_whole():
+    _, one_rank, _ = trainer_results()
+    assert 0 < one_rank["validate_alone"] < float("inf")
 
 
 def test_quick_start_of_the_docs_runs_on_a_cpu_as_written():
-    with tempfile.TemporaryDirectory() as out:
-        result = run_ranks(_docs_quick_start, 1, out, timeout_s=120)[0]
+    _, one_rank, _ = trainer_results()
+    result = one_rank["docs"]
     assert result["trainer_steps"] == 4 and result["fabric_steps"] == 4
     assert "fabric.ckpt" in result["files"]

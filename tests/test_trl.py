@@ -97,9 +97,12 @@ def run(module, script: str, model: Path, data: Path, out: Path, per_device: int
     if script != "grpo":
         argv += ["--max_length", "32"]
     # The scripts end with trainer.end(), which destroys the process group: the launch runs several scripts.
-    transformers.Trainer.end = lambda self: None
-    parser = module.make_parser()
-    module.main(*parser.parse_args_and_config(args=argv, fail_with_unknown_args=True))
+    end, transformers.Trainer.end = transformers.Trainer.end, lambda self: None
+    try:
+        parser = module.make_parser()
+        module.main(*parser.parse_args_and_config(args=argv, fail_with_unknown_args=True))
+    finally:
+        transformers.Trainer.end = end
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -135,11 +138,16 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
 
 @functools.cache
 def all_runs() -> tuple[dict, dict]:
+    """The plain runs in this process (world 1), then every zerodp run (and GRPO's DDP oracle) in one fork."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _all_runs(Path(tmp))
+
+
+def _all_runs(root: Path) -> tuple[dict, dict]:
     from accelerate.state import AcceleratorState
 
     from hf_tiny import make_folders
 
-    root = Path(tempfile.mkdtemp(prefix="zerodp_trl_"))
     model = make_folders(root / "models")["llama"]
     data = datasets(root / "data")
     plain = {}

@@ -192,7 +192,14 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        with torch.device("meta"):  # configure_model / Trainer.init_module: each rank materialises its share
+        """configure_model / Trainer.init_module build on meta for fit (each rank materialises its share in
+        zerodp.initialize); for validate / test / predict on their own, whole on the device as under DDP."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"):
             yield
 
     def setup(self, trainer) -> None:
@@ -235,6 +242,13 @@ class ZeroStrategy(DDPStrategy):
             config.setdefault("train_micro_batch_size_per_gpu", _micro_batch(trainer))
         _precision_sections(config, self.precision_plugin.precision)
         return config
+
+    def teardown(self) -> None:
+        # Lightning's own teardown moves the module to the CPU: its parameters are views into the engine's
+        # buffers, which stay where the engine placed them (validate / test / predict after fit use them).
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
