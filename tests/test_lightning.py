@@ -148,6 +148,8 @@ def trainer_results() -> tuple[dict, dict, list[str]]:
         results = run_ranks(trainer_runs, 2, out, timeout_s=120)[0]
         saved = sorted(os.listdir(f"{out}/ckpt"))
         one_rank = run_ranks(resume_run, 1, f"{out}/ckpt/{saved[0]}", timeout_s=120)[0]
+        from zerodp.checkpoint.export import consolidate  # what `zerodp consolidate DIR OUT` writes
+        results["consolidated"] = {k: v.float() for k, v in consolidate(f"{out}/final.ckpt")[0].items()}
     return results, one_rank, saved
 
 
@@ -193,6 +195,7 @@ def test_model_checkpoint_at_2_ranks_resumes_at_1_rank_to_the_uninterrupted_weig
     results, resumed, saved = trainer_results()
     assert saved == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
     assert "lightning_state.pt" in results["final_files"] and "latest" in results["final_files"]
+    assert max_diff(results["consolidated"], results["zero2"][0]) == 0  # trainer.save_checkpoint, exported whole
     diff = max_diff(resumed["resumed"], results["zero2"][0])
     print(f"resumed at 1 rank: max weight difference to uninterrupted {diff:.2e}")
     assert diff < 2e-5
