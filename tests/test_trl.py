@@ -1,6 +1,7 @@
 """TRL's own scripts (trl/scripts/sft.py, dpo.py, grpo.py) with the zerodp class swapped in by one import line train
-on 2 ranks x 2 as plain TRL does on one process x 4: SFT and DPO at ZeRO-2 and ZeRO-3 (DPO with --sync_ref_model,
---use_peft, --precompute_ref_log_probs), GRPO at ZeRO-3 (generation on the gathered policy). A tiny Llama folder
+on 2 ranks x 2 as plain TRL does on one process x 4: SFT and DPO at ZeRO-2 and ZeRO-3 (DPO with --sync_ref_model;
+--use_peft and --precompute_ref_log_probs at ZeRO-3), GRPO at ZeRO-2 and ZeRO-3 (generation on the gathered policy;
+against TRL's own 2-rank DDP run, see DDP_ORACLE). A tiny Llama folder
 (tests/hf_tiny.py), local datasets made here, fp32, 3 steps. The plain runs are in this process (world 1); every
 world-2 run shares one fork of two gloo ranks."""
 
@@ -35,7 +36,7 @@ CASES = {
                          "--lora_target_modules", "q_proj", "v_proj"], (Z3,)),
     "dpo_precompute": ("dpo", ["--precompute_ref_log_probs", "true"], (Z3,)),
     "grpo": ("grpo", ["--reward_funcs", "test_trl.vowel_reward", "--num_generations", "4",
-                      "--max_completion_length", "6", "--beta", "0.1"], (Z3,)),
+                      "--max_completion_length", "6", "--beta", "0.1"], (Z2, Z3)),
 }
 
 # GRPO samples its completions on each rank from that rank's random stream, so one process cannot draw the same
