@@ -5,8 +5,9 @@ lr schedule from configure_optimizers; accumulate_grad_batches=2; gradient_clip_
 weights Lightning's own DDPStrategy ends with, same loop and data; bf16-mixed within bf16 noise of DDP's; a
 ModelCheckpoint save at 2 ranks resumed with fit(ckpt_path=...) at 1 rank ends at the uninterrupted weights;
 Fabric's loop (setup, backward, clip_gradients, no_backward_sync accumulation, save/load) equals plain torch on one
-process with the whole batch. All 2-rank runs share one fork of two gloo ranks (the processes are made outside
-Lightning, as torchrun would, so Lightning launches none)."""
+process with the whole batch. All 2-rank runs share one fork of two gloo ranks, the 1-rank ones (the resume, a
+validate on its own, docs/LIGHTNING.md's quick start) another; the processes are made outside Lightning, as
+torchrun would, so Lightning launches none."""
 
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ def trainer_runs(rank: int, world: int, out: str) -> dict:
     results["predict"] = torch.cat(t.predict(model, loader()))
     results["ddp_bf16"] = fit("ddp", precision="bf16-mixed")[0]
     results["zero_bf16"] = fit(ZeroStrategy({"zero_optimization": {"stage": 2}}), precision="bf16-mixed")[0]
+    results["fabric"] = fabric_runs(rank, world, out)
     return results
 
 
@@ -262,21 +264,14 @@ def fabric_run(rank: int, world: int, stage: int, together: bool, save: str | No
 
 
 def fabric_runs(rank: int, world: int, out: str) -> dict:
-    set_env(rank, world)
     return {"stage2": fabric_run(rank, world, 2, True, save=f"{out}/fabric.ckpt"),
             "stage1_separate": fabric_run(rank, world, 1, False),
             "stage3_resumed": fabric_run(rank, world, 3, True, load=f"{out}/fabric.ckpt")}
 
 
-@functools.cache
-def fabric_results() -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        return run_ranks(fabric_runs, 2, out, timeout_s=120)[0]
-
-
 @pytest.mark.parametrize("run", ["stage2", "stage1_separate", "stage3_resumed"])
 def test_fabric_loop_with_zero_fabric_strategy_equals_plain_torch(run):
-    diff = max_diff(fabric_results()[run], plain_torch())
+    diff = max_diff(trainer_results()[0]["fabric"][run], plain_torch())
     print(f"fabric {run}: max weight difference to plain torch {diff:.2e}")
     assert diff < 2e-5
 
