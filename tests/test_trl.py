@@ -57,7 +57,8 @@ def ported_script(script: str, where: Path):
     name = SWAP[script]
     line = f"    from trl import {name},"
     assert line in source, f"trl/scripts/{script}.py no longer imports {name} as expected"
-    ported = source.replace(line, f"    from zerodp.integrations.trl import Zero{name} as {name}\n{line}", 1)
+    end = source.index("\n", source.index(line)) + 1  # after TRL's import, which would rebind the name
+    ported = source[:end] + f"    from zerodp.integrations.trl import Zero{name} as {name}\n" + source[end:]
     path = where / f"{script}_zero.py"
     path.write_text(ported)
     spec = importlib.util.spec_from_file_location(f"{script}_zero", path)
@@ -116,6 +117,23 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
     """Every world-2 run, in one fork; rank 0 reads what each wrote (the files are whole)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    import logging
+
+    from zerodp.integrations.trl import ZeroTRLMixin
+
+    built: list[tuple[str, int]] = []  # (class, stage) of every engine a trainer built: the swap took
+    prepare = ZeroTRLMixin._prepare_for_training
+
+    def recording(self, *args):
+        prepared = prepare(self, *args)
+        built.append((type(self).__name__, self.engine.stage))
+        return prepared
+
+    ZeroTRLMixin._prepare_for_training = recording
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers.trainer").addHandler(handler)
     results = {}
     for name, (script, extra, _) in CASES.items():
         if name in DDP_ORACLE:  # TRL's own multi-process run (DDP), the same ranks and seeds
@@ -134,6 +152,10 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
             run(module, script, Path(model), data[script], path, MICRO, extra)
             torch.distributed.barrier()
             results[(name, stage)] = weights(path) if rank == 0 else None
+            results[(name, stage, "said")] = [m for m in said if "reference model" in m]
+            results[(name, stage, "built")] = list(built)
+            said.clear()
+            built.clear()
     return results
 
 
@@ -174,6 +196,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_trl_script_with_zerodp_class_on_2_ranks_equals_plain_trl_on_one_process(case):
     plain, zero = all_runs()
     want = zero[(case[0], "ddp")] if case[0] in DDP_ORACLE else plain[case[0]]
+    assert zero[(*case, "built")] == [(f"Zero{SWAP[CASES[case[0]][0]]}", case[1])]
     diff = max_diff(zero[case], want)
     print(f"{case}: max weight difference {diff:.2e}")
     assert diff < 2e-5, f"{case}: weights differ from plain TRL by {diff}"
@@ -233,3 +256,10 @@ def test_trl_arguments_that_read_the_policy_around_the_engine_are_refused_by_nam
     from datasets import load_dataset
     with world_of_one(), pytest.raises(ValueError, match="use_vllm is not supported by ZeroSFTTrainer"):
         ZeroSFTTrainer(model=str(folder), args=args, train_dataset=load_dataset(str(data))["train"])
+
+
+def test_a_whole_reference_model_at_stage_3_is_said_on_rank_0():
+    _, zero = all_runs()
+    said = zero[("dpo_sync", 3, "said")]
+    assert len(said) == 1 and "whole on every rank, not sharded at ZeRO stage 3" in said[0]
+    assert zero[("sft", 3, "said")] == []  # no reference model

@@ -56,13 +56,13 @@ class ZeroTRLMixin(ZeroTrainer):
     def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
         # Here rather than in __init__: with TRL's class first in the bases, its __init__ sets the reference
         # model and callbacks up after ZeroTrainer's has returned.
-        if getattr(self, "ref_model", None) is not None:
-            self.ref_model = reference_model(self.ref_model, self.args)
         for callback in list(self.callback_handler.callbacks):
             if type(callback) is SyncRefModelCallback:  # TRL's, which copies param.data as it finds it
                 self.callback_handler.remove_callback(callback)
                 self.add_callback(GatheredSyncRefModel(self))
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = reference_model(self.ref_model, self.engine.stage, self.args)
         if self.engine.stage == 3 and getattr(self.args, "ds3_gather_for_generation", True) is False:
             raise ValueError("ds3_gather_for_generation=False would generate from stage 3's partitioned parameters "
                              "unit by unit; zerodp gathers the policy whole for generation: leave it True")
@@ -118,13 +118,15 @@ class GatheredSyncRefModel(SyncRefModelCallback):
             self._sync_target_model(policy, self.trainer.ref_model, args.ref_model_mixup_alpha)
 
 
-def reference_model(model: nn.Module, args: transformers.TrainingArguments) -> nn.Module:
+def reference_model(model: nn.Module, stage: int, args: transformers.TrainingArguments) -> nn.Module:
     """The frozen reference model as the trainer keeps it: whole on every rank (placed by Accelerate), at
-    every stage. The one place to shard it at stage 3 (a frozen-only zerodp engine) once zerodp can."""
+    every stage. The one place to shard it at stage 3 (a frozen-only zerodp engine) once zerodp can build one;
+    until then stage 3 says so on rank 0, as a warning (the policy is sharded, the reference is not)."""
     if args.process_index == 0:
         count = sum(p.numel() for p in model.parameters())
-        _trainer_log.info("zerodp: the reference model (%d parameters) is kept whole on every rank, not sharded",
-                          count)
+        say = _trainer_log.warning if stage == 3 else _trainer_log.info
+        say("zerodp: the reference model (%d parameters) is whole on every rank, not sharded at ZeRO stage %d "
+            "(zerodp cannot yet shard a model it does not train)", count, stage)
     return model
 
 
