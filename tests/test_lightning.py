@@ -95,6 +95,7 @@ def fit(strategy, precision: str = "32-true", **kwargs) -> tuple[dict, dict]:
     t.fit(model, loader(), loader())
     metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     metrics["built_on"] = model.built_on
+    metrics["stage"] = getattr(getattr(t.strategy, "engine", None), "stage", None)  # None: no zerodp engine
     return weights(t, model), metrics, t, model
 
 
@@ -174,6 +175,7 @@ def test_zero_strategy_ends_with_the_weights_of_lightnings_ddp(stage):
     assert max_diff(results["ddp"][0], initial()) > 1e-2  # it trained
     ddp_metrics, metrics = results["ddp"][1], results[f"zero{stage}"][1]
     assert ddp_metrics["built_on"] == "cpu" and metrics["built_on"] == "meta"
+    assert ddp_metrics["stage"] is None and metrics["stage"] == stage
     assert metrics["train_loss"] == pytest.approx(ddp_metrics["train_loss"], abs=2e-5)
     assert metrics["val_loss"] == pytest.approx(ddp_metrics["val_loss"], abs=2e-5)
 
