@@ -105,7 +105,7 @@ class Whereabouts:
         if isinstance(self.doing, str):
             return f"{self.doing} after step {self.steps}", "all_gather", DIVERGENCE
         phase, unit, n = self.doing
-        name = f"unit {unit} ({self.unit_names[unit] or 'the model'})"
+        name = f"unit {unit} ({repr(self.unit_names[unit]) if self.unit_names[unit] else 'the model'})"
         if phase == "backward":
             return f"for the backward of {name} at step {self.steps + 1}", "all_gather", DIVERGENCE
         when = f"at step {self.steps + 1}" if phase == "forward" else f"after step {self.steps}"
