@@ -161,13 +161,17 @@ def _generate(rank: int) -> dict:
     engine = _engine(model, comm_timeout_s=3)
     engine.eval()
     prompt = torch.randint(1, 300, (1, 4 + rank), generator=torch.Generator().manual_seed(rank))
-    kw = {"max_new_tokens": 3 + 5 * rank, "do_sample": False, "pad_token_id": 0}
-    with engine.uneven_forwards():
-        per_unit = model.generate(prompt, **kw)
-    with engine.gathered_parameters():
-        gathered = model.generate(prompt, **kw)
-    return {"whole": whole.generate(prompt, **kw).tolist(), "per_unit": per_unit.tolist(),
-            "gathered": gathered.tolist()}
+    names = {"engine": engine, "model": model, "prompt": prompt, "new_tokens": 3 + 5 * rank}
+    exec(compile(_generation_block(), "docs/CONFIG.md", "exec"), names)  # the documented example, as written
+    return {"whole": whole.generate(prompt, max_new_tokens=3 + 5 * rank, do_sample=False).tolist(),
+            "per_unit": names["tokens_per_unit"].tolist(), "gathered": names["tokens_gathered"].tolist()}
+
+
+def _generation_block() -> str:
+    """docs/CONFIG.md's python block of its section on generation at stage 3."""
+    text = (TESTS.parent / "docs" / "CONFIG.md").read_text()
+    section = text[text.index("## Evaluation and generation at stage 3"):]
+    return re.search(r"^```python\n(.*?)^```", section, flags=re.S | re.M).group(1)
 
 
 def _data() -> tuple[TensorDataset, nn.Module, nn.Module]:

@@ -522,7 +522,10 @@ class Engine:
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
         """Within the block the given parameters (default: all) are whole on every rank (stage 3 gathers
         and releases them; other stages always hold them whole). Changes made inside are not kept,
-        unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
+        unless modifier_rank is given: that rank's values then become every rank's weights and masters.
+        Forwards inside gather nothing, so ranks may run different numbers of them (generate() of any
+        length: the whole model in working precision on every rank, gathered once, bounded by
+        comm_timeout_s); uneven_forwards() does it without the whole model."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
         buckets = [b for b in self.partitioned_optimizer.buckets
