@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,27 @@ def _uneven_eval(rank: int) -> list[bool]:
         return _eval(engine, whole, DataLoader(torch.utils.data.Subset(dataset, range(rank, 5, 2))))
 
 
+def _both_waiting(rank: int) -> str:
+    """Both ranks in zerodp, in collectives that do not match: rank 0 in a third eval forward, rank 1 at the
+    end of an uneven_forwards() block. Each line names where the other waits. (A group of the script's own
+    with a 3 s timeout, comm_timeout_s not given: this group alone is left timed out.)"""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    _, model, _ = _data()
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": STAGE3}, process_group=group)
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(3 - rank):
+                engine(torch.ones(1, 6))
+            if rank == 1:
+                with engine.uneven_forwards():
+                    pass
+    except zerodp.PeerFailure as e:
+        return str(e)
+    return "no error"
+
+
 def _diverged_eval(rank: int) -> tuple[str, float]:
     """The same loop without it: rank 0's third forward times out and names the divergence. (Last: the
     engine's group is left with a timed-out collective.)"""
@@ -217,7 +239,8 @@ def _diverged_eval(rank: int) -> tuple[str, float]:
 
 def _cases(rank: int, world: int) -> dict:
     return {"groups": _bound_groups(rank), "unbound": _unbound_line(rank), "generate": _generate(rank),
-            "sampler": _sampler_eval(rank), "uneven": _uneven_eval(rank), "diverged": _diverged_eval(rank)}
+            "sampler": _sampler_eval(rank), "uneven": _uneven_eval(rank), "both": _both_waiting(rank),
+            "diverged": _diverged_eval(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +279,12 @@ def test_eval_over_data_the_ranks_do_not_divide_completes_or_names_the_divergenc
     assert "rank 1 is in no zerodp collective" in message and "engine.uneven_forwards()" in message
     print(f"uneven eval without uneven_forwards(): rank 0 raised after {seconds:.1f} s (comm_timeout_s 3)")
     assert 3 <= seconds < 3 + 15
+
+
+def test_ranks_waiting_in_different_collectives_each_name_where_the_other_waits(cases):
+    mine, other = cases[0]["both"], cases[1]["both"]
+    forward = "all_gather for forward 3 of unit 1 ('0') in eval after step 0"
+    answering = "all_reduce answering other ranks' gathers at the end of engine.uneven_forwards() after step 0"
+    assert mine.startswith(forward + " timed out after 3 s") and f"rank 1 waits in {answering}" in mine, mine
+    assert other.startswith(answering) and f"rank 0 waits in {forward}" in other, other
+    print(f"rank 0: {mine}\nrank 1: {other}")

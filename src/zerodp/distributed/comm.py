@@ -417,30 +417,33 @@ class Comm:
         return None
 
     def _whereabouts(self, here: str) -> str:
-        """After a timeout: this rank's place written to the store, and where each other rank of the group
-        is, read from it. A rank that waits in a zerodp collective times out near the same moment and
-        writes its own; one that wrote nothing within _PEER_GRACE_S is in none (stalled, dead, or in
-        code of its own). One clause per rank."""
+        """After a timeout: this rank's place written to the store, and where the group's other ranks are,
+        read from it. A rank that waits in a zerodp collective times out near the same moment and writes
+        its own; one that wrote nothing within _PEER_GRACE_S is in none (stalled, dead, or in code of its
+        own). Ranks in the same place are named together."""
         try:
             store = dist.distributed_c10d._get_default_store()
             ranks = dist.get_process_group_ranks(self.group)
-            key = f"{self._bound_tag or 'zerodp/waiting'}/{self.group.group_name}/"
-            store.set(key + str(ranks[self.rank]), here)
+            prefix = f"{self._bound_tag or 'zerodp/waiting'}/{self.group.group_name}/"
+            store.set(prefix + str(ranks[self.rank]), here)
         except Exception:  # noqa: BLE001 - no store to ask: the timeout alone is what is known
-            return f"rank {self.rank} waited in it; where the others are is unknown"
-        deadline, places = time.monotonic() + min(_PEER_GRACE_S, self.timeout_s or _PEER_GRACE_S), []
-        for r, g in enumerate(ranks):
-            if r == self.rank:
-                continue
+            return f"rank {self.rank} waited there; where the others are is unknown"
+        keys = {r: prefix + str(g) for r, g in enumerate(ranks) if r != self.rank}
+        try:  # returns as soon as every rank has written
+            store.wait(list(keys.values()), timedelta(seconds=min(_PEER_GRACE_S, self.timeout_s or _PEER_GRACE_S)))
+        except Exception:  # noqa: BLE001 - the store's timeout: some rank wrote nothing
+            pass
+        places: dict[str, list[int]] = {}
+        for r, key in keys.items():
             try:
-                store.wait([key + str(g)], timedelta(seconds=max(0.05, deadline - time.monotonic())))
-                there = store.get(key + str(g)).decode()
-            except Exception:  # noqa: BLE001 - the store's timeout: this rank wrote nothing
-                places.append(f"rank {r} is in no zerodp collective (stalled, dead, or running code of its "
-                              "own: fewer forwards, a dist.barrier(), its own work)")
-                continue
-            places.append(f"rank {r} waits there too" if there == here else f"rank {r} waits in {there}")
-        return f"rank {self.rank} waited there, " + ", ".join(places)
+                there = store.get(key).decode() if store.check([key]) else None
+            except Exception:  # noqa: BLE001
+                there = None
+            places.setdefault("there too" if there == here else f"in {there}" if there else "", []).append(r)
+        clauses = [f"{_ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} in no zerodp collective (stalled, dead, or "
+                   "running code of its own: fewer forwards, a dist.barrier(), its own work)" if not place else
+                   f"{_ranks_text(rs)} wait{'s' if len(rs) == 1 else ''} {place}" for place, rs in places.items()]
+        return ", ".join([f"rank {self.rank} waited there", *clauses])
 
     def _timeout_s(self, text: str) -> str:
         try:
@@ -608,6 +611,18 @@ def _subgroup(ranks: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
     """This rank's group among `ranks` (every rank creates every group, as torch requires)."""
     mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
     return mine
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 3", or "ranks 1-4, 7" for many."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "ranks " + ", ".join(runs)
 
 
 def _message(e: BaseException) -> str:
