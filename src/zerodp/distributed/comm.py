@@ -103,7 +103,7 @@ def bounded_group(group: dist.ProcessGroup, timeout_s: float) -> tuple[dist.Proc
     """(the group zerodp's collectives run on so that each waits at most timeout_s, None) or, where torch
     cannot bound them, (group, the reason in one sentence). Collective over the group's ranks only.
 
-    A group zerodp created (init_distributed, Comm.split) gets the timeout itself; a group of the script's
+    A group zerodp created (init_distributed) gets the timeout itself; a group of the script's
     keeps its own and gets a twin: one per set of ranks in this process, destroyed at exit (teardown)."""
     if group_timeout_s(group) == timeout_s:
         return group, None
@@ -305,13 +305,16 @@ class Comm:
         same config): from now on every collective of zerodp's waits at most `timeout_s` (the config's
         comm_timeout_s, given explicitly; None keeps the groups' own timeouts). Returns, for the groups
         torch cannot bound, one sentence each for initialize to print."""
-        self._bound_tag = f"zerodp/waiting/{next(_BOUNDS)}"
+        comms = {id(c): c for c in (self, self.shard, self.replica, self.tp, self.everyone) if c}.values()
+        tag = f"zerodp/waiting/{next(_BOUNDS)}"
+        for comm in comms:
+            comm._bound_tag = tag
         if timeout_s is None or self.world_size == 1 and self.everyone is self or self.is_fake():
             return []
         unbound = []
-        for comm in {id(c): c for c in (self, self.shard, self.replica, self.tp, self.everyone) if c}.values():
+        for comm in comms:
             comm.group, reason = bounded_group(comm.group, timeout_s)
-            comm.timeout_s, comm._bound_tag = timeout_s, self._bound_tag
+            comm.timeout_s = timeout_s
             if reason is not None:
                 unbound.append(f"the {comm.name} group ({comm.backend}): {reason}")
         return unbound
