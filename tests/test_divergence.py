@@ -281,10 +281,15 @@ def test_eval_over_data_the_ranks_do_not_divide_completes_or_names_the_divergenc
     assert 3 <= seconds < 3 + 15
 
 
-def test_ranks_waiting_in_different_collectives_each_name_where_the_other_waits(cases):
+def test_ranks_waiting_in_collectives_that_do_not_match_name_where_the_other_waits(cases):
     mine, other = cases[0]["both"], cases[1]["both"]
     forward = "all_gather for forward 3 of unit 1 ('0') in eval after step 0"
     answering = "all_reduce answering other ranks' gathers at the end of engine.uneven_forwards() after step 0"
-    assert mine.startswith(forward + " timed out after 3 s") and f"rank 1 waits in {answering}" in mine, mine
-    assert other.startswith(answering) and f"rank 0 waits in {forward}" in other, other
+    assert mine.startswith(forward + " timed out after 3 s") and other.startswith(answering), (mine, other)
+    # A rank that times out waits up to 2 s for the others' places: the later of the two always sees the
+    # earlier's (written before it raised); the earlier sees the later's unless load parts them more.
+    named = [f"rank 1 waits in {answering}" in mine, f"rank 0 waits in {forward}" in other]
+    assert any(named), (mine, other)
+    for line, peer, seen in zip((mine, other), (1, 0), named):
+        assert seen or f"rank {peer} is in no zerodp collective" in line, line
     print(f"rank 0: {mine}\nrank 1: {other}")
