@@ -164,8 +164,9 @@ class Config(_Section):
     # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
     # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
     broadcast_buffers: bool = True
-    # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
-    # when zerodp creates the group).
+    # Seconds any collective of zerodp's may wait for a peer before it raises PeerFailure: the timeout of the
+    # group zerodp creates; given here, also of zerodp's collectives on a group the script created
+    # (Comm.bound runs them on a twin of it with this timeout).
     # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
     comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.

@@ -7,6 +7,7 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Protocol
 
@@ -152,6 +153,7 @@ class Engine:
             error = e
         self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere(spec.filling)
+        self._bound_collectives()
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
         fill.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
@@ -179,6 +181,19 @@ class Engine:
                                      f"{b} where rank 0 has {a}")
             if len(other) != len(sigs[0][0]):
                 raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
+
+    def _bound_collectives(self) -> None:
+        """From here on every collective of the engine waits at most comm_timeout_s, when the config gives
+        it, whoever created the process group (Comm.bound); a group torch cannot bound is named in one line
+        with what to set instead. Not given, the groups keep their own timeouts (a group zerodp creates has
+        the key's default)."""
+        given = "comm_timeout_s" in self.config.model_fields_set
+        seconds = self.config.comm_timeout_s
+        for reason in self.comm.bound(seconds if given else None):
+            if self.comm.everyone.rank == 0:
+                print(f"[zerodp] comm_timeout_s={seconds:g} cannot bound zerodp's collectives on {reason}; they wait "
+                      f"as long as that group's own timeout: create it with timeout=datetime.timedelta(seconds="
+                      f"{seconds:g}) instead", file=sys.stderr, flush=True)
 
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
         """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
@@ -228,8 +243,9 @@ class Engine:
     def _gatherer(self, layout: Layout) -> Gatherer | None:
         if self.stage != 3:
             return None
+        names = {id(m): n for n, m in self.module.named_modules()}
         return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                        self.offload_param)
+                        self.offload_param, unit_names=[names.get(id(root), "") for root in self.units.roots])
 
     def _reducer(self, layout: Layout) -> Reducer:
         config, zero = self.config, self.config.zero_optimization
@@ -252,8 +268,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
-        if self.buffer_sync is not None:
-            self.buffer_sync.before_forward()
+        if self.buffer_sync is not None and (self.gatherer is None or self.gatherer.uneven is None):
+            self.buffer_sync.before_forward()  # (not in an uneven_forwards block: a collective no agreement covers)
         if self.module.training:
             self.monitor.saw_inputs(args)
         with self.monitor.span("forward"):
@@ -307,6 +323,8 @@ class Engine:
         micro, loss = self.micro_steps - self._stepped_at, self._window_loss
         with self.monitor.span("step"):
             self._step()
+        if self.gatherer is not None:
+            self.gatherer.stepped(self.global_steps)
         # Read when the monitor reports the step (a step later on a GPU): by then a decision left on
         # the device has been settled, and these say what they would have said at once.
         self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm,
@@ -512,7 +530,10 @@ class Engine:
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
         """Within the block the given parameters (default: all) are whole on every rank (stage 3 gathers
         and releases them; other stages always hold them whole). Changes made inside are not kept,
-        unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
+        unless modifier_rank is given: that rank's values then become every rank's weights and masters.
+        Forwards inside gather nothing, so ranks may run different numbers of them (generate() of any
+        length: the whole model in working precision on every rank, gathered once, bounded by
+        comm_timeout_s); uneven_forwards() does it without the whole model."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
         buckets = [b for b in self.partitioned_optimizer.buckets
@@ -521,6 +542,17 @@ class Engine:
             yield
             if modifier_rank is not None:
                 self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
+
+    @contextmanager
+    def uneven_forwards(self):
+        """Forwards inside the block (under torch.no_grad()) may differ in number between ranks: generate()
+        stopping at different lengths, an eval loop over data that does not divide the ranks. At stage 3,
+        each unit's gather is agreed first, and a rank that leaves the block early keeps joining the
+        others' gathers until every rank has left it (stage3.UnevenForwards); one small all_reduce per
+        unit, no prefetch. Call it on every rank. Stages 0-2 gather nothing in a forward: only no_grad.
+        Where the whole model fits on each rank, `gathered_parameters()` costs no collective per forward."""
+        with torch.no_grad(), self.gatherer.uneven_forwards() if self.gatherer is not None else nullcontext():
+            yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict(), each tensor whole (joined over
