@@ -7,12 +7,14 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zerodp.config import BatchSizes, Config
@@ -23,6 +25,7 @@ from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
 from zerodp.engine.gathered_state import GatheredStateDict, LoneCall
+from zerodp.engine.grad_placement import GradPlacements, names_of
 from zerodp.engine.layout import Layout
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
@@ -151,6 +154,7 @@ class Engine:
             error = e
         self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere(spec.filling)
+        self._bound_collectives()
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
         in_buffers = groups + ([frozen_params(self.module, groups)] if spec.shards_frozen else [])
@@ -179,6 +183,19 @@ class Engine:
                                      f"{b} where rank 0 has {a}")
             if len(other) != len(sigs[0][0]):
                 raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
+
+    def _bound_collectives(self) -> None:
+        """From here on every collective of the engine waits at most comm_timeout_s, when the config gives
+        it, whoever created the process group (Comm.bound); a group torch cannot bound is named in one line
+        with what to set instead. Not given, the groups keep their own timeouts (a group zerodp creates has
+        the key's default)."""
+        given = "comm_timeout_s" in self.config.model_fields_set
+        seconds = self.config.comm_timeout_s
+        for reason in self.comm.bound(seconds if given else None):
+            if self.comm.everyone.rank == 0:
+                print(f"[zerodp] comm_timeout_s={seconds:g} cannot bound zerodp's collectives on {reason}; they wait "
+                      f"as long as that group's own timeout: create it with timeout=datetime.timedelta(seconds="
+                      f"{seconds:g}) instead", file=sys.stderr, flush=True)
 
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter]) -> None:
         """Frozen parameters kept whole (stages 0-2) and floating buffers: working precision, rank 0's
@@ -231,16 +248,19 @@ class Engine:
     def _gatherer(self, layout: Layout) -> Gatherer | None:
         if self.stage != 3:
             return None
+        names = {id(m): n for n, m in self.module.named_modules()}
         return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                        self.offload_param)
+                        self.offload_param, unit_names=[names.get(id(root), "") for root in self.units.roots])
 
     def _reducer(self, layout: Layout) -> Reducer:
         config, zero = self.config, self.config.zero_optimization
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
+        placements = GradPlacements(layout, self.comm, names_of(self.module)) if self.comm.tp is not None else None
         return Reducer(layout, self.comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                        comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
+                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size,
+                       grad_placements=placements)
 
     def _scheduler(self, lr_scheduler: Callable | None):
         """The given scheduler factory, else the config's, built on the partitioned optimizer."""
@@ -253,8 +273,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
-        if self.buffer_sync is not None:
-            self.buffer_sync.before_forward()
+        if self.buffer_sync is not None and (self.gatherer is None or self.gatherer.uneven is None):
+            self.buffer_sync.before_forward()  # (not in an uneven_forwards block: a collective no agreement covers)
         if self.module.training:
             self.monitor.saw_inputs(args)
         with self.monitor.span("forward"):
@@ -266,6 +286,8 @@ class Engine:
         self._refuse_without_training("backward()")
         # Kept on device, unsynced: step() reports which rank's loss was non-finite.
         seen = loss.detach()
+        if isinstance(seen, DTensor):  # loss parallel: a Replicate DTensor (full_tensor: its value, no collective)
+            seen = seen.full_tensor()
         self._window_loss = seen if self._window_loss is None else self._window_loss + seen.float()
         self._scale_used = self.scaler.scale
         factor = self._scale_used / self.gas
@@ -315,6 +337,8 @@ class Engine:
         micro, loss = self.micro_steps - self._stepped_at, self._window_loss
         with self.monitor.span("step"):
             self._step()
+        if self.gatherer is not None:
+            self.gatherer.stepped(self.global_steps)
         # Read when the monitor reports the step (a step later on a GPU): by then a decision left on
         # the device has been settled, and these say what they would have said at once.
         self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm,
@@ -333,6 +357,8 @@ class Engine:
         with self.monitor.span("reduce_wait"):
             self.reducer.wait()
         grads = self.reducer.shard_grads()
+        if self.reducer.grad_placements is not None:  # tensor parallelism: partial gradients summed over tp
+            self.reducer.grad_placements.sum_over_tp(grads)
         flags = step_flags(self._window_loss, self.comm.everyone.rank)  # (with tp: the rank in the world)
         if self.used_only is None:
             norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
@@ -518,7 +544,10 @@ class Engine:
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
         """Within the block the given parameters (default: all) are whole on every rank (stage 3 gathers
         and releases them; other stages always hold them whole). Changes made inside are not kept,
-        unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
+        unless modifier_rank is given: that rank's values then become every rank's weights and masters.
+        Forwards inside gather nothing, so ranks may run different numbers of them (generate() of any
+        length: the whole model in working precision on every rank, gathered once, bounded by
+        comm_timeout_s); uneven_forwards() does it without the whole model."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
         buckets = [b for b in self.layout.gathered
@@ -529,6 +558,17 @@ class Engine:
             yield
             if modifier_rank is not None:
                 self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
+
+    @contextmanager
+    def uneven_forwards(self):
+        """Forwards inside the block (under torch.no_grad()) may differ in number between ranks: generate()
+        stopping at different lengths, an eval loop over data that does not divide the ranks. At stage 3,
+        each unit's gather is agreed first, and a rank that leaves the block early keeps joining the
+        others' gathers until every rank has left it (stage3.UnevenForwards); one small all_reduce per
+        unit, no prefetch. Call it on every rank. Stages 0-2 gather nothing in a forward: only no_grad.
+        Where the whole model fits on each rank, `gathered_parameters()` costs no collective per forward."""
+        with torch.no_grad(), self.gatherer.uneven_forwards() if self.gatherer is not None else nullcontext():
+            yield
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict(), each tensor whole (joined over

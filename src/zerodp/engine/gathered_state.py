@@ -102,6 +102,7 @@ class GatheredStateDict:
         self.gatherer.release([b for b in self.mine if b.index not in needed])
         self.mine = [b for b in self.mine if b.index in needed]
         missing = [b for b in needed.values() if b.index not in self.gatherer.gathered]
+        self.gatherer.whereabouts.doing = "in module.state_dict()"
         self.gatherer.gather(missing)
         self.mine += missing
         for name, p in own:

@@ -194,20 +194,21 @@ def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: s
 
 # ---- activation estimate, for `estimate --fit` and the train job's report ------------------------
 def activation_estimate(cfg, micro_batch: int, seq: int, dtype: str = "bf16", checkpointing: bool = False,
-                        tp: int = 1, vocab_parallel: bool = True) -> int:
+                        tp: int = 1, vocab_parallel: bool = True, sequence_parallel: bool = False) -> int:
     """Activation bytes of one forward held for backward, per GPU, estimated (not measured).
 
     Korthikanti et al. 2022, eq. 2 in 16-bit without sequence parallelism: s·b·h·(10 + 24/tp) bytes per
-    layer when attention scores are not materialised (fused SDPA), 34 s·b·h at tp = 1; plus the logits
+    layer when attention scores are not materialised (fused SDPA), 34 s·b·h at tp = 1; with sequence
+    parallelism (eq. 4) the norms' and dropouts' 10 s·b·h are split over tp too: 34 s·b·h / tp; plus the logits
     (16-bit, their fp32 copy for the loss and its grad), split over tp by a vocabulary-parallel head
     (`vocab_parallel`; zerodp's own GPT keeps its tied head whole on every tp rank).
     With checkpointing each layer keeps only its input (2·s·b·h) and one layer is live in recompute.
     """
     scale = WORKING_BYTES[dtype] / 2
     sbh = seq * micro_batch * cfg.n_embd
-    layer = (10 + 24 / tp) * sbh * scale
+    layer = (34 / tp if sequence_parallel else 10 + 24 / tp) * sbh * scale
     logits = seq * micro_batch * cfg.vocab_size * (WORKING_BYTES[dtype] + 8) / (tp if vocab_parallel else 1)
-    if checkpointing:
-        return int(cfg.n_layer * 2 * sbh * scale + layer + logits)
+    if checkpointing:  # (each layer's input: a sequence slice with sequence parallelism)
+        return int(cfg.n_layer * 2 * sbh * scale / (tp if sequence_parallel else 1) + layer + logits)
     return int(cfg.n_layer * layer + logits)
 

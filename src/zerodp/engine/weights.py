@@ -19,16 +19,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import join_tp, local, tp_parts
+from zerodp.engine.flat import Bucket, join_tp, local, tp_parts
+from zerodp.engine.layout import Layout
 from zerodp.engine.tensor_parallel import shard_dim
 
-if TYPE_CHECKING:
-    from zerodp.engine.engine import Engine
+
+class Trained(Protocol):
+    """What `engine_weights` reads of a trained engine (engine.Engine is one): named here so that this
+    module, which the engine uses for full_state_dict, does not import the engine back."""
+
+    module: nn.Module
+    comm: Comm
+    layout: Layout
+
+    def wait_for_parameters(self) -> None: ...
+
+    def full_master(self, b: Bucket) -> torch.Tensor: ...
 
 
 @dataclass
@@ -69,7 +81,7 @@ class _Split:
     parts: int = 1
 
 
-def engine_weights(engine: Engine) -> Weights:
+def engine_weights(engine: Trained) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
     floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
     tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
@@ -110,7 +122,7 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
     return {i: _Split(d, [theirs[k] for theirs in sizes], parts[i]) for k, (i, d) in enumerate(dims.items())}
 
 
-def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
+def _stream(engine: Trained, first: dict[int, str], splits: dict[int, _Split]
             ) -> Iterator[tuple[str, torch.Tensor]]:
     trained, tp = set(), engine.comm.tp
     for b in engine.layout.gathered:  # stage 3's frozen buckets last: their working values, no master
