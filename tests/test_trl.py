@@ -122,11 +122,17 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
     from zerodp.integrations.trl import ZeroTRLMixin
 
     built: list[tuple[str, int]] = []  # (class, stage) of every engine a trainer built: the swap took
+    ref_bytes: list[tuple[int, int]] = []  # (whole, held by this rank) for each reference model
     prepare = ZeroTRLMixin._prepare_for_training
 
     def recording(self, *args):
+        ref = getattr(self, "ref_model", None)
+        whole = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
         prepared = prepare(self, *args)
         built.append((type(self).__name__, self.engine.stage))
+        if ref is not None:  # the reference's bytes: whole, and what this rank holds of it after set-up
+            held = self.ref_model.memory_report() if hasattr(self.ref_model, "memory_report") else None
+            ref_bytes.append((whole, held["frozen_params"] + held["frozen_params_and_buffers"] if held else whole))
         return prepared
 
     ZeroTRLMixin._prepare_for_training = recording
@@ -154,8 +160,10 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
             results[(name, stage)] = weights(path) if rank == 0 else None
             results[(name, stage, "said")] = [m for m in said if "reference model" in m]
             results[(name, stage, "built")] = list(built)
+            results[(name, stage, "ref_bytes")] = _on_every_rank(ref_bytes)
             said.clear()
             built.clear()
+            ref_bytes.clear()
     return results
 
 
@@ -258,8 +266,21 @@ def test_trl_arguments_that_read_the_policy_around_the_engine_are_refused_by_nam
         ZeroSFTTrainer(model=str(folder), args=args, train_dataset=load_dataset(str(data))["train"])
 
 
-def test_a_whole_reference_model_at_stage_3_is_said_on_rank_0():
+def _on_every_rank(value: list) -> list:
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, list(value))
+    return gathered
+
+
+@pytest.mark.parametrize("case", [("dpo_sync", 3), ("grpo", 3), ("dpo_sync", 2)], ids=lambda c: f"{c[0]}_z{c[1]}")
+def test_the_reference_model_is_sharded_at_stage_3_and_whole_below(case):
     _, zero = all_runs()
-    said = zero[("dpo_sync", 3, "said")]
-    assert len(said) == 1 and "whole on every rank, not sharded at ZeRO stage 3" in said[0]
-    assert zero[("sft", 3, "said")] == []  # no reference model
+    per_rank = zero[(*case, "ref_bytes")]
+    assert len(per_rank) == 2 and all(len(r) == 1 for r in per_rank)  # one reference model, seen on both ranks
+    for [(whole, held)] in per_rank:
+        print(f"{case}: reference model {whole} bytes whole, {held} on this rank")
+        if case[1] == 3:  # half of it on each of 2 ranks, plus the buckets' padding and the rotary buffers
+            assert whole / 2 <= held < whole / 2 * 1.05
+        else:
+            assert held == whole
+    assert zero[("sft", 3, "said")] == []  # nothing about a reference model where there is none

@@ -10,9 +10,11 @@ ZERODP_CONFIG names, as for `ZeroTrainer`. What TRL does outside the Trainer's s
                                 forwards. `sync_ref_model` (SyncRefModelCallback) and GRPO's generation run
                                 inside `engine.gathered_parameters()` (every stage; a no-op below 3).
   the reference model (DPO, GRPO with beta > 0)  TRL keeps it outside the Trainer (Accelerate places it,
-                                zerodp never sees it): every rank holds it whole, at every stage. It passes
-                                through `reference_model`, the one place that will shard it at stage 3 as a
-                                frozen-only engine once zerodp can build one; a line on rank 0 says it is whole.
+                                whole on every rank). At stage 3 `reference_model` makes it a frozen-only
+                                zerodp engine, 1/N per rank and gathered per unit in its forward, as TRL's
+                                prepare_deepspeed does under DeepSpeed ZeRO-3; below 3 it stays whole, as
+                                the policy's weights are. sync_ref_model mixes inside both engines'
+                                gathered_parameters(), keeping the result in the reference's shards.
   refused at set-up             what would read the policy's weights through another path: vLLM generation,
                                 DPO's generate_during_eval, GRPO's ds3_gather_for_generation=False at stage 3.
 """
@@ -23,11 +25,14 @@ import functools
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import torch
 import transformers
 from torch import nn
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
+from zerodp import initialize
+from zerodp.engine.engine import Engine
 from zerodp.integrations.hf.trainer import ZeroTrainer
 
 _trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
@@ -62,7 +67,7 @@ class ZeroTRLMixin(ZeroTrainer):
                 self.add_callback(GatheredSyncRefModel(self))
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if getattr(self, "ref_model", None) is not None:
-            self.ref_model = reference_model(self.ref_model, self.engine.stage, self.args)
+            self.ref_model = reference_model(self.ref_model, self.engine, self.args)
         if self.engine.stage == 3 and getattr(self.args, "ds3_gather_for_generation", True) is False:
             raise ValueError("ds3_gather_for_generation=False would generate from stage 3's partitioned parameters "
                              "unit by unit; zerodp gathers the policy whole for generation: leave it True")
@@ -105,7 +110,7 @@ def _on_whole_policy(method):
 
 class GatheredSyncRefModel(SyncRefModelCallback):
     """TRL's `sync_ref_model` (ref <- (1 - alpha) ref + alpha policy every ref_model_sync_steps) on the policy's
-    whole weights: gathered on every rank, since every rank holds the reference whole."""
+    whole weights, gathered on every rank, into the reference's (whole below stage 3, its shards at stage 3)."""
 
     def __init__(self, trainer: ZeroTRLMixin) -> None:
         super().__init__(ref_model=trainer.ref_model, accelerator=None)
@@ -114,20 +119,38 @@ class GatheredSyncRefModel(SyncRefModelCallback):
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if state.global_step % args.ref_model_sync_steps:
             return
-        with self.trainer.whole_policy() as policy:
-            self._sync_target_model(policy, self.trainer.ref_model, args.ref_model_mixup_alpha)
+        with self.trainer.whole_policy() as policy, _writable(self.trainer.ref_model) as ref:
+            self._sync_target_model(policy, ref, args.ref_model_mixup_alpha)
 
 
-def reference_model(model: nn.Module, stage: int, args: transformers.TrainingArguments) -> nn.Module:
-    """The frozen reference model as the trainer keeps it: whole on every rank (placed by Accelerate), at
-    every stage. The one place to shard it at stage 3 (a frozen-only zerodp engine) once zerodp can build one;
-    until then stage 3 says so on rank 0, as a warning (the policy is sharded, the reference is not)."""
+@contextmanager
+def _writable(ref: nn.Module | Engine) -> Iterator[nn.Module]:
+    """The reference module with whole parameters to write into: a sharded reference engine gathers them, and
+    every rank computes the same mix, so rank 0's result is what each rank's shard keeps (collective)."""
+    if not isinstance(ref, Engine):
+        yield ref
+        return
+    with torch.no_grad(), ref.gathered_parameters(modifier_rank=0):
+        yield ref.module
+
+
+def reference_model(model: nn.Module, policy: Engine, args: transformers.TrainingArguments) -> nn.Module | Engine:
+    """The frozen reference model as the trainer keeps it. At stage 3 a frozen-only zerodp engine over the
+    policy's ranks (1/N of it per rank, gathered per unit in its forward, as TRL's prepare_deepspeed does
+    under DeepSpeed ZeRO-3), with the policy's parameter-placement and precision settings; below stage 3
+    whole on every rank (placed by Accelerate), as the policy's weights are."""
+    if policy.stage != 3:
+        return model
+    given = policy.config.model_dump(exclude_unset=True)
+    zero = {k: v for k, v in given.get("zero_optimization", {}).items() if k != "offload_optimizer"}  # no optimizer
+    config = {k: given[k] for k in ("bf16", "fp16", "comm_timeout_s") if k in given}
+    count = sum(p.numel() for p in model.parameters())
+    model.requires_grad_(False)
+    ref = initialize(model, None, {**config, "zero_optimization": zero})
     if args.process_index == 0:
-        count = sum(p.numel() for p in model.parameters())
-        say = _trainer_log.warning if stage == 3 else _trainer_log.info
-        say("zerodp: the reference model (%d parameters) is whole on every rank, not sharded at ZeRO stage %d "
-            "(zerodp cannot yet shard a model it does not train)", count, stage)
-    return model
+        _trainer_log.info("zerodp: the reference model (%d parameters) is a frozen-only engine sharded over %d "
+                          "ranks at ZeRO stage 3", count, ref.comm.world_size)
+    return ref
 
 
 class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
@@ -135,7 +158,7 @@ class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
 
 
 class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
-    """TRL's DPOTrainer with zerodp doing the data parallelism; the reference model is whole on every rank."""
+    """TRL's DPOTrainer with zerodp doing the data parallelism; at stage 3 the reference model is sharded too."""
 
 
 class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
