@@ -59,7 +59,7 @@ def ported_script(script: str, where: Path):
     assert line in source, f"trl/scripts/{script}.py no longer imports {name} as expected"
     end = source.index("\n", source.index(line)) + 1  # after TRL's import, which would rebind the name
     ported = source[:end] + f"    from zerodp.integrations.trl import Zero{name} as {name}\n" + source[end:]
-    path = where / f"{script}_zero.py"
+    path = where / f"{script}_zero_{os.getpid()}.py"  # one per rank: the other may be writing its own
     path.write_text(ported)
     spec = importlib.util.spec_from_file_location(f"{script}_zero", path)
     module = importlib.util.module_from_spec(spec)
