@@ -293,3 +293,22 @@ def test_ranks_waiting_in_collectives_that_do_not_match_name_where_the_other_wai
     for line, peer, seen in zip((mine, other), (1, 0), named):
         assert seen or f"rank {peer} is in no zerodp collective" in line, line
     print(f"rank 0: {mine}\nrank 1: {other}")
+
+
+def _script_group_taken_for_zerodps(rank: int, world: int) -> dict:
+    from zerodp.distributed import teardown
+    return {"owns": teardown.owns(dist.group.WORLD), "timeout": group_timeout_s(dist.group.WORLD)}
+
+
+def test_a_forked_rank_never_takes_its_scripts_group_for_one_zerodp_created(monkeypatch):
+    """This process let zerodp create (and then destroyed) a default group; a rank forked from it inherits that
+    memory but runs on a group of its script's own, whose timeout comm_timeout_s must leave alone (a twin gets
+    it). Taken for zerodp's, the script's group got comm_timeout_s: in the suite, after any test that ran a world
+    of one in this process, spawn.py's own closing barrier then timed out at 3 s."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    from zerodp.distributed.comm import init_distributed
+    init_distributed("gloo")
+    dist.destroy_process_group()
+    for rank in run_ranks(_script_group_taken_for_zerodps, 2, timeout_s=SPAWN_S):
+        assert rank == {"owns": False, "timeout": SPAWN_S}

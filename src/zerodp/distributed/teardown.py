@@ -33,7 +33,10 @@ class GroupHolder(Protocol):
 
 
 _holders: weakref.WeakSet = weakref.WeakSet()  # every live Comm: what may keep a group alive
-_state = {"registered": False, "created_default": False}
+_state = {"registered": False}
+# The default group zerodp created (init_distributed), held by identity: a forked rank inherits this module's
+# state but makes a default group of its own, which a flag would mistake for zerodp's.
+_default: list[dist.ProcessGroup] = []
 # groups zerodp created besides the default one (Comm.bound's twins of a script's groups), by their ranks
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
@@ -48,7 +51,7 @@ def register(holder: GroupHolder | None = None, created_default: bool = False) -
     if holder is not None:
         _holders.add(holder)
     if created_default:
-        _state["created_default"] = True
+        _default[:] = [dist.distributed_c10d._get_default_group()]
     if not _state["registered"]:
         _state["registered"] = True
         atexit.register(release_at_exit)
@@ -71,7 +74,7 @@ def owns(group: dist.ProcessGroup) -> bool:
     """Whether zerodp created this group (the default group in init_distributed, or a twin)."""
     if any(group is g for g in _groups.values()):
         return True
-    return _state["created_default"] and dist.is_initialized() and group is dist.group.WORLD
+    return any(group is g for g in _default) and alive(group)
 
 
 def alive(group: dist.ProcessGroup) -> bool:
@@ -93,8 +96,8 @@ def release_at_exit() -> None:
             except Exception:  # noqa: BLE001 - freeing it below is what matters
                 pass
     _groups.clear()
-    if _state["created_default"] and dist.is_initialized():
-        _state["created_default"] = False
+    if any(alive(g) for g in _default):
+        _default.clear()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already half torn down: freeing it below is what matters
