@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -105,6 +105,10 @@ class OptimizerConfig(_Section):
                      f"'optimizer.params.{key}' = {json.dumps(kwargs[key], default=repr)}")
             raise ConfigError(f"config key {where} rejected by torch.optim.{cls.__name__}: {error}")
         return cls, kwargs
+
+    def for_model(self, module: torch.nn.Module) -> Callable[[list], torch.optim.Optimizer]:
+        """What zerodp.initialize uses when given no optimizer: a factory params -> Optimizer (build)."""
+        return self.build
 
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> torch.optim.Optimizer:
         cls, kwargs = self._torch_class_and_kwargs()

@@ -195,7 +195,8 @@ class Engine:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values, bucket by bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = Layout.build(groups, self.stage, self.units, comm, zero)
+        layout = Layout.build(groups, self.stage, self.units, comm, zero,
+                              [self.spec.whole_parameters(g) for g in range(len(groups))])
         fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
                                        self.offload_param, zero.offload_param.pin_memory and can_pin())
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values

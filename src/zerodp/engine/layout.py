@@ -13,7 +13,7 @@ out what this rank holds, and `shape_of` is where a local shape and the global o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -38,13 +38,14 @@ class Layout:
 
     @classmethod
     def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
-              zero: ZeroConfig) -> Layout:
+              zero: ZeroConfig, whole: Sequence[bool] = ()) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
-        (units.layout). Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        (units.layout). `whole`: per group, each parameter whole in one shard (optimizer_view.py).
+        Allocates nothing: setup/fill.py's fill() makes the buffers."""
         if stage < 3:
-            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size)
+            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size, whole=whole)
         else:
-            groups = stage3_layout(param_groups, units, comm.shard_size, zero)
+            groups = stage3_layout(param_groups, units, comm.shard_size, zero, whole)
         return cls(groups, comm.shard_rank if stage > 0 else 0)
 
     def slots(self) -> Iterator[tuple[Bucket, Slot]]:
@@ -68,3 +69,12 @@ class Layout:
     def shard_start(self, b: Bucket) -> int:
         """Where this rank's shard of bucket `b` starts, in bucket coordinates."""
         return self.rank * b.shard_numel
+
+    def owned_numel(self) -> list[int]:
+        """Elements of parameters each rank's shards hold (padding not counted): its share of the masters
+        and optimizer states. Whole parameters make the shares unequal (flat.lay_out's `_deal`)."""
+        out = [0] * (self.buckets[0].partitions if self.buckets else 1)
+        for b in self.buckets:
+            for r in range(b.partitions):
+                out[r] += sum(hi - lo for _, _, lo, hi in b.owned_slots(r))
+        return out
