@@ -31,6 +31,7 @@ from zerodp.checkpoint.pieces import (
     tp_shard,
     tp_size,
     untrained,
+    whole_parameters,
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
 from zerodp.checkpoint.whole import its_shard, plan
@@ -100,6 +101,10 @@ def _check_model(engine, path: str, manifest: dict) -> None:
     if manifest.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
         raise CheckpointError(f"checkpoint '{path}' holds {manifest['optimizer']} state, the optimizer is "
                               f"{type(engine.optimizer).__name__}")
+    views = [v.value for v in engine.spec.views]
+    if manifest.get("optimizer_views") not in (None, views):
+        raise CheckpointError(f"checkpoint '{path}' holds optimizer state of {manifest['optimizer_views']} (per param "
+                              f"group), the optimizer steps {views}: its state cannot be read in another form")
     if len(manifest["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(manifest['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
@@ -117,6 +122,8 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
         dtype = next(m.properties.dtype for k, m in md.items() if k.startswith(f"optim/{key}/"))
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
+    mine = {name for name, _ in whole_parameters(engine)}  # stepped whole here: their state is read whole
+    small += [k for k in md if k.startswith("optim_param/") and k.split("/", 2)[2] in mine]
     frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
     if _resharding(engine, manifest):
         copies, model_state = {}, _reshard(engine, path, manifest, metadata, masters, states)
@@ -137,7 +144,12 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     if model_state is None:
         model_state = {frozen[k]: t for k, t in rest.items() if k.startswith("model/")}
     rng = {k.rsplit("/", 1)[1]: t for k, t in rest.items() if k.startswith("rng/")}
-    return Staged(masters, states, scalars, model_state, rng)
+    whole: dict[str, dict[str, torch.Tensor]] = {}
+    for k, t in rest.items():
+        if k.startswith("optim_param/"):
+            _, key, name = k.split("/", 2)
+            whole.setdefault(name, {})[key] = t
+    return Staged(masters, states, scalars, model_state, rng, whole)
 
 
 def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: dict) -> dict[str, list]:
@@ -147,7 +159,8 @@ def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: 
     saved = {"master": saved_pieces(metadata, "master/")}
     saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in states})
     for pc in owned_pieces(engine):
-        for kind, dests in [("master", masters), *states.items()]:
+        stepped_whole = engine.layout.buckets[pc.master].whole  # its state is read whole (_stage)
+        for kind, dests in [("master", masters), *(() if stepped_whole else states.items())]:
             covered = 0
             for start, numel, key in saved[kind].get(pc.stored, []):
                 lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
@@ -179,9 +192,10 @@ def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states:
     def cut(t: torch.Tensor, shape: torch.Size, w: torch.Tensor) -> torch.Tensor:
         return its_shard(t, tp_shard(engine, t), tp_size(engine), shape, w)
 
+    whole = {n for n, _ in whole_parameters(engine)}  # their state is read whole (_stage)
     for kind, dests in [("master", masters), *states.items()]:
         prefix = "master/" if kind == "master" else f"optim/{kind}/"
-        entries = [saved[n] for n in mine if kind == "master" or n not in never]  # never stepped: zeros
+        entries = [saved[n] for n in mine if kind == "master" or (n not in never and n not in whole)]  # never stepped: zeros
         reading = plan(path, manifest, metadata, entries, prefix)
         for name, w in reading.stream(path, manifest, metadata, LOAD_CHUNK_NUMEL, verified):
             p = params[name]

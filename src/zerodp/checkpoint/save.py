@@ -43,6 +43,7 @@ from zerodp.checkpoint.pieces import (
     tp_rank,
     tp_shapes,
     tp_size,
+    whole_parameters,
 )
 
 
@@ -155,6 +156,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
                 raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
                                       f"per parameter element {tuple(m.shape)} nor a scalar: it cannot be "
                                       "saved in a world-size-independent form")
+    for name, t in whole_parameters(engine):
+        for key, v in engine.optimizer.state.get(t, {}).items():
+            if not torch.is_tensor(v):
+                raise CheckpointError(f"optimizer state '{key}' of '{name}' is a {type(v).__name__}, not a tensor: "
+                                      "it cannot be saved in a world-size-independent form")
     sched = None
     if engine.lr_scheduler is not None:
         sched = engine.lr_scheduler.state_dict()
@@ -181,6 +187,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
         "step_counts": engine.step_counts(),
+        "optimizer_views": [view.value for view in engine.spec.views],
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.layout.buckets],

@@ -574,6 +574,11 @@ class Engine:
         in place, they become the weights at the next weights_from_masters()."""
         return self.partitioned_optimizer.masters
 
+    def stepped_tensors(self) -> list[list[torch.Tensor]]:
+        """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
+        a view of the master in each owned parameter's shape (its state is keyed by these)."""
+        return self.partitioned_optimizer.stepped
+
     @property
     def masters_are_copies(self) -> bool:
         """The fp32 masters are tensors of their own (mixed precision, offload), not the working shards."""
