@@ -142,7 +142,7 @@ TORCH_OPTIMIZERS: dict[str, Callable | None] = {
     "SGD": lambda m: torch.optim.SGD(_trained(m), lr=LR * 10, momentum=0.9, nesterov=True),
     "Adagrad": lambda m: torch.optim.Adagrad(_trained(m), lr=LR * 10),
     "Adadelta": lambda m: torch.optim.Adadelta(_trained(m), lr=1.0),
-    "RMSprop": lambda m: torch.optim.RMSprop(_trained(m), lr=LR, momentum=0.5),
+    "RMSprop": lambda m: torch.optim.RMSprop(_trained(m), lr=LR, momentum=0.5, eps=1e-4),  # not 1e-8: v is tiny early
     "Adamax": lambda m: torch.optim.Adamax(_trained(m), lr=LR),
     "NAdam": lambda m: torch.optim.NAdam(_trained(m), lr=LR),
     "RAdam": lambda m: torch.optim.RAdam(_trained(m), lr=LR),

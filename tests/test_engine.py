@@ -57,8 +57,8 @@ OFFLOAD_PARAM_JOBS = ([(name, 3, "fp32", offload, 0, "offload_param", True) for 
 
 # Every optimizer class of torch.optim (oracle.TORCH_OPTIMIZERS); the refused ones at initialize. The shape-aware
 # cases (whole parameters: a layout of their own) at every stage, and with offload; the element-wise ones step
-# flat shards as AdamW does in every case above, each at two stages (0 and 2, or 1 and 3: all four among them).
-OPTIMIZER_STAGES = {case: (STAGES if case in oracle.WHOLE_PARAMETER_CASES else STAGES[i % 2::2])
+# flat shards as AdamW does in every case above, each at one stage (all four among them).
+OPTIMIZER_STAGES = {case: (STAGES if case in oracle.WHOLE_PARAMETER_CASES else [STAGES[i % 4]])
                     for i, case in enumerate(oracle.OPTIMIZER_CASES)}
 OPTIMIZER_JOBS = ([(case, stage) for case, stages in OPTIMIZER_STAGES.items() for stage in stages]
                   + [(f"optim_{name}", stage, "fp32", True) for name in oracle.WHOLE_PARAMETER_OPTIMIZERS
