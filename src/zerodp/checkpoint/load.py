@@ -123,7 +123,7 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
     mine = {name for name, _ in whole_parameters(engine)}  # stepped whole here: their state is read whole
-    small += [k for k in md if k.startswith("optim_param/") and k.split("/", 2)[2] in mine]
+    small += [k for k in md if k.startswith(("optim_param/", "optim_param_number/")) and k.split("/", 2)[2] in mine]
     frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
     if _resharding(engine, manifest):
         copies, model_state = {}, _reshard(engine, path, manifest, metadata, masters, states)
@@ -146,9 +146,10 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     rng = {k.rsplit("/", 1)[1]: t for k, t in rest.items() if k.startswith("rng/")}
     whole: dict[str, dict[str, torch.Tensor]] = {}
     for k, t in rest.items():
-        if k.startswith("optim_param/"):
-            _, key, name = k.split("/", 2)
-            whole.setdefault(name, {})[key] = t
+        if k.startswith(("optim_param/", "optim_param_number/")):
+            kind, key, name = k.split("/", 2)
+            number = t.item() if kind == "optim_param_number" else None
+            whole.setdefault(name, {})[key] = t if number is None else int(number) if number.is_integer() else number
     return Staged(masters, states, scalars, model_state, rng, whole)
 
 

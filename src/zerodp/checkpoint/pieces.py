@@ -196,7 +196,10 @@ def local_state(engine) -> dict[str, torch.Tensor]:
                     out[f"optim/{key}/{pc.stored}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
         for name, t in whole_parameters(engine) if tp_rank(engine) == 0 else ():  # never a tp shard
             for key, v in engine.optimizer.state.get(t, {}).items():
-                out[f"optim_param/{key}/{name}"] = _cpu(v.detach())
+                if torch.is_tensor(v):
+                    out[f"optim_param/{key}/{name}"] = _cpu(v.detach())
+                else:  # a plain number (transformers' Adafactor keeps its step and RMS so): read back as one
+                    out[f"optim_param_number/{key}/{name}"] = torch.tensor(v, dtype=torch.float64)
     rank = comm.everyone.rank
     if rank == 0:
         for g, state in group_states(engine).items():

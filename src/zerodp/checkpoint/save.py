@@ -158,9 +158,9 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
                                       "saved in a world-size-independent form")
     for name, t in whole_parameters(engine):
         for key, v in engine.optimizer.state.get(t, {}).items():
-            if not torch.is_tensor(v):
-                raise CheckpointError(f"optimizer state '{key}' of '{name}' is a {type(v).__name__}, not a tensor: "
-                                      "it cannot be saved in a world-size-independent form")
+            if not (torch.is_tensor(v) or isinstance(v, (int, float))):
+                raise CheckpointError(f"optimizer state '{key}' of '{name}' is a {type(v).__name__}, neither a tensor "
+                                      "nor a number: it cannot be saved in a world-size-independent form")
     sched = None
     if engine.lr_scheduler is not None:
         sched = engine.lr_scheduler.state_dict()
