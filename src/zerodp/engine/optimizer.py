@@ -70,23 +70,7 @@ class PartitionedOptimizer(TimedGathers):
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
-        if isinstance(optimizer, Optimizer):
-            initial = _initial_state(optimizer)  # Adagrad's accumulators, made at construction
-            if initial is None:
-                raise ValueError("the optimizer already has state; pass a freshly built optimizer "
-                                 "(load optimizer state through engine.load_checkpoint)")
-            optimizer.state.clear()
-            for group, masters, init in zip(optimizer.param_groups, per_group, initial):
-                group["params"] = masters
-                for t in masters if init else ():
-                    optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
-                                          for k, v in init.items()}
-            self.optimizer = optimizer
-        else:
-            self.optimizer = optimizer([{"params": per_group[0]}])
-            if not isinstance(self.optimizer, Optimizer):
-                raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
-                                "expected a torch.optim.Optimizer")
+        self.optimizer = _rewired(optimizer, per_group)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -299,6 +283,27 @@ class PartitionedOptimizer(TimedGathers):
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
         return {"fp32_master": master, "optimizer_states": state, **host}
+
+
+def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]]) -> Optimizer:
+    """The user's optimizer stepping `per_group`'s tensors instead of the model's parameters (or the factory's,
+    built on them)."""
+    if not isinstance(optimizer, Optimizer):
+        built = optimizer([{"params": per_group[0]}])
+        if not isinstance(built, Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
+        return built
+    initial = _initial_state(optimizer)  # Adagrad's accumulators, made at construction
+    if initial is None:
+        raise ValueError("the optimizer already has state; pass a freshly built optimizer "
+                         "(load optimizer state through engine.load_checkpoint)")
+    optimizer.state.clear()
+    for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
+        group["params"] = tensors
+        for t in tensors if init else ():
+            optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
+                                  for k, v in init.items()}
+    return optimizer
 
 
 def _initial_state(optimizer: Optimizer) -> list[dict] | None:
