@@ -131,7 +131,7 @@ def muon_and_adamw(model):
               and not n.startswith(("inp.", "out."))]
     ids = {id(p) for p in hidden}
     rest = [p for p in _trained(model) if id(p) not in ids]
-    return [torch.optim.Muon(hidden, lr=LR * 10), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
+    return [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
 
 
 # Every optimizer class of torch.optim (test_engine checks that none is missing), built on the Toy: None for
