@@ -197,7 +197,7 @@ class Engine:
         zero, comm = self.config.zero_optimization, self.comm
         layout = Layout.build(groups, self.stage, self.units, comm, zero,
                               [self.spec.whole_parameters(g) for g in range(len(groups))])
-        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.stage == 3,
+        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.spec.gathers_per_unit,
                                        self.offload_param, zero.offload_param.pin_memory and can_pin())
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
@@ -220,12 +220,12 @@ class Engine:
 
     def _forward_order(self) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
-        if self.config.zero_optimization.overlap_param_gather and 0 < self.stage < 3:
+        if self.config.zero_optimization.overlap_param_gather and self.spec.shards_optimizer and not self.spec.gathers_per_unit:
             return ForwardOrder(self.module, self.partitioned_optimizer)
         return None
 
     def _gatherer(self, layout: Layout) -> Gatherer | None:
-        if self.stage != 3:
+        if not self.spec.gathers_per_unit:
             return None
         return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
                         self.offload_param)
@@ -396,7 +396,7 @@ class Engine:
         """As DDP's no_sync: backward() inside reduces nothing; its gradients join those of the next
         backward() outside, which reduces them all. Stages 0-1 only: stages 2-3 reduce-scatter every
         gradient as backward produces it, to keep only a shard."""
-        if self.stage >= 2:
+        if self.spec.keeps_gradient_shard:
             raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.stage}, which partitions "
                                "gradients as backward produces them; use stage 0 or 1, or "
                                "gradient_accumulation_steps, which reduces once per step in stage 1")
