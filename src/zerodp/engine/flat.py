@@ -8,6 +8,10 @@ order backward produces their gradients). Every bucket is padded to a multiple o
 Why shard per bucket rather than once per group: a bucket's gradient can then be reduce-scattered
 the moment backward has produced it, straight into the owning shards, with no reduce-to-owner
 loop and no copy (the layout FSDP and picotron use). Each rank still owns exactly 1/N.
+
+A param group whose optimizer needs whole parameters (optimizer_view.py) is laid out `whole`: its
+parameters are dealt whole to the shards of their bucket (`_deal`), each shard padded to the fullest, so a
+rank's shard holds whole parameters (about 1/N, plus its share of the imbalance).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ In fp32 training the master is the shard of the flat working buffer itself (no s
 After the step the updated shards are cast to working precision and all-gathered back into the
 flat buffers, which the module's parameters are views of.
 
+Whole parameters (optimizer_view.py: Adafactor, Muon, ...): a bucket laid out `whole` holds each parameter
+in one rank's shard, and the optimizer steps, instead of the master shard, a view of it in each owned
+parameter's shape (`stepped`), its gradient the same view of the gradient shard: its state is in that
+shape, and nothing else changes (the masters, offload, the norm and the gather are per bucket as before).
+
 ZeRO-Offload (`offload=True`): masters, their gradients and the optimizer state live in (pinned)
 host memory and the user's optimizer steps on the CPU; the device keeps only the working
 parameters and the gradient buckets. Gradient shards go out and updated weights come back with
