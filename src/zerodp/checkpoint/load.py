@@ -101,13 +101,14 @@ def _check_model(engine, path: str, manifest: dict) -> None:
     if manifest.get("optimizer", type(engine.optimizer).__name__) != type(engine.optimizer).__name__:
         raise CheckpointError(f"checkpoint '{path}' holds {manifest['optimizer']} state, the optimizer is "
                               f"{type(engine.optimizer).__name__}")
-    views = [v.value for v in engine.spec.views]
-    if manifest.get("optimizer_views") not in (None, views):
-        raise CheckpointError(f"checkpoint '{path}' holds optimizer state of {manifest['optimizer_views']} (per param "
-                              f"group), the optimizer steps {views}: its state cannot be read in another form")
     if len(manifest["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(manifest['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
+    views = [v.value for v in engine.spec.views]
+    saved_views = manifest.get("optimizer_views") or ["flat shards"] * len(manifest["param_groups"])
+    if saved_views != views:
+        raise CheckpointError(f"checkpoint '{path}' holds optimizer state of {saved_views} (per param "
+                              f"group), the optimizer steps {views}: its state cannot be read in another form")
 
 
 def _stage(engine, path: str, manifest: dict) -> Staged:

@@ -177,7 +177,9 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
         "step_counts": engine.step_counts(),
-        "optimizer_views": [view.value for view in engine.spec.views],
+        # Only where some group steps whole parameters: a checkpoint of flat shards stays what it was before.
+        **({"optimizer_views": [v.value for v in engine.spec.views]}
+           if any(engine.spec.whole_parameters(g) for g in range(len(engine.spec.views))) else {}),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.layout.buckets],
