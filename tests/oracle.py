@@ -314,6 +314,23 @@ def train_overflow(rank: int, world: int, stage: int) -> dict:
     return record
 
 
+def frozen_bytes(rank: int, world: int) -> dict:
+    """memory_report of the frozen case at stage 3 (without, with offload_param): what the frozen
+    weight costs this rank, and what is held whole (buffers and nothing else: the toy has no buffer)."""
+    out = {}
+    for offload in (False, True):
+        case = CASES["frozen"]
+        model = build(case)
+        zero = {"offload_param": True} if offload else {}
+        engine = zerodp.initialize(model, case.optimizer(model), config_for(case, 3, world, **zero))
+        report = engine.memory_report()
+        out[offload] = {"frozen_params": report["frozen_params"], "working_params": report["working_params"],
+                        "whole": report["frozen_params_and_buffers"], "host": report.get("host_model_states"),
+                        "whole_without_frozen": sum(b.numel() * b.element_size() for b in model.buffers()),
+                        "shape": tuple(model.inp.weight.shape)}
+    return out
+
+
 def stage3_releases(rank: int, world: int) -> dict:
     """After a stage-3 step nothing but persistent buckets holds gathered parameters."""
     case = CASES["tied"]

@@ -102,9 +102,9 @@ def working_params(engine) -> dict[str, torch.Tensor]:
 
 
 def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False,
-             optimizer: str | None = None) -> dict:
+             optimizer: str | None = None, model_kw: dict | None = None) -> dict:
     """Train SAVE_AT steps, save, train on to STEPS: the snapshot at the save and at the end."""
-    engine = make_engine(world, stage, dtype, offload=offload, optimizer=optimizer)
+    engine = make_engine(world, stage, dtype, offload=offload, optimizer=optimizer, model_kw=model_kw)
     train(engine, rank, world, range(SAVE_AT))
     engine.save_checkpoint(path, client_state={"data": {"step": SAVE_AT, "rank": rank}})
     at_save = {**snapshot(engine), "rng": rng_draws()}
@@ -113,9 +113,9 @@ def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", 
 
 
 def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False,
-               optimizer: str | None = None) -> dict:
-    """A fresh engine (other initial weights) loads the checkpoint and trains on to STEPS."""
-    engine = make_engine(world, stage, dtype, seed=1, offload=offload, optimizer=optimizer)
+               optimizer: str | None = None, model_kw: dict | None = None) -> dict:
+    """A fresh engine (other initial weights, the frozen ones too) loads the checkpoint and trains on to STEPS."""
+    engine = make_engine(world, stage, dtype, seed=1, offload=offload, optimizer=optimizer, model_kw=model_kw)
     client = engine.load_checkpoint(path)
     loaded = {**snapshot(engine), "rng": rng_draws()}
     train(engine, rank, world, range(SAVE_AT, STEPS))
@@ -136,6 +136,7 @@ def wrong_model_run(rank: int, world: int, stage: int, path: str) -> list[str]:
 
 
 # A checkpoint written by older code (tests/data/zerodp_checkpoint/make_fixture.py says which and how).
+FROZEN = {"frozen": True}  # the toy's first layer frozen: stage 3 shards it, with no master
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "zerodp_checkpoint")
 
 
@@ -190,7 +191,8 @@ def runs() -> dict:
     out = {4: _by_key(run_ranks(run_jobs, 4, [("save", "s2", 2, ckpt("w4")), *WHOLE_SAVES]))}
     with world_of_one():
         out[1] = _by_key([run_jobs(0, 1, [("resume", "from4", 2, ckpt("w4")),
-                                          ("save", "s1", 1, ckpt("w1")), *WHOLE_RESUMES[1]])])
+                                          ("save", "s1", 1, ckpt("w1")), *WHOLE_RESUMES[1],
+                                          ("save", "s1frozen", 1, ckpt("w1f"), "fp32", False, None, FROZEN)])])
     out[2] = _by_key(run_ranks(run_jobs, 2, [
         ("resume", "from4", 2, ckpt("w4")), ("resume", "from1", 1, ckpt("w1")),
         ("save", "stage2", 2, ckpt("st2")), ("resume", "2to0", 0, ckpt("st2")),
@@ -201,6 +203,11 @@ def runs() -> dict:
         ("save", "bf16_save", 2, ckpt("bf16"), "bf16"), ("resume", "bf16_resume", 1, ckpt("bf16"), "bf16"),
         ("save", "fp16_save", 1, ckpt("fp16"), "fp16"), ("resume", "fp16_resume", 2, ckpt("fp16"), "fp16"),
         ("wrong", "wrong", 2, ckpt("w4")), ("fixture", "fixture", ckpt("fixture")), *WHOLE_RESUMES[2],
+        # stage 3 saves its frozen parameters' shards once (frozen/ pieces); below it they are saved whole
+        ("save", "stage3frozen", 3, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "3fto3", 3, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "3fto1", 1, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "1fto3", 3, ckpt("w1f"), "fp32", False, None, FROZEN),
     ]))
     return out
 
@@ -252,6 +259,8 @@ RESUMES = {  # test id: ((resumed on world, job key), (saved on world, job key))
     "stage=0->2": ((2, "0to2"), (2, "stage0")), "stage=3->1": ((2, "3to1"), (2, "stage3")),
     "stage=2->3": ((2, "2to3"), (2, "stage2")), "stage=2->1+offload": ((2, "2to1offload"), (2, "stage2")),
     "stage=2+offload->3": ((2, "offloadto3"), (2, "offload")),
+    "frozen,stage=3->3": ((2, "3fto3"), (2, "stage3frozen")), "frozen,stage=3->1": ((2, "3fto1"), (2, "stage3frozen")),
+    "frozen,world=1,stage=1->3": ((2, "1fto3"), (1, "s1frozen")),
 }
 
 
@@ -824,3 +833,16 @@ def test_resume_falls_back_past_a_latest_whose_file_fails_its_checksum(tmp_path,
     choose_resume(opts, 1)
     assert opts.resume_path == str(d / "global_step1")
     assert "does not match its checksum; resuming from the newest intact checkpoint" in capsys.readouterr().err
+
+
+def test_stage3_saves_each_frozen_element_once_in_pieces_of_every_rank():
+    """Stage 3's frozen weight is saved as each rank's pieces (frozen/), together exactly the tensor, and
+    not whole by rank 0 (model/) as below stage 3."""
+    saved = runs()[2]["stage3frozen"]
+    keys = [[k for k in r["at_save"]["pieces"] if k.startswith("frozen/")] for r in saved]
+    assert all(keys) and not set(keys[0]) & set(keys[1])
+    assert not any(k.startswith("model/inp.weight") for r in saved for k in r["at_save"]["pieces"])
+    pieces = {k: t for r in saved for k, t in r["at_save"]["pieces"].items() if k.startswith("frozen/")}
+    whole = torch.cat([pieces[k] for k in sorted(pieces, key=lambda k: int(k.rpartition("@")[2]))])
+    assert torch.equal(whole.view(-1, oracle.D_IN), saved[0]["at_save"]["full"]["inp.weight"])
+    assert not any(k.startswith("frozen/") for k in runs()[1]["s1frozen"][0]["at_save"]["pieces"])

@@ -72,3 +72,19 @@ def test_estimate_prints_bytes_by_collective_and_link_and_the_step_time(capsys, 
     assert "Bytes each rank sends per step" in out and "Step time: compute 500.0 ms" in out
     assert "replica" in out and "inter" in out and "intra" in out
     assert comm_plan.Links().intra_gbs > comm_plan.Links().inter_gbs
+
+
+def test_stage3_plan_gathers_frozen_parameters_and_reduces_the_trained_ones_alone():
+    """As the engine lays them out (layout.Layout.frozen): frozen weights are gathered, never reduced."""
+    import torch
+    from torch import nn
+
+    from zerodp.plan.communication import jobs_for
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    for layer in model:
+        layer.weight.requires_grad_(False)
+    job = jobs_for(model, 2, 3, 2, 2, 50_000_000, 1, 8, persistence=0)
+    assert (job.buckets, job.numel) == (1, 256)  # the biases, one bucket padded to 2 x 64 x 2
+    # the frozen weights' bucket and the biases', each once: the last unit's stay gathered into the backward
+    assert job.gathered == (2, 3 * 64 * 64 + 256)
+    assert torch.is_grad_enabled()

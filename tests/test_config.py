@@ -231,7 +231,8 @@ def test_inconsistent_batch_triple_shows_the_arithmetic():
     with pytest.raises(ConfigError) as info:
         config.batch(2)
     assert str(info.value) == ("train_batch_size 32 != train_micro_batch_size_per_gpu 4 × "
-                               "gradient_accumulation_steps 2 × world size 2 = 16")
+                               "gradient_accumulation_steps 2 × world size 2 = 16; train_batch_size 16 would work, "
+                               "or leave one of the three out and it is derived from the other two")
 
 
 @pytest.mark.parametrize("given, world, shown", [
@@ -245,6 +246,20 @@ def test_inconsistent_batch_triple_shows_the_arithmetic():
 def test_indivisible_batch_shows_the_arithmetic(given, world, shown):
     with pytest.raises(ConfigError, match=shown):
         load_config(given).batch(world)
+
+
+@pytest.mark.parametrize("given, world, works", [
+    ({"train_batch_size": 9, "train_micro_batch_size_per_gpu": 2}, 2, "; train_batch_size 8 or 12 would work "
+     "(a multiple of 4)"),
+    ({"train_batch_size": 30, "gradient_accumulation_steps": 4}, 2, "; train_batch_size 24 or 32 would work (a "
+     "multiple of 8), or gradient_accumulation_steps 1, 3, 5, 15 (the divisors of train_batch_size / world size = 15)"),
+    ({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 8}, 4, "; train_batch_size 32 would work (a "
+     "multiple of 32)"),
+])
+def test_indivisible_batch_says_which_values_would_work(given, world, works):
+    with pytest.raises(ConfigError) as info:
+        load_config(given).batch(world)
+    assert str(info.value).endswith(works)
 
 
 @pytest.mark.parametrize("given", [{}, {"gradient_accumulation_steps": 4}])

@@ -60,3 +60,32 @@ def test_documented_estimate_numbers_are_what_the_command_prints(printed, doc):
     text = " ".join((REPO / doc).read_text().split())  # lines rewrapped: a quote may break anywhere
     quote = QUOTES[doc].format(**printed)
     assert quote in text, f"{doc} should quote `{COMMAND}` as: {quote}"
+
+
+LORA_COMMAND = "zerodp estimate --model benchmarks/llama2-70b --world 8 --stage 2 3 --lora 8 --measure none"
+# The fine-tune section's rows (plan/finetune.py): N, stage, frozen base, trained states, device, host.
+LORA_ROW = re.compile(rf"^\s*8\s+(\d)\s+{SIZE}\s+{SIZE}\s+{SIZE}\s+-\s*$", re.M)
+LORA_QUOTE = ("(`{command}`: rank-8 adapters on every Linear but the head, {trained} of {total} parameters, "
+              "{percent}): {frozen2} of frozen base per rank at stage 2, {frozen3} at stage 3, beside {states3} "
+              "of trained states, {device3} on each GPU;")
+
+
+def test_documented_lora_numbers_are_what_the_fine_tune_section_prints():
+    """Its section alone (plan/finetune.py's render, what the command prints after its memory tables):
+    the tables before it build the whole 70B on meta, a minute of this test machine's CPU."""
+    from rich.console import Console
+
+    from zerodp.plan import finetune
+    from zerodp.plan.models import PlanModel
+
+    args = estimate.build_parser().parse_args(LORA_COMMAND.split()[2:])
+    out = io.StringIO()
+    finetune.render(args, PlanModel.parse(str(REPO / args.model)), Console(file=out, width=estimate.WIDTH))
+    text = out.getvalue()
+    rows = {int(m[1]): m.groups()[1:] for m in LORA_ROW.finditer(text)}
+    head = re.search(r"LoRA rank 8 trained \((\S+) of (\S+), (\S+)\)", " ".join(text.split()))
+    assert head is not None and set(rows) == {2, 3}, text
+    quote = LORA_QUOTE.format(command=LORA_COMMAND, trained=head[1], total=head[2], percent=head[3],
+                              frozen2=rows[2][0], frozen3=rows[3][0], states3=rows[3][1], device3=rows[3][2])
+    doc = " ".join((REPO / "docs/COMMANDS.md").read_text().split())
+    assert quote in doc, f"docs/COMMANDS.md should quote `{LORA_COMMAND}` as: {quote}"

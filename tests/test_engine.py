@@ -9,6 +9,7 @@ import torch
 
 import oracle
 from spawn import run_ranks
+from zerodp.engine.flat import ALIGN
 
 WORLDS = [1, 2, 4]
 STAGES = [0, 1, 2, 3]
@@ -41,7 +42,7 @@ def _kw(job):
     return dict(zip(job[5::2], job[6::2]))
 
 
-SPECIAL_JOBS = [("overflow", stage) for stage in STAGES] + [("stage3_releases",)]
+SPECIAL_JOBS = [("overflow", stage) for stage in STAGES] + [("stage3_releases",), ("frozen_bytes",)]
 # DeepSpeed's behaviour, kept behind zero_optimization.step_unused_parameters: an unused parameter is
 # stepped with a zero gradient.
 # (It bypasses one module at every stage; two stages keep the suite short.)
@@ -49,10 +50,12 @@ STEP_UNUSED_STAGES = [0, 3]
 STEP_UNUSED_JOBS = {stage: ("unused", stage, "fp32", False, 0, "step_unused_parameters", True)
                     for stage in STEP_UNUSED_STAGES}
 # Stage 3 with its parameter shards in host memory (offload_param), with and without offload_optimizer.
-OFFLOAD_PARAM_CASES = ["plain", "unused", "tied"]
+OFFLOAD_PARAM_CASES = ["plain", "unused", "tied", "frozen"]
 OFFLOAD_PARAM_JOBS = ([(name, 3, "fp32", offload, 0, "offload_param", True) for name in OFFLOAD_PARAM_CASES
                        for offload in (False, True)]
                       + [("plain", 3, "bf16", False, 0, "offload_param", True)])
+# Stage 3 shards frozen parameters too, in host memory with offload_param: on every world size.
+FROZEN_OFFLOAD_JOB = ("frozen", 3, "fp32", False, 0, "offload_param", True)
 
 
 # Every optimizer class of torch.optim (oracle.TORCH_OPTIMIZERS); the refused ones at initialize. The shape-aware
@@ -81,6 +84,8 @@ def _run_job(rank, world, job):
         return oracle.train_overflow(rank, world, job[1])
     if job[0] == "stage3_releases":
         return oracle.stage3_releases(rank, world)
+    if job[0] == "frozen_bytes":
+        return oracle.frozen_bytes(rank, world)
     return oracle.train_engine(rank, world, *job[:5], **_kw(job))
 
 
@@ -92,7 +97,8 @@ def _run_jobs(rank, world, jobs):
 def all_ranks(world: int) -> list[dict]:
     """Every engine run for one world size, in one set of spawned ranks (spawning is the slow part)."""
     return run_ranks(_run_jobs, world, FP32_JOBS + OFFLOAD_JOBS + LOW_JOBS + BUCKET_JOBS + OVERLAP_JOBS + SPECIAL_JOBS
-                     + list(STEP_UNUSED_JOBS.values()) + (OFFLOAD_PARAM_JOBS if world <= 2 else []) + optimizer_jobs(world))
+                     + list(STEP_UNUSED_JOBS.values()) + (OFFLOAD_PARAM_JOBS if world <= 2 else [FROZEN_OFFLOAD_JOB])
+                     + optimizer_jobs(world))
 
 
 def engine_runs(world: int) -> dict:
@@ -183,6 +189,28 @@ def test_stage3_offload_param_matches_single_process_fp32(case, offload, world):
     ours = engine_runs(world)[(case, 3, "fp32", offload, 0, "offload_param", True)]
     assert_matches(ours["state"], reference(case, world)["state"], rtol=1e-6, atol=1e-6)
     assert ours["norms"] == pytest.approx(reference(case, world)["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+def test_stage3_frozen_parameters_sharded_in_host_memory_match_single_process_fp32(world):
+    ours = engine_runs(world)[FROZEN_OFFLOAD_JOB]
+    assert_matches(ours["state"], reference("frozen", world)["state"], rtol=1e-6, atol=1e-6)
+    assert ours["norms"] == pytest.approx(reference("frozen", world)["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
+def test_stage3_each_rank_holds_one_nth_of_the_frozen_parameters(world):
+    """Measured (memory_report): the frozen weight's bytes on each rank are 1/N of it, padded to the
+    bucket's alignment (ALIGN elements per rank), on the device or, with offload_param, in host memory;
+    nothing of it is held whole; the parameter itself is empty between uses."""
+    numel = oracle.D_IN * 37
+    padded = -(-numel // (world * ALIGN)) * world * ALIGN
+    for rank, ranks in enumerate(all_ranks(world)):
+        for offload, r in ranks[("frozen_bytes",)].items():
+            assert r["frozen_params"] == padded // world * 4, (rank, offload)
+            assert padded // world - numel / world < ALIGN
+            assert r["whole"] == r["whole_without_frozen"] and r["shape"] == (0,)
+            assert r["host"] == (r["frozen_params"] + r["working_params"] if offload else None)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world={w}")

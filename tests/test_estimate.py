@@ -12,7 +12,7 @@ import torch
 from zerodp.plan import estimate
 
 from zerodp.engine import memory
-from zerodp.plan.tables import size
+from zerodp.plan.tables import params_text, size
 from zerodp.plan.models import PlanModel, PlanModelError
 
 LLAMA = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 176,
@@ -208,3 +208,24 @@ def test_optimizer_shares_of_whole_parameters_beside_one_nth(capsys):
     out = capsys.readouterr().out
     assert "Optimizer state per rank, muon (whole parameters)" in out and "excess over 1/N" in out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_a_fine_tune_plans_the_frozen_base_whole_below_stage_3_and_one_nth_at_stage_3(capsys):
+    """--lora 4 on the tiny GPT: r x (in + out) per Linear but the head; --trainable-fraction: F x Ψ. The
+    frozen base's working copy alone per rank, whole at stage 2, 1/N at stage 3 (host with --offload-param)."""
+    model = PlanModel.parse("tiny")
+    with torch.device("meta"):
+        gpt, _ = model.build()
+    lora = sum(4 * (m.in_features + m.out_features) for m in gpt.modules()
+               if isinstance(m, torch.nn.Linear) and m.out_features != model.fields["vocab_size"])
+    psi = model.num_params()
+    estimate.main(["--model", "tiny", "--world", "4", "--stage", "2", "3", "--lora", "4", "--measure", "none"])
+    out = capsys.readouterr().out.split("Fine-tune of")[1]
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["4", "2"], ["4", "3"])]
+    frozen = 2 * (psi - lora)
+    assert rows[0][2:4] == size(frozen).split() and rows[1][2:4] == size(round(frozen / 4)).split()
+    assert rows[1][4:6] == size(memory.formula(lora, 4, 3)).split()
+    assert memory.finetune(psi, lora, 4, 3, offload_param=True)["host"] == round(frozen / 4) + round(2 * lora / 4)
+    estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--trainable-fraction", "0.5",
+                   "--measure", "none"])
+    assert f"({params_text(round(psi / 2))} of {params_text(psi)}, 50.00%)" in " ".join(capsys.readouterr().out.split())

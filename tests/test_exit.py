@@ -1,5 +1,5 @@
 """A process that used zerodp ends with its own exit code: 0 after a finished job, 1 with the error's
-traceback after a failed one; never torch's SIGABRT at exit ("terminate called without an active
+traceback after a failed one (an error raised on every rank: rank 0's one `zerodp:` line instead); never torch's SIGABRT at exit ("terminate called without an active
 exception", exit -6, about 1 process exit in 10 on gloo before zerodp.distributed.teardown).
 
 The abort is a race, but its cause is not: a gloo worker thread still alive when the interpreter's
@@ -13,6 +13,7 @@ tests/scripts/exit_stage2.py` (0 aborts in 400 rank exits; 2 in 16 jobs before t
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -69,7 +70,36 @@ def test_config_error_under_torchrun_ends_every_rank_with_exit_1_and_the_error_a
     results = run_jobs(usage_script_with_a_batch_that_does_not_divide(tmp_path), jobs=4, world=3, batch=2)
     assert summary(results) == {1: 12}, [job for job in results if any(code != 1 for code, _ in job)][:2]
     for job in results:
-        for _, out in job:
-            assert "ConfigError: cannot derive gradient_accumulation_steps: train_batch_size 16 is not " \
-                   "divisible by train_micro_batch_size_per_gpu 8 × world size 3 = 24" in out, out
+        for rank, (_, out) in enumerate(job):
+            if rank == 0:  # it says the error for every rank, once (distributed/said_once.py)
+                assert "zerodp: cannot derive gradient_accumulation_steps: train_batch_size 16 is not " \
+                       "divisible by train_micro_batch_size_per_gpu 8 × world size 3 = 24" in out, out
+            else:
+                assert "Traceback" not in out and "zerodp:" not in out, out
             assert gloo_threads_at_exit(out) == [], out
+
+
+BAD_BATCH = """import torch, zerodp
+model = torch.nn.Linear(4, 4)
+engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           {"train_batch_size": 9, "train_micro_batch_size_per_gpu": 2})
+"""
+
+
+def test_a_user_error_on_every_rank_under_torchrun_is_one_zerodp_line_at_the_top(tmp_path):
+    """torchrun --nproc-per-node 2 with batch sizes that do not divide: rank 0's line first, what would work
+    in it, the script's line named, and no rank's traceback (it was 96 lines, the sentence in each rank's
+    traceback and nowhere near the top)."""
+    script = tmp_path / "bad_batch.py"
+    script.write_text(BAD_BATCH)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # else torchrun's own banner about it comes first
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines[:2] == [
+        "zerodp: cannot derive gradient_accumulation_steps: train_batch_size 9 is not divisible by "
+        "train_micro_batch_size_per_gpu 2 × world size 2 = 4; train_batch_size 8 or 12 would work (a multiple of 4)",
+        f"  (ConfigError on every rank, raised by {script}:3; rank 0 says it for all)"], proc.stderr[-3000:]
+    assert "[rank" not in proc.stderr and "zerodp/config" not in proc.stderr, proc.stderr[-3000:]

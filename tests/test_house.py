@@ -3,9 +3,11 @@ no import circle between files or between the top-level packages, no function ov
 name taken through a package's __init__.py (its face) from outside the package, nor re-exported by one.
 (`--help` importing no torch is test_first_hour.py's first test.)
 
-Every import counts, at module level and inside functions, except under `if TYPE_CHECKING:`. A lazy
-PEP 562 name map is not an import by itself, but `from package import name` counts as an import of the
-module the package's `_LAZY` map names for it. The package of a file is its top-level entry in
+Every import counts: at module level, inside functions (a late import that dodges a circle at run time
+is still one), and under `if TYPE_CHECKING:` (a module that names another's class in its types depends
+on it: engine/weights.py typed its argument `Engine` while engine.py imported weights.py, issue 34). A
+lazy PEP 562 name map is not an import by itself, but `from package import name` counts as an import of
+the module the package's `_LAZY` map names for it. The package of a file is its top-level entry in
 src/zerodp (`engine`, `cli`, ...), and zerodp/__init__.py is the package "zerodp".
 """
 
@@ -32,25 +34,11 @@ def module_files(src: Path, root: str = "zerodp") -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(node: ast.AST):
-    """Every Import / ImportFrom under node, skipping the bodies of `if TYPE_CHECKING:`."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
-            for stmt in child.orelse:
-                yield from _imports_in(stmt)
-            continue
-        yield from _imports_in(child)
-
-
-def _imports_in(node: ast.AST):
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        yield node
-    yield from _imports(node)
+    """Every Import / ImportFrom under node: in functions and under `if TYPE_CHECKING:` too."""
+    for child in ast.walk(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -384,12 +372,25 @@ def test_checker_reports_a_circle_added_back(tmp_path):
         "pkg/b/__init__.py": "",
         # inside a function, as a late import that dodges a circle would be
         "pkg/b/y.py": "def f():\n    from pkg.a import x\n    return x\n",
-        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a.x\n",
     })
     graph = import_graph(tmp_path, "pkg")
     assert cycles(graph) == [["pkg.a.x", "pkg.b.y", "pkg.a.x"]]
     assert cycles(package_graph(graph, "pkg")) == [["a", "b", "a"]]
-    assert graph["pkg.c"] == set()  # under TYPE_CHECKING: not an import
+
+
+def test_checker_reports_a_circle_through_a_type_checking_import(tmp_path):
+    """The form engine.py <-> weights.py took (issue 34): a module the engine imports names the engine's
+    class in its types only, under `if TYPE_CHECKING:`, and calls its methods."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/engine/__init__.py": "",
+        "pkg/engine/engine.py": "from pkg.engine.weights import engine_weights\nclass Engine: ...\n",
+        "pkg/engine/weights.py": ("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+                                  "if TYPE_CHECKING:\n    from pkg.engine.engine import Engine\n"
+                                  "def engine_weights(engine: Engine):\n    return engine.full_master(0)\n"),
+    })
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.engine.engine", "pkg.engine.weights",
+                                                       "pkg.engine.engine"]]
 
 
 def test_checker_reports_a_package_circle_through_the_root(tmp_path):

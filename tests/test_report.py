@@ -46,3 +46,26 @@ def test_a_series_with_no_points_gets_no_panel():
     fig = report_figure(lines)
     assert {ax.get_title() for ax in fig.axes} == {"loss", "throughput (whole job)", "learning rate"}
     assert all(_drawn(ax) for ax in fig.axes)
+
+
+def test_progress_bar_shows_no_validation_loss_before_the_first_evaluation(tmp_path):
+    from zerodp.train.report import Metrics, bar_text
+
+    log = Metrics(tmp_path / "metrics.jsonl", rank=0, keep_until=0)
+    memory = [{"gradients": 2**20}]
+    assert log.last_val_loss is None  # --eval-every 0, or before step 0's evaluation
+    text = bar_text(4.5, log.last_val_loss, 1234.0, 1e-3, 1.0, memory)
+    assert text == "loss 4.500 1,234 tok/s lr 1.00e-03 scale 1 mem/rank 1 MiB" and "nan" not in text
+    log.write(kind="eval", step=5, val_loss=3.25)
+    assert "loss 4.500 val 3.250 1,234 tok/s" in bar_text(4.5, log.last_val_loss, 1234.0, 1e-3, 1.0, memory)
+
+
+def test_a_resumed_run_shows_the_last_validation_loss_its_checkpoint_kept(tmp_path):
+    from zerodp.train.report import Metrics
+
+    path = tmp_path / "metrics.jsonl"
+    first = Metrics(path, rank=0, keep_until=0)
+    for step, val in ((0, 5.0), (4, 4.0), (8, 3.0)):  # the crashed run evaluated at 8, after its checkpoint at 6
+        first.write(kind="eval", step=step, val_loss=val)
+    assert Metrics(path, rank=0, keep_until=6).last_val_loss == 4.0  # until the resumed run's next evaluation
+    assert Metrics(path, rank=1, keep_until=6).last_val_loss is None  # only rank 0 draws the bar

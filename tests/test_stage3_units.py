@@ -15,7 +15,7 @@ from torch import nn
 import zerodp
 from zerodp.activations import checkpoint_blocks
 from zerodp.config import ConfigError
-from zerodp.engine.stage3 import planned_gathers
+from zerodp.engine.stage3 import BucketState, planned_gathers
 from zerodp.engine.units import find_units
 from zerodp.models.gpt import GPT, Block, GPTConfig, gpt_config
 
@@ -66,15 +66,26 @@ GPT_RUNS = {"stage2": (2, {}),
             "module": (3, {"stage3_unit": "module", "stage3_prefetch_bucket_size": 0})}
 
 
-def _gpt(rank: int, world: int, name: str, checkpointing: bool = False) -> dict:
+def _gpt(rank: int, world: int, name: str, checkpointing: bool = False, frozen: bool = False) -> dict:
+    """frozen: only the layer norms train (a fine-tune of a frozen base): stage 3 shards the rest too."""
     stage, zero = GPT_RUNS[name]
     torch.manual_seed(0)
     model = GPT(GPTConfig(**GPT_MODEL))
     if checkpointing:
         checkpoint_blocks(model, (Block,))
+    for n, p in model.named_parameters():
+        p.requires_grad_(not frozen or ".ln_" in n)
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero}})
+    frozen_held, frozen_peak = set(), [0]  # stage 3's frozen buckets gathered at once, at most
+
+    def watch(b, state):
+        if b.index >= len(engine.layout.buckets):
+            (frozen_held.discard if state == BucketState.RELEASED else frozen_held.add)(b.index)
+            frozen_peak[0] = max(frozen_peak[0], len(frozen_held))
+    if stage == 3:
+        engine.watch_gathers(watch)
     g = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(STEPS + 1):
@@ -85,18 +96,21 @@ def _gpt(rank: int, world: int, name: str, checkpointing: bool = False) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    out = {"losses": losses, "calls": dict(engine.comm.traffic.calls)}
+    out = {"losses": losses, "calls": dict(engine.comm.traffic.calls), "frozen_peak": frozen_peak[0],
+           "frozen_buckets": len(engine.layout.frozen_buckets)}
     out["state"] = engine.full_state_dict()  # (its gathers are not the steps')
     if stage == 3:
         out["units"] = sum(1 for used in engine.units.uses if used)
-        out["buckets"] = len(engine.partitioned_optimizer.buckets)
-        out["planned"] = planned_gathers(engine.units, engine.partitioned_optimizer.buckets, engine.gatherer.last_unit)
+        out["buckets"] = len(engine.layout.buckets)  # reduced: the trained ones
+        out["planned"] = planned_gathers(engine.units, engine.layout.gathered, engine.gatherer.last_unit)
     return out
 
 
 def _gpt_jobs(rank: int, world: int) -> dict:
     out = {name: _gpt(rank, world, name) for name in GPT_RUNS}
     out["blocks,checkpointed"] = _gpt(rank, world, "blocks", checkpointing=True)
+    for name, ckpt in FROZEN_GPT_RUNS.items():
+        out[name] = _gpt(rank, world, name.split(",")[0], checkpointing=ckpt, frozen=True)
     try:
         lin = nn.Linear(4, 4)
         zerodp.initialize(lin, torch.optim.SGD(lin.parameters(), lr=0.1),
@@ -106,6 +120,9 @@ def _gpt_jobs(rank: int, world: int) -> dict:
     except ConfigError as e:
         out["bad_name"] = str(e)
     return out
+
+
+FROZEN_GPT_RUNS = {"stage2,frozen": False, "blocks,frozen": False, "blocks,frozen,checkpointed": True}
 
 
 @functools.cache
@@ -120,6 +137,25 @@ def test_stage3_blocks_train_a_gpt_as_stage2_does_fp32_world2(name):
     assert run[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     for k, v in ref["state"].items():
         torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["blocks,frozen", "blocks,frozen,checkpointed"])
+def test_stage3_shards_a_frozen_base_and_trains_as_stage2_releasing_each_block_after_its_backward(name):
+    """Only the norms train: stage 3 shards the frozen matrices too, and the backward releases each
+    block's frozen buckets once it has gone through the block (the gradient of its input), so at most the
+    model's own unit, the block kept for the backward and the one running are gathered, not all."""
+    run = gpt_runs()[0]
+    ref = run["stage2,frozen"]
+    assert run[name]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(run[name]["state"][k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    # a bucket per block, and the model's own unit's (the embeddings, and what comes after the blocks)
+    assert run[name]["frozen_buckets"] >= GPT_MODEL["n_layer"] + 1
+    # a step: the planned gathers of trained and frozen buckets, a reduce_scatter per trained bucket, the norm
+    gathers, _ = run[name]["planned"]
+    assert run[name]["calls"] == {"all_gather": STEPS * gathers, "reduce_scatter": STEPS * run[name]["buckets"],
+                                  "all_reduce": STEPS}
+    assert run[name]["frozen_peak"] <= run[name]["frozen_buckets"] - GPT_MODEL["n_layer"] + 2, run[name]["frozen_peak"]
 
 
 @pytest.mark.parametrize("name", [n for n in GPT_RUNS if n != "stage2"])

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import tp_export
 import tp_offload
+import tp_titan
 import tp_train
 import zerodp
 import zerodp.deepspeed as zds
@@ -394,6 +395,9 @@ def _ranks(rank: int, world: int) -> dict:
 
     out["dp2 tp2 stage 2 bf16"] = train(mesh, 2, bf16=True)
     out["tp ckpt"] = tp_ckpt.saves(mesh)  # test_tp_ckpt.py's checkpoints
+    out["titan"] = tp_titan.runs(mesh)  # test_tp_titan.py: torchtitan's plan, sequence and loss parallel
+    tp_titan.save(mesh, out["tp ckpt"]["dir"])
+    out["titan"]["hf own mesh"] = tp_titan.hf_own_mesh(mesh)  # last: transformers' own set-up of a mesh
     return out
 
 

@@ -88,7 +88,7 @@ def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
     out = tmp_path / name
     common = [*TINY, *_COMMON, "--data", data, "--out", str(out)]
     if crash_after is None:
-        train(*common)
+        (out.parent / f"{name}.stderr").write_text(train(*common).stderr)  # the progress bar's last state
         return out
     proc = train(*common, "--crash-after", str(crash_after), check=False)
     assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
@@ -127,6 +127,31 @@ def test_eval_every_0_means_no_validation(reference):
     lines = metrics(reference[1])
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
     assert not [r for r in lines if r["kind"] == "eval"]
+    bar = (reference[1].parent / "reference.stderr").read_text()
+    assert "8/8" in bar and "tok/s" in bar and " val " not in bar  # the bar showed 'val nan' (issue 34)
+
+
+def test_another_job_gets_its_own_default_folder_or_is_refused_the_one_it_would_replace(
+        reference, tmp_path, monkeypatch, capsys):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import choose_resume
+
+    data, ref = reference
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny-zero2").symlink_to(ref)  # the main job's default folder, with its checkpoints
+    # The README's tp example writes beside the main job, not over it.
+    assert parse_options([*TINY, "--tp", "2", "--nproc", "4"]).out == os.path.join("runs", "tiny-zero2-tp2")
+    same = parse_options([*TINY, "--data", data, "--nproc", "2"])
+    choose_resume(same, 2)  # the same job again: it replaces its own checkpoints (announce warns)
+    other = parse_options([*TINY, "--data", data, "--nproc", "2", "--offload"])
+    with pytest.raises(SystemExit) as e:
+        choose_resume(other, 2)
+    assert str(e.value) == ("zerodp train: 'runs/tiny-zero2' holds the checkpoints of another job (offload False; "
+                            "this one: offload True), which this run would replace; pass --out DIR for this job, "
+                            "or --resume to continue that one with these settings")
+    choose_resume(parse_options([*TINY, "--data", data, "--nproc", "2", "--offload", "--resume"]), 2)
+    choose_resume(parse_options([*TINY, "--data", data, "--nproc", "2", "--offload", "--out", "runs/tiny-zero2"]), 2)
 
 
 def test_resume_when_steps_are_already_reached_says_so(reference, capsys):

@@ -40,6 +40,19 @@ def test_gpt_tp_plan_gives_the_unsplit_models_logits_loss_and_gradients():
         assert "wte.weight" not in same["placements"] and "ln_f.weight" not in same["placements"]  # replicated
 
 
+def test_gpt_sequence_parallel_plan_gives_the_unsplit_models_logits_loss_and_gradients():
+    # --sequence-parallel: the norms on each tp rank's slice of the sequence (their gradients Partial, joined
+    # here by full_tensor(), as zerodp's tp sum joins them), the sequence cut before the blocks and gathered
+    # for the tied head.
+    for rank, result in enumerate(_results()):
+        same = result["gpt"]["same step sequence parallel"]
+        assert same["logits"] < 1e-6 and same["loss"] < 1e-6, (rank, same["logits"], same["loss"])
+        worst = max(same["grads"], key=same["grads"].get)
+        assert same["grads"][worst] < 1e-6, (rank, worst, same["grads"][worst])
+        assert same["placements"]["blocks.0.ln_1.weight"] == "(Replicate(),)", same["placements"]
+        assert same["placements"]["ln_f.weight"] == "(Replicate(),)", same["placements"]
+
+
 def test_tp_shards_joined_by_their_placement_and_parts_are_the_whole_tensors():
     # c_attn's shards are each rank's slice of q, k and v: joined by flat.join_tp / place_tp_shard with
     # flat.tp_parts (3), they are the model's own q | k | v (a plain concatenation would interleave them),
@@ -71,8 +84,10 @@ def test_gpt_split_over_dp2_tp2_trains_as_one_process_on_the_whole_batch(stage):
 def test_tp_job_trains_to_a_falling_loss_and_its_checkpoint_consolidates_and_resumes_without_tp(tmp_path):
     out = tmp_path / "run"
     data = corpus(tmp_path)
+    # --sequence-parallel: the norms on sequence slices, their partial gradients summed over tp by zerodp; the
+    # resume without tp below checks that it trains exactly.
     proc = train(*TINY, "--steps", "12", "--eval-every", "6", "--save-every", "6", "--nproc", "4", "--tp", "2",
-                 "--dtype", "fp32", "--data", data, "--out", str(out), timeout=300)
+                 "--sequence-parallel", "--dtype", "fp32", "--data", data, "--out", str(out), timeout=300)
     lines = metrics(out)
     assert [(r["ranks"], r["tp"]) for r in lines if r["kind"] == "run"] == [(4, 2)]
     val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
@@ -80,11 +95,13 @@ def test_tp_job_trains_to_a_falling_loss_and_its_checkpoint_consolidates_and_res
     assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
     ranks = [r for r in lines if r["kind"] == "memory"][-1]["ranks"]
     assert len(ranks) == 4
-    # Each block's activations split over tp, the GPT's whole head not: the chart's estimate says so.
+    # Each block's activations split over tp (with sequence parallelism the norms' too), the GPT's whole head
+    # not: the chart's estimate says so.
     shape = gpt_config("tiny")
     assert ranks[0]["activations_estimate"] == activation_estimate(shape, 4, shape.block_size, "fp32", tp=2,
-                                                                   vocab_parallel=False)
-    assert ranks[0]["activations_estimate"] < activation_estimate(shape, 4, shape.block_size, "fp32")
+                                                                   vocab_parallel=False, sequence_parallel=True)
+    assert ranks[0]["activations_estimate"] < activation_estimate(shape, 4, shape.block_size, "fp32", tp=2,
+                                                                  vocab_parallel=False)
     assert proc.stdout.count("4 rank(s) (2 data-parallel x 2 tensor-parallel), fp32, global batch 8 x 64") == 1
     assert proc.stdout.count("final validation loss") == 1, proc.stdout
     final = torch.load(out / "final.pt", weights_only=True)
@@ -122,6 +139,8 @@ def test_step_lines_come_from_the_worlds_rank_0_not_each_tp_ranks_dp_rank_0(capl
     (["--tp", "4", "--nproc", "4", "--model", "tiny"], "n_head=2 and n_embd=64"),
     (["--tp", "2", "--nproc", "4", "--model", "hf-gpt2:tiny"], "only zerodp's own GPT sizes have a tensor-parallel plan"),
     (["--tp", "2", "--nproc", "4", "--stage", "0"], "--stage 0 is not supported with tensor parallelism"),
+    (["--sequence-parallel", "--nproc", "2"], "give --tp N with N > 1 too"),
+    (["--tp", "2", "--nproc", "4", "--sequence-parallel", "--block-size", "63"], "must be divisible by 2"),
 ])
 def test_bad_tp_fails_before_any_rank_starts(argv, message):
     with pytest.raises(SystemExit) as e:

@@ -1,5 +1,6 @@
 """The documentation's code runs as written: every ```python block of docs/USAGE.md on 2 gloo ranks, as
-`torchrun --nproc-per-node 2 train.py` runs it."""
+`torchrun --nproc-per-node 2 train.py` runs it; docs/ACCELERATE.md's script under its own `accelerate launch`
+line on 2 CPU processes, equal to one process."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import contextlib
 import io
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from spawn import run_ranks
 
@@ -33,3 +39,39 @@ def test_usage_script_runs_as_written_on_two_ranks(tmp_path):
     assert outputs[1] == ""  # only rank 0 prints
     assert re.findall(r"epoch (\d): loss [\d.]+, (\d+) steps on 2 rank\(s\)", outputs[0]) == [("0", "32"), ("1", "64")]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step64"
+
+
+def bash_lines(name: str) -> list[str]:
+    blocks = re.findall(r"^```bash\n(.*?)^```", (DOCS / name).read_text(), flags=re.S | re.M)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_accelerate_script_runs_as_written_on_two_cpu_processes_and_equals_one(tmp_path):
+    """docs/ACCELERATE.md's script under its own `accelerate launch` line for 2 CPU processes, and as one
+    process (`python train.py`), at once: the same losses printed and the same final weights."""
+    pytest.importorskip("accelerate")
+    blocks = python_blocks("ACCELERATE.md")
+    assert len(blocks) == 1, "docs/ACCELERATE.md holds one script"
+    launch = [line for line in bash_lines("ACCELERATE.md") if "ACCELERATE_USE_CPU=true" in line]
+    assert launch == ["ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 train.py"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    runs = {}
+    for name, command in (("two", launch[0]), ("one", "python train.py")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.py").write_text(blocks[0])
+        runs[name] = subprocess.Popen(["bash", "-c", command.replace("python ", f"{sys.executable} ", 1)],
+                                      cwd=tmp_path / name, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+    out = {name: proc.communicate(timeout=600) for name, proc in runs.items()}
+    for name, proc in runs.items():
+        assert proc.returncode == 0, f"{name}: {out[name][1][-3000:]}"
+    epochs = {name: re.findall(r"epoch (\d): loss ([\d.]+), (\d+) steps on (\d) process", out[name][0]) for name in out}
+    assert [e[:3] for e in epochs["two"]] == [e[:3] for e in epochs["one"]] and len(epochs["one"]) == 2, epochs
+    assert {e[3] for e in epochs["two"]} == {"2"} and {e[3] for e in epochs["one"]} == {"1"}
+    two, one = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("two", "one"))
+    assert two.keys() == one.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=key)
+    assert (tmp_path / "two" / "checkpoints" / "latest").read_text() == "global_step32"

@@ -6,6 +6,8 @@ instead of hanging or returning empty tensors."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import time
@@ -86,9 +88,40 @@ def _state_dicts(rank: int, world: int, stage: int, timeout_s: float) -> dict:
     return out
 
 
+def _lone_call_found(rank: int, world: int) -> dict:
+    """zerodp's own API: rank 0's lone state_dict() raises as soon as rank 1 is in a gathered_parameters
+    block, long before comm_timeout_s (120 s); then rank 0 joins that block."""
+    torch.manual_seed(0)
+    model = Stack()
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               {"train_micro_batch_size_per_gpu": 1, "comm_timeout_s": 120,
+                                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    out = {}
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            model.state_dict()
+        except RuntimeError as e:
+            out["alone"] = (str(e), time.monotonic() - start)
+    with engine.gathered_parameters():
+        out["whole"] = model.layers[0].weight.shape
+    return out
+
+
+def _step1(tmp: str, script, stage: int) -> tuple[float, list[str]]:
+    """DeepSpeed-Chat step 1's end (only_optimize_lora, merge, rank-0-only save_hf_format, at stage 3 the
+    every-rank save_zero_three_model): seconds taken, and zerodp's lines on stderr."""
+    start, err = time.monotonic(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        script.main(["--output_dir", os.path.join(tmp, f"step1_stage{stage}"), "--zero_stage", str(stage),
+                     "--only_optimize_lora", "--step1_save",
+                     "--deepspeed_config", os.path.join(tmp, f"stage{stage}.json")])
+    return time.monotonic() - start, [line for line in err.getvalue().splitlines() if "[zerodp]" in line]
+
+
 def _run_script(rank: int, world: int, tmp: str) -> dict:
     script = load(os.path.join(tmp, SCRIPT))
-    out = {}
+    out = {"step1": {stage: _step1(tmp, script, stage) for stage in (2, 3)}, "lone": _lone_call_found(rank, world)}
     for stage in (2, 3):
         engine = script.main(["--output_dir", os.path.join(tmp, f"stage{stage}"), "--zero_stage", str(stage),
                               "--deepspeed_config", os.path.join(tmp, f"stage{stage}.json")])
@@ -173,3 +206,34 @@ def test_state_dict_at_stage_3_gathers_on_every_rank_and_refuses_a_call_on_one_r
     assert "only 1 of them called it" in message and "comm_timeout_s=3 s" in message
     assert "on every rank" in message and "engine.full_state_dict()" in message
     assert seconds < 30
+
+
+def test_deepspeed_chat_step1_lora_only_rank0_save_then_zero3_save_exits_in_seconds_with_the_stage2_model(script_run):
+    """DeepSpeed-Chat step 1 with only_optimize_lora: the base is frozen, so stage 3 partitions it frozen
+    and gives it ds_* attributes (the merge gathers it); rank 0's lone save_hf_format state_dict() gets
+    DeepSpeed's placeholders at once; save_zero_three_model then writes the stage-2 run's merged model."""
+    tmp, runs = script_run
+    stage2, stage3 = (torch.load(os.path.join(tmp, f"step1_stage{s}", "pytorch_model.bin")) for s in (2, 3))
+    assert list(stage3) == list(stage2) and not any("lora" in k for k in stage3)
+    for k, v in stage2.items():
+        assert stage3[k].shape == v.shape and v.numel() > 0, k
+        torch.testing.assert_close(stage3[k], v, rtol=0, atol=1e-6, msg=k)
+    lora, _ = _files(tmp, 2)  # the every-rank run trains the base too: the step-1 merge must differ from it
+    assert (stage2["blocks.0.fc_in.weight"] - lora["blocks.0.fc_in.weight"]).abs().max() > 1e-4
+    for rank, run in enumerate(runs):
+        seconds, lines = run["step1"][3]
+        print(f"DeepSpeed-Chat step 1 at stage 3 took {seconds:.1f} s on rank {rank}")
+        assert seconds < 60  # seconds, not comm_timeout_s (600 s)
+        if rank == 0:  # one warning line, naming what saves instead
+            assert len(lines) == 1 and "placeholders" in lines[0], lines
+            assert "save_16bit_model" in lines[0] and "GatheredParameters" in lines[0]
+        else:
+            assert lines == []
+
+
+def test_a_lone_state_dict_through_zerodp_raises_as_soon_as_another_rank_gathers(script_run):
+    _, runs = script_run
+    message, seconds = runs[0]["lone"]["alone"]
+    print(f"state_dict() on rank 0 alone raised after {seconds:.1f} s (comm_timeout_s 120)")
+    assert "only 1 of them called it" in message and "rank 1 is in a gathered_parameters block instead" in message
+    assert seconds < 30 and all(run["lone"]["whole"] == (16, 16) for run in runs)

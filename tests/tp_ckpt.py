@@ -204,4 +204,7 @@ def resumes(rank: int, world: int, root: str) -> dict:
     out["frozen shard"] = _frozen_shard(mesh, root)
     deepspeed = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed", "stage2_fp32")
     out["deepspeed into tp"] = error_text(lambda: engine.load_checkpoint(deepspeed))
+    import tp_titan
+
+    out["titan"] = tp_titan.resume(root)  # torchtitan's plan: saved at (dp 2, tp 2), resumed at (dp 1, tp 2)
     return out

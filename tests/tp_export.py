@@ -5,14 +5,17 @@
 engine.full_state_dict() on every rank, save_weights' file, written by the world's rank 0 only).
 `deepspeed_16bit(mesh)`: zerodp.deepspeed's stage-3 saving paths on a Megatron-style model (mpu).
 `uneven(mesh)`: shards of unequal sizes (5 rows over 2 tp ranks) join too.
-`llama(mesh, stage)`: a tiny Hugging Face Llama with a tp plan on its attention and MLP projections
-trains at (dp 2, tp 2); its save_hf folder is loaded with from_pretrained in this one process.
+`llama(mesh, stage)`: a tiny Hugging Face Llama split by transformers' own tp plan (docs/CONFIG.md's route:
+its vocabulary-parallel embedding, attention and MLP projections and head) trains at (dp 2, tp 2); its
+save_hf folder is loaded with from_pretrained in this one process.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,10 +31,19 @@ from zerodp.models.hf_folder import description
 
 def checks(mesh: DeviceMesh) -> dict:
     """What test_tp_export.py reads beside each oracle run's `exported`, on the (dp 2, tp 2) mesh."""
-    return {"llama": {stage: llama(mesh, stage) for stage in (2, 3)}, "16bit": deepspeed_16bit(mesh),
+    return {"llama": {stage: llama(mesh, stage) for stage in (1, 2, 3)}, "16bit": deepspeed_16bit(mesh),
             "uneven": uneven(mesh)}
 
 
+def apply_hf_tp_plan(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
+    """docs/CONFIG.md's apply_hf_tp_plan, run as written: transformers' own plan of the model on tp_mesh."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (DOCS / "CONFIG.md").read_text(), flags=re.S | re.M)
+    scope: dict = {}
+    exec(compile(next(b for b in blocks if "def apply_hf_tp_plan" in b), "docs/CONFIG.md", "exec"), scope)
+    return scope["apply_hf_tp_plan"](model, tp_mesh)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 LLAMA_STEPS, LLAMA_BATCH, LLAMA_SEQ, VOCAB, LLAMA_CLIP = 3, 4, 8, 64, 1.0
 
 
@@ -84,17 +96,6 @@ def reference_llama() -> dict:
         return {"losses": losses, "trained": model(input_ids=_tokens(-1)).logits}
 
 
-def llama_plan(model: LlamaForCausalLM) -> dict:
-    """Heads and the MLP's hidden units split over tp; embeddings, norms and the head replicated."""
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.self_attn.{n}_proj": ColwiseParallel() for n in "qkv"})
-        plan.update({f"model.layers.{i}.mlp.{n}_proj": ColwiseParallel() for n in ("gate", "up")})
-        plan.update({f"model.layers.{i}.self_attn.o_proj": RowwiseParallel(),
-                     f"model.layers.{i}.mlp.down_proj": RowwiseParallel()})
-    return plan
-
-
 def _tokens(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (LLAMA_BATCH, LLAMA_SEQ), generator=torch.Generator().manual_seed(200 + step))
 
@@ -107,7 +108,7 @@ def llama(mesh: DeviceMesh, stage: int) -> dict:
     probe = _tokens(-1)
     with torch.no_grad():
         before = model(probe).logits
-    parallelize_module(model, mesh["tp"], llama_plan(model))
+    apply_hf_tp_plan(model, mesh["tp"])  # transformers' own plan (vocabulary-parallel embedding included)
     config = {"train_micro_batch_size_per_gpu": LLAMA_BATCH // 2, "gradient_clipping": LLAMA_CLIP,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000}}
     engine = zerodp.initialize(model, _adamw(model), config, device_mesh=mesh)

@@ -25,10 +25,10 @@ SHAPE = GPTConfig(vocab_size=48, block_size=8, n_layer=2, n_head=4, n_embd=16)
 BATCH, STEPS, LR, CLIP = 4, 4, 3e-3, 0.5
 
 
-def build(mesh: DeviceMesh | None = None) -> GPT:
+def build(mesh: DeviceMesh | None = None, sequence_parallel: bool = False) -> GPT:
     torch.manual_seed(0)
     model = GPT(SHAPE)
-    return parallelize(model, mesh["tp"]) if mesh is not None else model
+    return parallelize(model, mesh["tp"], sequence_parallel) if mesh is not None else model
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +41,9 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def same_step(mesh: DeviceMesh) -> dict:
+def same_step(mesh: DeviceMesh, sequence_parallel: bool = False) -> dict:
     """Logits, loss and every gradient of the split GPT and the whole one, on the same weights and batch."""
-    ref, split = build(), build(mesh)
+    ref, split = build(), build(mesh, sequence_parallel)
     x, y = data(0)
     out = {"logits": (split(x) - ref(x)).abs().max().item()}
     loss_ref, loss = ref(x, y), split(x, y)
@@ -131,5 +131,6 @@ def on_meta(mesh: DeviceMesh) -> str:
 
 
 def gpt_oracle(mesh: DeviceMesh) -> dict:
-    return {"same step": same_step(mesh), "reference": reference(), "on meta": on_meta(mesh),
+    return {"same step": same_step(mesh), "same step sequence parallel": same_step(mesh, sequence_parallel=True),
+            "reference": reference(), "on meta": on_meta(mesh),
             **{f"stage {s}": train(mesh, s) for s in (2, 3)}}

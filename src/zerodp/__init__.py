@@ -103,7 +103,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
         comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
     engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
                     source=source, param_init_fn=param_init_fn)
-    log_set_up(cfg, comm.world_size, engine.shard_size, comm.everyone.rank)  # one line per job, not per tp rank
+    log_set_up(cfg, comm.world_size, engine.shard_size, comm.everyone.rank, forward_only=not engine.spec.trains)
     return engine
 
 

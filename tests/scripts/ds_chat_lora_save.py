@@ -6,6 +6,12 @@ plain torch way), and after merging the LoRA branches (inside GatheredParameters
 by save_zero_three_model, which at stage 3 gathers only the parameters carrying `ds_id` whose
 `ds_status` is NOT_AVAILABLE and keeps `v.data.cpu()` of each.
 
+With --step1_save it ends as DeepSpeed-Chat's step 1 (training/step1_supervised_finetuning/main.py) does,
+with --only_optimize_lora as its flag of that name: the LoRA branches alone train (the base is frozen, so
+stage 3 partitions it frozen), the branches are merged, rank 0 ALONE writes `save_hf_format`'s
+`model.state_dict()` (DeepSpeed returns placeholders there at stage 3), and at stage 3 every rank then
+runs save_zero_three_model, which overwrites that file with the gathered weights.
+
 Its import lines are DeepSpeed's; the test replaces `deepspeed` with `zerodp.deepspeed` in them and
 nothing else.
 """
@@ -85,6 +91,30 @@ def convert_linear_layer_to_lora(model, part_module_name, lora_dim=0, lora_scali
     return model
 
 
+def only_optimize_lora_parameters(model, force_optimize_params=[]):
+    # turn off the gradient of all the parameters except the LoRA parameters
+    for name, param in model.named_parameters():
+        if "lora_right_weight" in name or "lora_left_weight" in name or name in force_optimize_params:
+            param.requires_grad = True
+        else:
+            param.requires_grad = False
+    return model
+
+
+def save_hf_format(model, tokenizer, args, sub_folder=""):
+    # used to save huggingface format, so we can use it for hf.from_pretrained (no config or tokenizer here)
+    model_to_save = model.module if hasattr(model, 'module') else model
+    WEIGHTS_NAME = "pytorch_model.bin"
+    output_dir = os.path.join(args.output_dir, sub_folder)
+    os.makedirs(output_dir, exist_ok=True)
+    output_model_file = os.path.join(output_dir, WEIGHTS_NAME)
+    save_dict = model_to_save.state_dict()
+    for key in list(save_dict.keys()):
+        if "lora" in key:
+            del save_dict[key]
+    torch.save(save_dict, output_model_file)
+
+
 def _z3_params_to_fetch(param_list):
     return [p for p in param_list if hasattr(p, 'ds_id') and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
@@ -160,6 +190,8 @@ def main(argv=None):
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--zero_stage", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only_optimize_lora", action="store_true")
+    parser.add_argument("--step1_save", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -167,7 +199,9 @@ def main(argv=None):
     global_rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
     model = convert_linear_layer_to_lora(TinyLM(), "blocks.", lora_dim=4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.only_optimize_lora:
+        model = only_optimize_lora_parameters(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
 
     data = torch.Generator().manual_seed(global_rank)
@@ -177,6 +211,15 @@ def main(argv=None):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         engine.backward(loss)
         engine.step()
+
+    if args.step1_save:  # DeepSpeed-Chat step 1's end
+        model = convert_lora_to_linear_layer(model)
+        if global_rank == 0:
+            save_hf_format(model, None, args)
+        if args.zero_stage == 3:
+            # For zero stage 3, each gpu only has a part of the model, so we need a special save function
+            save_zero_three_model(model, global_rank, args.output_dir, zero_stage=args.zero_stage)
+        return engine
 
     state = model.state_dict()  # every rank: with LoRA branches, before the merge
     if global_rank == 0:

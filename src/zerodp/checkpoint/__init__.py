@@ -5,7 +5,8 @@ A checkpoint is a directory `save_dir/{tag}` holding:
   - DCP files with tensors only, in a layout-free form: every trained parameter's fp32 master and
     optimizer state are stored as 1-D pieces of the flattened parameter, `master/{name}@{start}`
     and `optim/{key}/{name}@{start}`, each rank writing the pieces its shards own (rank 0 alone in
-    stage 0, where every rank owns everything). Frozen parameters and buffers (`model/{name}`),
+    stage 0, where every rank owns everything). Stage 3's frozen parameters are pieces of the working
+    shards, each element once (`frozen/{name}@{start}`). Frozen parameters below stage 3 and buffers (`model/{name}`),
     0-dim optimizer state per param group (`optim_scalar/{group}/{key}`) and each rank's torch RNG
     (`rng/{rank}/torch`) complete them. With tensor parallelism a tp shard is saved per tp rank r,
     `master/{name}@tp{r}@{start}` (pieces.py), and every rank of the dp x tp world writes.

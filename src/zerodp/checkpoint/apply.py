@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerodp.checkpoint.pieces import untrained, whole_parameters
+from zerodp.checkpoint.pieces import owned_frozen_pieces, untrained, whole_parameters
 from zerodp.distributed.device import seed_everything, set_rng_state
 from zerodp.engine.flat import local
 
@@ -29,10 +29,13 @@ class Staged:
     masters: list[torch.Tensor]                  # fp32, this rank's shard of each bucket
     states: dict[str, list[torch.Tensor]]        # optimizer key -> per-bucket shard
     scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim tensor
-    untrained: dict[str, torch.Tensor]
+    untrained: dict[str, torch.Tensor]         # whole values by name (frozen parameters, buffers)
     rng: dict[str, torch.Tensor]
     # a parameter stepped whole: its stored name -> its optimizer state, each tensor as saved (pieces.whole_parameters)
     whole_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # stage 3: this rank's shard of each frozen bucket, read from saved pieces (None: none saved so; the
+    # frozen parameters saved whole are in `untrained`, and this rank's pieces are cut out of them)
+    frozen: list[torch.Tensor] | None = None
 
 
 def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> None:
@@ -43,6 +46,7 @@ def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> Non
         for name, t in untrained(engine).items():
             if name in staged.untrained:
                 local(t).data.copy_(staged.untrained[name])  # a tp shard's: this rank's own
+        _apply_frozen(engine, staged)
     if parts.optimizer:
         _apply_optimizer(engine, manifest, staged)
     engine.weights_from_masters()
@@ -55,6 +59,18 @@ def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> Non
         engine.scaler.load_state_dict(manifest["loss_scaler"])  # a bf16/fp32 run has no scale to resume
     engine.resume_counters(manifest["counters"]["global_steps"], manifest["counters"]["skipped_steps"])
     _restore_rng(engine, manifest, staged.rng)
+
+
+def _apply_frozen(engine, staged: Staged) -> None:
+    """Stage 3's frozen shards: as staged from saved pieces, or cut out of whole saved values."""
+    buckets = engine.layout.frozen_buckets
+    for b, new in zip(buckets, staged.frozen or ()):
+        b.owned.copy_(new)
+    for pc in owned_frozen_pieces(engine):
+        whole = staged.untrained.get(pc.name)
+        if whole is not None:
+            dest = buckets[pc.master].owned[pc.offset:pc.offset + pc.numel]
+            dest.copy_(whole.reshape(-1)[pc.start:pc.start + pc.numel])
 
 
 def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:

@@ -35,7 +35,7 @@ import torch
 from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
-from zerodp.checkpoint.pieces import owned_pieces, signature, tp_size, untrained
+from zerodp.checkpoint.pieces import owned_pieces, sharded_frozen, signature, tp_size, untrained
 from zerodp.engine.weights import Weights
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -359,7 +359,7 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
         if name not in trained:
             raise CheckpointError(f"{prefix} it trains parameter '{name}' {tuple(ckpt.shapes[name])}, which the "
                                   "model does not train")
-    for name in untrained(engine):
+    for name in [*untrained(engine), *sharded_frozen(engine)]:
         if name not in ckpt.untrained:
             raise CheckpointError(f"{prefix} buffer or frozen parameter '{name}' is not in it")
     if type(engine.optimizer).__name__ not in ADAM:
@@ -377,6 +377,7 @@ def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
         for kind, dests in kinds.items():
             ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])
     model_state = {n: ckpt.untrained[n].to(t.dtype).view(t.shape) for n, t in untrained(engine).items()}
+    model_state.update({n: ckpt.untrained[n] for n in sharded_frozen(engine)})  # apply cuts this rank's pieces
     masters = kinds.pop("master")
     return Staged(masters, kinds, dict(ckpt.scalars), model_state, {})
 

@@ -22,8 +22,10 @@ from zerodp.checkpoint import deepspeed
 from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree, failure_text
 from zerodp.checkpoint.pieces import (
+    owned_frozen_pieces,
     owned_pieces,
     saved_pieces,
+    sharded_frozen,
     signature,
     stored,
     tp_rank,
@@ -125,12 +127,19 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
     mine = {name for name, _ in whole_parameters(engine)}  # stepped whole here: their state is read whole
     small += [k for k in md if k.startswith(("optim_param/", "optim_param_number/")) and k.split("/", 2)[2] in mine]
-    frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in untrained(engine).items()}
+    whole = {**untrained(engine), **sharded_frozen(engine)}  # stage 3's cut out of a whole saved value
+    frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in whole.items()}
+    shards = [torch.zeros(b.shard_numel, dtype=b.owned.dtype) for b in engine.layout.frozen_buckets]
     if _resharding(engine, manifest):
         copies, model_state = {}, _reshard(engine, path, manifest, metadata, masters, states)
     else:
         copies, model_state = _copies(engine, path, manifest, metadata, masters, states), None
         small += [key for key in frozen if key in md]
+        held = untrained(engine)
+        pieces, assembled = _frozen_copies(engine, path, metadata, shards,
+                                           [k for k, n in frozen.items() if k not in md and n in held])
+        for key, dests in pieces.items():
+            copies.setdefault(key, []).extend(dests)
     rest: dict[str, torch.Tensor] = {}
 
     def consume(chunk: dict[str, torch.Tensor]) -> None:
@@ -144,14 +153,45 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     scalars = {k[len("optim_scalar/"):]: t for k, t in rest.items() if k.startswith("optim_scalar/")}
     if model_state is None:
         model_state = {frozen[k]: t for k, t in rest.items() if k.startswith("model/")}
+        model_state.update({frozen[k]: t.view(local(whole[frozen[k]]).shape) for k, t in assembled.items()})
     rng = {k.rsplit("/", 1)[1]: t for k, t in rest.items() if k.startswith("rng/")}
-    whole: dict[str, dict[str, torch.Tensor]] = {}
+    whole_states: dict[str, dict[str, torch.Tensor]] = {}
     for k, t in rest.items():
         if k.startswith(("optim_param/", "optim_param_number/")):
             kind, key, name = k.split("/", 2)
             number = t.item() if kind == "optim_param_number" else None
-            whole.setdefault(name, {})[key] = t if number is None else int(number) if number.is_integer() else number
-    return Staged(masters, states, scalars, model_state, rng, whole)
+            whole_states.setdefault(name, {})[key] = t if number is None else int(number) if number.is_integer() else number
+    return Staged(masters, states, scalars, model_state, rng, whole_states, shards)
+
+
+def _frozen_copies(engine, path: str, metadata, shards: list[torch.Tensor], unsaved_whole: list[str]
+                   ) -> tuple[dict[str, list], dict[str, torch.Tensor]]:
+    """Frozen parameters saved as pieces (`frozen/`, by a stage-3 run): the copies of those that overlap
+    this rank's stage-3 frozen shards into `shards`, and, for each `model/{name}` key in `unsaved_whole`
+    (a frozen parameter this engine holds whole, saved in pieces), its pieces into a whole tensor."""
+    saved = saved_pieces(metadata, "frozen/")
+    copies: dict[str, list] = {}
+    for pc in owned_frozen_pieces(engine):
+        if pc.stored not in saved:
+            continue  # saved whole (model/{name}): cut out of it by apply
+        covered = 0
+        for start, numel, key in saved[pc.stored]:
+            lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
+            if lo < hi:
+                copies.setdefault(key, []).append((lo - start, shards[pc.master], pc.offset + lo - pc.start, hi - lo))
+                covered += hi - lo
+        if covered != pc.numel:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: frozen parameter '{pc.name}' elements "
+                                  f"[{pc.start}, {pc.start + pc.numel}) are not all saved")
+    assembled: dict[str, torch.Tensor] = {}
+    for key in unsaved_whole:
+        found = saved.get(key[len("model/"):])
+        if not found:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt: '{key[len('model/'):]}' is not saved")
+        assembled[key] = torch.zeros(sum(n for _, n, _ in found))
+        for start, numel, piece in found:
+            copies.setdefault(piece, []).append((0, assembled[key], start, numel))
+    return copies, assembled
 
 
 def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: dict) -> dict[str, list]:
@@ -184,7 +224,8 @@ def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states:
     whole.py) and this rank's shard of it cut out, one tensor at a time. Returns the untrained tensors'."""
     saved = {e["name"]: e for e in manifest["model"]}
     params = dict(engine.module.named_parameters())
-    local_shapes = {id(s.param): s.shape for _, s in engine.layout.slots()}  # a stage-3 parameter's own is empty
+    # a stage-3 parameter's own shape is empty
+    local_shapes = {id(s.param): s.shape for _, s in [*engine.layout.slots(), *engine.layout.frozen_slots()]}
     mine: dict[str, list] = {}
     for pc in owned_pieces(engine):
         mine.setdefault(pc.name, []).append(pc)
@@ -204,9 +245,9 @@ def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states:
             flat = cut(p, local_shapes[id(p)], w).reshape(-1)
             for pc in mine[name]:
                 dests[pc.master][pc.offset:pc.offset + pc.numel].copy_(flat[pc.start:pc.start + pc.numel])
-    frozen = untrained(engine)
+    frozen = {**untrained(engine), **sharded_frozen(engine)}  # apply cuts stage 3's shards out of these
     reading = plan(path, manifest, metadata, [saved[n] for n in frozen])
-    return {n: cut(frozen[n], local(frozen[n]).shape, w).clone()
+    return {n: cut(frozen[n], local_shapes.get(id(frozen[n]), local(frozen[n]).shape), w).clone()
             for n, w in reading.stream(path, manifest, metadata, LOAD_CHUNK_NUMEL, verified)}
 
 

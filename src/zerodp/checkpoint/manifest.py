@@ -49,6 +49,8 @@ class ModelEntry(_Strict):
     alias_of: str | None
     group: int | None = Field(default=None, ge=0)
     tp: TpShards | None = None  # a tensor-parallel shard; absent: every tp rank holds the whole tensor
+    # a frozen parameter stage 3 shards: saved as pieces `frozen/{name}@{start}`, not whole in `model/{name}`
+    sharded: bool = False
 
 
 class LayoutBucket(_Strict):

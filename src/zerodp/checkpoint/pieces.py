@@ -83,6 +83,18 @@ def owned_pieces(engine) -> list[Piece]:
     return pieces
 
 
+def owned_frozen_pieces(engine) -> list[Piece]:
+    """The pieces of stage 3's frozen parameters this rank's working shards hold (Piece.master: the
+    frozen bucket's place in layout.frozen_buckets); none below stage 3."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    layout, pieces = engine.layout, []
+    for i, b in enumerate(layout.frozen_buckets):
+        lo_r = layout.shard_start(b)
+        for _, s, lo, hi in layout.owned_slots(b):
+            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo, tp_shard(engine, s.param)))
+    return pieces
+
+
 def bucket_params(engine, b) -> list[Piece]:
     """Every whole parameter of bucket `b`, as the saved layout lists it."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -107,8 +119,9 @@ def signature(engine) -> list[dict]:
     the axis is unknown; save joins every tp rank's shapes into the manifest (join_tp_shapes)."""
     layout = engine.layout
     trained = {id(s.param): b.group for b, s in layout.slots()}
+    sharded = layout.by_frozen_param()  # stage 3's frozen parameters, saved as pieces
     # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
-    shapes = {id(s.param): s.shape for _, s in layout.slots()}
+    shapes = {id(s.param): s.shape for _, s in [*layout.slots(), *layout.frozen_slots()]}
     params = {id(p) for p in engine.module.parameters()}
     first: dict[int, str] = {}
     out = []
@@ -117,6 +130,8 @@ def signature(engine) -> list[dict]:
         mine = list(shapes.get(id(t), local(t).shape))
         e = {"name": name, "kind": kind, "shape": list(t.shape if isinstance(t, DTensor) else mine),
              "dtype": str(t.dtype), "alias_of": first.get(id(t)), "group": trained.get(id(t))}
+        if id(t) in sharded:
+            e["sharded"] = True
         if tp_shard(engine, t) is not None:
             e["tp"] = {"dim": tp_dim(t), "shapes": [mine]}
             if tp_parts(t) > 1:  # each shard is its slice of each part (a fused q | k | v): joined part by part
@@ -148,9 +163,15 @@ def tp_shapes(model: list[dict]) -> dict[str, list[int]]:
 
 
 def untrained(engine) -> dict[str, torch.Tensor]:
-    """Frozen parameters and persistent buffers, by their first name."""
+    """Frozen parameters held whole (below stage 3) and persistent buffers, by their first name."""
     return {e["name"]: t for e, t in zip(signature(engine), engine.module.state_dict(keep_vars=True).values())
-            if e["kind"] != "trained" and e["alias_of"] is None}
+            if e["kind"] != "trained" and not e.get("sharded") and e["alias_of"] is None}
+
+
+def sharded_frozen(engine) -> dict[str, torch.Tensor]:
+    """Stage 3's frozen parameters (saved as pieces), by their first name."""
+    return {e["name"]: t for e, t in zip(signature(engine), engine.module.state_dict(keep_vars=True).values())
+            if e.get("sharded") and e["alias_of"] is None}
 
 
 def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
@@ -200,6 +221,11 @@ def local_state(engine) -> dict[str, torch.Tensor]:
                     out[f"optim_param/{key}/{name}"] = _cpu(v.detach())
                 else:  # a plain number (transformers' Adafactor keeps its step and RMS so): read back as one
                     out[f"optim_param_number/{key}/{name}"] = torch.tensor(v, dtype=torch.float64)
+        for pc in owned_frozen_pieces(engine):  # stage 3's frozen parameters: once, as the masters
+            if pc.tp_rank is None and tp_rank(engine) != 0:
+                continue
+            owned = engine.layout.frozen_buckets[pc.master].owned
+            out[f"frozen/{pc.stored}@{pc.start}"] = _cpu(owned[pc.offset:pc.offset + pc.numel])
     rank = comm.everyone.rank
     if rank == 0:
         for g, state in group_states(engine).items():

@@ -235,7 +235,8 @@ class ZeroCheckpointSource(FileSource):
                              "parameters are saved as tp shards; `zerodp consolidate` it and pass the "
                              "consolidated file as weights=")
         self.manifest, self.metadata = manifest, read_metadata(self.path)
-        self.pieces = saved_pieces(self.metadata, "master/")
+        # stage 3's frozen parameters are saved in pieces too (`frozen/`), the others whole (`model/`)
+        self.pieces = {**saved_pieces(self.metadata, "frozen/"), **saved_pieces(self.metadata, "master/")}
         self.alias = {e["name"]: e["alias_of"] for e in manifest["model"] if e["alias_of"] is not None}
         entries = [e for e in manifest["model"] if e["kind"] != "buffer"]
         self.verified: set[str] = set()

@@ -40,18 +40,20 @@ class Reading:
 
 def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str = "master/") -> Reading:
     """The Reading of model entries `entries` (zerodp.json's, no aliases): a trained one from its pieces
-    `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32; the rest from `model/{name}`,
-    a floating one in fp32. Everything missing is found here, before the first value is read."""
+    `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32, and so a frozen one stage 3
+    sharded from its pieces `frozen/{name}@{start}`; the rest from `model/{name}`, a floating one in fp32.
+    Everything missing is found here, before the first value is read."""
     md = metadata.state_dict_metadata
     pieces = saved_pieces(metadata, prefix)
+    frozen_pieces = saved_pieces(metadata, "frozen/")  # stage 3's frozen parameters (ModelEntry.sharded)
     keys, owner, shapes, parts = [], {}, {}, {}
     for e in entries:
         name = e["name"]
         parts[name] = _parts(path, e)
         dtype = torch.float32
         for i, (saved_as, part) in enumerate(parts[name].items()):
-            if e["kind"] == "trained":
-                found = sorted(pieces.get(saved_as, []))
+            if e["kind"] == "trained" or e.get("sharded"):
+                found = sorted((frozen_pieces if e.get("sharded") else pieces).get(saved_as, []))
                 covered = sum(numel for _, numel, _ in found)
                 if covered != part.numel():
                     raise CheckpointError(f"checkpoint '{path}' is corrupt: {prefix.rstrip('/')} of parameter "

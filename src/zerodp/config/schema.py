@@ -164,8 +164,9 @@ class Config(_Section):
     # Floating buffers (BatchNorm running statistics) take rank 0's values before each forward that
     # follows a training forward, as DDP's broadcast_buffers=True (its default); see buffers.py.
     broadcast_buffers: bool = True
-    # Seconds any collective may wait for a peer before the job ends (init_process_group's timeout,
-    # when zerodp creates the group).
+    # Seconds any collective of zerodp's may wait for a peer before it raises PeerFailure: the timeout of the
+    # group zerodp creates; given here, also of zerodp's collectives on a group the script created
+    # (Comm.bound runs them on a twin of it with this timeout).
     # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
     comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
@@ -259,7 +260,9 @@ class Config(_Section):
         if train != micro * gas * world_size:
             raise ConfigError(
                 f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} × "
-                f"gradient_accumulation_steps {gas} × world size {world_size} = {micro * gas * world_size}")
+                f"gradient_accumulation_steps {gas} × world size {world_size} = {micro * gas * world_size}; "
+                f"train_batch_size {micro * gas * world_size} would work, or leave one of the three out and it "
+                "is derived from the other two")
         return BatchSizes(train, micro, gas)
 
 
@@ -268,8 +271,23 @@ def _divide(train: int, unknown: str, other_name: str, other: int, world_size: i
     if train % (other * world_size):
         raise ConfigError(
             f"cannot derive {unknown}: train_batch_size {train} is not divisible by "
-            f"{other_name} {other} × world size {world_size} = {other * world_size}")
+            f"{other_name} {other} × world size {world_size} = {other * world_size}; "
+            f"{_what_would_divide(train, other_name, other * world_size, world_size)}")
     return train // (other * world_size)
+
+
+def _what_would_divide(train: int, other_name: str, step: int, world_size: int) -> str:
+    """The values near the given ones that make train_batch_size divide: the multiples of `step` around
+    it, and, when train_batch_size divides over the ranks at all, the values of `other_name` that fit."""
+    below, above = train // step * step, (train // step + 1) * step
+    hint = f"train_batch_size {' or '.join(str(v) for v in (below, above) if v > 0)} would work (a multiple of {step})"
+    if train % world_size == 0:
+        per_rank = train // world_size
+        fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        more = ", ..." if len(fits) > 8 else ""
+        hint += (f", or {other_name} {', '.join(map(str, fits[:8]))}{more} (the divisors of train_batch_size / "
+                 f"world size = {per_rank})")
+    return hint
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

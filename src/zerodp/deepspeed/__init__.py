@@ -85,7 +85,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     # Before any process group: the same config fails the same way on every rank, and
     # zerodp.initialize creates the group with the config's comm_timeout_s.
     cfg = load_config(resolve_auto(raw, _known(model, optimizer)))
-    if optimizer is None and cfg.optimizer is not None:
+    if optimizer is None and cfg.optimizer is None:
+        # DeepSpeed builds an engine without an optimizer for any model, to run it forward (TRL's DPO
+        # reference model, whose parameters keep requires_grad=True): nothing trains it, so it is frozen
+        # here, which makes it zerodp's frozen-only engine (sharded at stage 3; backward/step refused).
+        model.requires_grad_(False)
+    elif optimizer is None and cfg.optimizer is not None:
         params = model_parameters if model_parameters is not None else model.parameters()
         optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
     elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
@@ -101,7 +106,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if hasattr(args, "local_rank"):
         args.local_rank = local_rank  # as DeepSpeed's engine aligns it, for the script's later reads
     zero.give_zero3_attributes(wrapped)
-    return wrapped, engine.optimizer, loader, engine.lr_scheduler
+    # DeepSpeed's engine without an optimizer returns None for it (zerodp's keeps one over no parameter)
+    return wrapped, engine.optimizer if engine.spec.trains else None, loader, engine.lr_scheduler
 
 
 def _config_dict(args: Any, config: dict | str | None) -> dict:

@@ -26,6 +26,7 @@ from torch import nn
 
 from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
 from zerodp.engine.flat import Bucket
+from zerodp.engine.gathered_state import LoneCall
 from zerodp.engine.stage3 import BucketState
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
@@ -50,25 +51,27 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     """At stage 3 (only, as DeepSpeed), each partitioned parameter gets `ds_id` (its index in
     module.parameters()), `ds_numel` and `ds_shape` (whole), `ds_tensor` (this rank's elements of it, a
     flat view of this rank's shard: empty, part or all of it, since zerodp shards buckets, not each
-    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are not partitioned
-    (every rank holds them whole) and get none, as DeepSpeed's unpartitioned parameters."""
+    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are partitioned too
+    (a LoRA base: DeepSpeed-Chat's merge gathers the weights that have `ds_id`) and get them alike."""
     inner = engine.engine
     if inner.stage != 3:
         return
     index = {id(p): i for i, p in enumerate(inner.module.parameters())}
     layout = inner.layout
-    for b in layout.buckets:
+    for b in layout.gathered:
         first = layout.shard_start(b)
         for s in b.slots:
             lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
             s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
             s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
-    params = {b.index: [s.param for s in b.slots] for b in layout.buckets}
+    params = {b.index: [s.param for s in b.slots] for b in layout.gathered}
 
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
     inner.watch_gathers(status)
-    inner.advise_on_lone_state_dict(_ADVICE)
+    # DeepSpeed's state_dict() on some ranks only returns its placeholders (DeepSpeed-Chat's rank-0-only
+    # save_hf_format writes them, and its every-rank save_zero_three_model overwrites the file at once)
+    inner.advise_on_lone_state_dict(_ADVICE, LoneCall.PLACEHOLDERS)
 
 
 @contextmanager

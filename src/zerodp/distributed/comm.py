@@ -8,14 +8,22 @@ torch 2.11 has.
 It also owns the two ways a problem on one rank reaches every rank instead of hanging the others:
 `Comm.agree` (every rank reports ok or its error in one small collective, before the collectives that
 a local error would leave half-entered) and `Comm.peer_failure` (a collective that timed out because a
-peer stalled or died, named by where it was waited for).
+peer stalled, died or went elsewhere, named by where each rank waited: on a timeout every rank that waits
+in a zerodp collective writes where to the store, so the line says where the others are).
+
+And the bound on every wait: `Comm.bound` makes zerodp's collectives wait at most `comm_timeout_s`
+whoever created the process group. A group the script created keeps its own timeout for the script's
+own collectives; zerodp's run on a twin of it (the same ranks, `dist.new_group(..., timeout=)`), which
+also keeps a collective of the script's from ever pairing with one of zerodp's.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerodp.distributed import teardown
+from zerodp.distributed import said_once, teardown
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
 
@@ -70,7 +78,49 @@ def init_fake(world_size: int) -> None:
 
 
 class PeerFailure(RuntimeError):
-    """A collective that could not complete because another rank stopped responding or died."""
+    """A collective that could not complete because another rank stopped responding, died, or ran other
+    code (the ranks diverged)."""
+
+
+# What any timeout says a divergence looks like, unless the caller knows better (stage 3's forwards do).
+DIVERGENCE = ("if the ranks' code diverged (a forward, backward, step or save run on some ranks only), every "
+              "rank must make the same zerodp calls in the same order")
+_PEER_GRACE_S = 2.0          # how long a rank that timed out waits for the others' whereabouts in the store
+_BOUNDS = itertools.count()  # bound() calls of this process, numbered alike on every rank: their store keys
+
+
+def group_timeout_s(group: dist.ProcessGroup) -> float | None:
+    """The timeout a group's collectives wait (its backend's option); None where torch does not say."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - private API, absent for this device or backend
+            continue
+    return None
+
+
+def bounded_group(group: dist.ProcessGroup, timeout_s: float) -> tuple[dist.ProcessGroup, str | None]:
+    """(the group zerodp's collectives run on so that each waits at most timeout_s, None) or, where torch
+    cannot bound them, (group, the reason in one sentence). Collective over the group's ranks only.
+
+    A group zerodp created (init_distributed) gets the timeout itself; a group of the script's
+    keeps its own and gets a twin: one per set of ranks in this process, destroyed at exit (teardown)."""
+    if group_timeout_s(group) == timeout_s:
+        return group, None
+    timeout = timedelta(seconds=timeout_s)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    owned = group if teardown.owns(group) else teardown.group_of(ranks)
+    try:
+        if owned is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, owned)
+            return owned, None
+        # Local synchronization: only these ranks take part (a data-parallel group of a mesh is one of many).
+        twin = dist.new_group(list(ranks), timeout=timeout, backend=dist.get_backend(group),
+                              use_local_synchronization=True, group_desc=f"zerodp (comm_timeout_s={timeout_s:g})")
+    except Exception as e:  # noqa: BLE001 - a backend that takes no timeout: say so, keep the group
+        return group, f"{type(e).__name__}: {_message(e).splitlines()[0]}"
+    teardown.register_group(ranks, twin)
+    return twin, None
 
 
 @dataclass(frozen=True)
@@ -187,6 +237,10 @@ class Comm:
         # the shard and replica groups, like the traffic tally. Empty: nothing is called.
         self.watchers: list[Watcher] = watchers if watchers is not None else []
         self.last_op = "collective"  # the kind issued last: names a timed-out collective (peer_failure)
+        # comm_timeout_s when the config gives it (bound): every zerodp collective waits at most this long;
+        # None: the groups' own timeouts
+        self.timeout_s: float | None = None
+        self._bound_tag = ""  # this engine's keys in the store, where a timed-out rank says where it waits
         self.shard: Comm = self            # where model states are partitioned
         self.replica: Comm | None = None   # the ranks holding the same shard (None: flat)
         self.mesh = mesh
@@ -240,7 +294,30 @@ class Comm:
         ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         shard = [ranks[i:i + shard_size] for i in range(0, self.world_size, shard_size)]
         replica = [ranks[j::shard_size] for j in range(shard_size)]
-        self._use(_subgroup(shard), _subgroup(replica))
+        # torch's own default for a new group is 30 minutes on gloo, whatever the world's timeout
+        timeout = timedelta(seconds=self.timeout_s or group_timeout_s(self.group) or DEFAULT_TIMEOUT_S)
+        self._use(_subgroup(shard, timeout), _subgroup(replica, timeout))
+        self.shard.timeout_s = self.replica.timeout_s = self.timeout_s
+        self.shard._bound_tag = self.replica._bound_tag = self._bound_tag
+
+    def bound(self, timeout_s: float | None) -> list[str]:
+        """Collective over this Comm's groups' ranks (after the set-up agreement, so every rank has the
+        same config): from now on every collective of zerodp's waits at most `timeout_s` (the config's
+        comm_timeout_s, given explicitly; None keeps the groups' own timeouts). Returns, for the groups
+        torch cannot bound, one sentence each for initialize to print."""
+        comms = {id(c): c for c in (self, self.shard, self.replica, self.tp, self.everyone) if c}.values()
+        tag = f"zerodp/waiting/{next(_BOUNDS)}"
+        for comm in comms:
+            comm._bound_tag = tag
+        if timeout_s is None or self.world_size == 1 and self.everyone is self or self.is_fake():
+            return []
+        unbound = []
+        for comm in comms:
+            comm.group, reason = bounded_group(comm.group, timeout_s)
+            comm.timeout_s = timeout_s
+            if reason is not None:
+                unbound.append(f"the {comm.name} group ({comm.backend}): {reason}")
+        return unbound
 
     def _adopt(self, mesh) -> None:
         names = mesh.mesh_dim_names
@@ -299,40 +376,79 @@ class Comm:
             dist.all_gather_object(results, (report, payload), group=self.group)
         failures = [Failure(r, *rep) for r, (rep, _) in enumerate(results) if rep is not None]
         if failures:
-            if raise_for is not None:
-                raise raise_for(failures)
-            if error is not None:
-                raise error
-            raise failures[0].exception(what)
+            raised = (raise_for(failures) if raise_for is not None else error if error is not None
+                      else failures[0].exception(what))
+            # Raised on every rank: rank 0 says it once, at the top, if it ends the process (said_once.py);
+            # a rank whose own error is not rank 0's keeps its traceback.
+            same_as_rank0 = failures[0].rank == 0 and report is not None and report[1] == failures[0].message
+            said_once.mark(raised, self.rank, self.world_size, quiet=error is None or same_as_rank0)
+            raise raised
         return [p for _, p in results]
 
     @contextmanager
-    def names_peer_failure(self, where: str, op: str | None = None):
+    def names_peer_failure(self, where: str, op: str | None = None, divergence: str = DIVERGENCE):
         """Within the block, a collective that timed out or lost its peer raises PeerFailure naming
         `where` (gloo's own error names no zerodp collective). Free unless something raises."""
         try:
             yield
         except RuntimeError as e:
-            failure = self.peer_failure(e, where, op)
+            failure = self.peer_failure(e, where, op, divergence)
             if failure is None:
+                raise
+            if failure is e:
                 raise
             raise failure from e
 
-    def peer_failure(self, e: BaseException, where: str, op: str | None = None) -> PeerFailure | None:
-        """The error to raise instead of `e` when `e` says a peer stalled or died; None otherwise.
+    def peer_failure(self, e: BaseException, where: str, op: str | None = None,
+                     divergence: str = DIVERGENCE) -> PeerFailure | None:
+        """The error to raise instead of `e` when `e` says a peer stalled, died or went elsewhere; None
+        otherwise (and `e` itself when it is one already: the innermost place names it best).
 
-        gloo says only "Timed out waiting 10000ms for recv" or "Connection closed by peer": this
-        adds which zerodp collective (`where`, and the kind issued last) and what it means.
+        gloo says only "Timed out waiting 10000ms for recv" or "Connection closed by peer": this adds
+        which zerodp collective (`where`, and the kind issued last), where the other ranks wait, and
+        what a divergence looks like here (`divergence`).
         """
+        if isinstance(e, PeerFailure):
+            return e
         text, op = _message(e), op or self.last_op
         low = text.lower()
         if "timed out" in low or "timeout" in low:
-            return PeerFailure(f"{op} {where} timed out after {self._timeout_s(text)}: a peer rank "
-                               "stopped responding (stalled or dead); the limit is the config key "
-                               "'comm_timeout_s' (--timeout in zerodp train)")
+            peers = self._whereabouts(f"{op} {where}")
+            return PeerFailure(f"{op} {where} timed out after {self._timeout_s(text)}: a peer rank stopped "
+                               f"responding (stalled or dead) or went elsewhere: {peers}; {divergence}; the limit "
+                               "is the config key 'comm_timeout_s' (--timeout in zerodp train)")
         if any(k in low for k in ("connection closed", "connection reset", "broken pipe")):
             return PeerFailure(f"{op} {where} failed: a peer rank died ({text.splitlines()[0]})")
         return None
+
+    def _whereabouts(self, here: str) -> str:
+        """After a timeout: this rank's place written to the store, and where the group's other ranks are,
+        read from it. A rank that waits in a zerodp collective times out near the same moment and writes
+        its own; one that wrote nothing within _PEER_GRACE_S is in none (stalled, dead, or in code of its
+        own). Ranks in the same place are named together."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            ranks = dist.get_process_group_ranks(self.group)
+            prefix = f"{self._bound_tag or 'zerodp/waiting'}/{self.group.group_name}/"
+            store.set(prefix + str(ranks[self.rank]), here)
+        except Exception:  # noqa: BLE001 - no store to ask: the timeout alone is what is known
+            return f"rank {self.rank} waited there; where the others are is unknown"
+        keys = {r: prefix + str(g) for r, g in enumerate(ranks) if r != self.rank}
+        try:  # returns as soon as every rank has written
+            store.wait(list(keys.values()), timedelta(seconds=min(_PEER_GRACE_S, self.timeout_s or _PEER_GRACE_S)))
+        except Exception:  # noqa: BLE001 - the store's timeout: some rank wrote nothing
+            pass
+        places: dict[str, list[int]] = {}
+        for r, key in keys.items():
+            try:
+                there = store.get(key).decode() if store.check([key]) else None
+            except Exception:  # noqa: BLE001
+                there = None
+            places.setdefault("there too" if there == here else f"in {there}" if there else "", []).append(r)
+        clauses = [f"{_ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} in no zerodp collective (stalled, dead, or "
+                   "running code of its own: fewer forwards, a dist.barrier(), its own work)" if not place else
+                   f"{_ranks_text(rs)} wait{'s' if len(rs) == 1 else ''} {place}" for place, rs in places.items()]
+        return ", ".join([f"rank {self.rank} waited there", *clauses])
 
     def _timeout_s(self, text: str) -> str:
         try:
@@ -496,10 +612,22 @@ def mpu_groups(mpu, group: dist.ProcessGroup | None, mesh) -> tuple[dist.Process
     return dp, tp
 
 
-def _subgroup(ranks: list[list[int]]) -> dist.ProcessGroup:
+def _subgroup(ranks: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
     """This rank's group among `ranks` (every rank creates every group, as torch requires)."""
-    mine, _ = dist.new_subgroups_by_enumeration(ranks)
+    mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
     return mine
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 3", or "ranks 1-4, 7" for many."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "ranks " + ", ".join(runs)
 
 
 def _message(e: BaseException) -> str:

@@ -12,8 +12,9 @@ does (the engine holds one), so in every script that used zerodp they lived into
 `release_at_exit` is the hook, registered once (`register`, called by init_distributed and every Comm).
 atexit runs it before finalization: after the script's last line, or after its uncaught error's
 traceback is printed (the exit code stays the error's), and after every exit hook registered later. It
-destroys the default group if zerodp created it and it is still alive, drops the references every live
-Comm holds, and collects garbage: each freed group joins its threads there, while they can run.
+destroys the groups zerodp created for its own collectives (Comm.bound's twins of a script's group) and
+the default group if zerodp created it and they are still alive, drops the references every live Comm
+holds, and collects garbage: each freed group joins its threads there, while they can run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class GroupHolder(Protocol):
 
 _holders: weakref.WeakSet = weakref.WeakSet()  # every live Comm: what may keep a group alive
 _state = {"registered": False, "created_default": False}
+# groups zerodp created besides the default one (Comm.bound's twins of a script's groups), by their ranks
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def register(holder: GroupHolder | None = None, created_default: bool = False) -> None:
@@ -51,6 +54,31 @@ def register(holder: GroupHolder | None = None, created_default: bool = False) -
         atexit.register(release_at_exit)
 
 
+def register_group(ranks: tuple[int, ...], group: dist.ProcessGroup) -> None:
+    """A group zerodp created for its own collectives over these ranks: destroyed at exit if the script
+    did not (a destroyed one is replaced by the next of the same ranks)."""
+    _groups[ranks] = group
+    register()
+
+
+def group_of(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """zerodp's own group over these ranks, if it made one and it is alive."""
+    group = _groups.get(ranks)
+    return group if group is not None and alive(group) else None
+
+
+def owns(group: dist.ProcessGroup) -> bool:
+    """Whether zerodp created this group (the default group in init_distributed, or a twin)."""
+    if any(group is g for g in _groups.values()):
+        return True
+    return _state["created_default"] and dist.is_initialized() and group is dist.group.WORLD
+
+
+def alive(group: dist.ProcessGroup) -> bool:
+    """Whether the group has not been destroyed (destroy_process_group() with no group destroys all)."""
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
 def release_at_exit() -> None:
     """Free every process group zerodp created or holds, and join their gloo threads, now.
 
@@ -58,6 +86,13 @@ def release_at_exit() -> None:
     changes the exit code. A group the script created and still uses is left alive: only the script
     knows when it is done with it.
     """
+    for group in _groups.values():  # before the default group, whose store they use
+        if alive(group):
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - freeing it below is what matters
+                pass
+    _groups.clear()
     if _state["created_default"] and dist.is_initialized():
         _state["created_default"] = False
         try:

@@ -7,12 +7,14 @@ import functools
 import hashlib
 import itertools
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zerodp.config import BatchSizes, Config
@@ -22,7 +24,8 @@ from zerodp.engine.buffers import BufferSync
 from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.flat import Bucket, local, set_local
 from zerodp.engine.forward_order import ForwardOrder
-from zerodp.engine.gathered_state import GatheredStateDict
+from zerodp.engine.gathered_state import GatheredStateDict, LoneCall
+from zerodp.engine.grad_placement import GradPlacements, names_of
 from zerodp.engine.layout import Layout
 from zerodp.engine.memory import memory_report
 from zerodp.engine.non_finite import (
@@ -46,7 +49,7 @@ from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
-from zerodp.engine.spec import EngineSpec, local_check
+from zerodp.engine.spec import EngineSpec, frozen_params, local_check
 from zerodp.engine.stage3 import BucketState, Gatherer
 from zerodp.engine.units import UnitRule, Units
 from zerodp.engine.unused import UsedParameters
@@ -93,11 +96,12 @@ class Engine:
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load methods
         spec, optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn, stage3_unit)
         self.spec: EngineSpec = spec  # stage, batch, shard size, dtype, device, units: decided once, read after
-        self._cast_and_sync_untrained(groups)
+        frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
+        self._cast_and_sync_untrained(groups, frozen or [])
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
-        layout, fp32_shards = self._flat_buffers(groups)
+        layout, fp32_shards = self._flat_buffers(groups, frozen)
         self.layout: Layout = layout  # the buckets the trained parameters are views into, this rank's shard
         self.used_only = self._used_parameters(layout)  # the parameters a step updates (unused.py); None: all
         # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
@@ -150,9 +154,11 @@ class Engine:
             error = e
         self.comm.agree(error, "zerodp.initialize")
         self._check_same_everywhere(spec.filling)
+        self._bound_collectives()
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
-        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in groups for p in g})
+        in_buffers = groups + ([frozen_params(self.module, groups)] if spec.shards_frozen else [])
+        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in in_buffers for p in g})
         return spec, optimizer, groups
 
     def _check_same_everywhere(self, filling: Filling) -> None:
@@ -178,10 +184,24 @@ class Engine:
             if len(other) != len(sigs[0][0]):
                 raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
 
-    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]]) -> None:
-        """Frozen parameters and floating buffers: working precision, rank 0's values (frozen parameters
-        read from weights are every rank's already: fill.start read them)."""
-        trained = {id(p) for g in groups for p in g}
+    def _bound_collectives(self) -> None:
+        """From here on every collective of the engine waits at most comm_timeout_s, when the config gives
+        it, whoever created the process group (Comm.bound); a group torch cannot bound is named in one line
+        with what to set instead. Not given, the groups keep their own timeouts (a group zerodp creates has
+        the key's default)."""
+        given = "comm_timeout_s" in self.config.model_fields_set
+        seconds = self.config.comm_timeout_s
+        for reason in self.comm.bound(seconds if given else None):
+            if self.comm.everyone.rank == 0:
+                print(f"[zerodp] comm_timeout_s={seconds:g} cannot bound zerodp's collectives on {reason}; they wait "
+                      f"as long as that group's own timeout: create it with timeout=datetime.timedelta(seconds="
+                      f"{seconds:g}) instead", file=sys.stderr, flush=True)
+
+    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter]) -> None:
+        """Frozen parameters kept whole (stages 0-2) and floating buffers: working precision, rank 0's
+        values (frozen parameters read from weights are every rank's already: fill.start read them).
+        The `sharded` frozen parameters (stage 3) are the flat buffers', filled like the trained ones."""
+        trained = {id(p) for g in groups + [sharded] for p in g}
         read = {id(p) for p in self.module.parameters()} if self.spec.filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
@@ -191,14 +211,16 @@ class Engine:
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]]) -> tuple[Layout, list[torch.Tensor]]:
+    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[nn.Parameter] | None
+                      ) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
-        and this rank's fp32 values, bucket by bucket, which the masters start from."""
+        and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = Layout.build(groups, self.stage, self.units, comm, zero,
+        layout = Layout.build(groups, self.stage, self.units, comm, zero, frozen,
                               [self.spec.whole_parameters(g) for g in range(len(groups))])
-        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device, self.spec.gathers_per_unit,
-                                       self.offload_param, zero.offload_param.pin_memory and can_pin())
+        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device,
+                                self.spec.gathers_per_unit, self.offload_param,
+                                zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
         return layout, fp32_shards
@@ -227,16 +249,19 @@ class Engine:
     def _gatherer(self, layout: Layout) -> Gatherer | None:
         if not self.spec.gathers_per_unit:
             return None
+        names = {id(m): n for n, m in self.module.named_modules()}
         return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                        self.offload_param)
+                        self.offload_param, unit_names=[names.get(id(root), "") for root in self.units.roots])
 
     def _reducer(self, layout: Layout) -> Reducer:
         config, zero = self.config, self.config.zero_optimization
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
+        placements = GradPlacements(layout, self.comm, names_of(self.module)) if self.comm.tp is not None else None
         return Reducer(layout, self.comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                        comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size)
+                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size,
+                       grad_placements=placements)
 
     def _scheduler(self, lr_scheduler: Callable | None):
         """The given scheduler factory, else the config's, built on the partitioned optimizer."""
@@ -249,8 +274,8 @@ class Engine:
     def __call__(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
-        if self.buffer_sync is not None:
-            self.buffer_sync.before_forward()
+        if self.buffer_sync is not None and (self.gatherer is None or self.gatherer.uneven is None):
+            self.buffer_sync.before_forward()  # (not in an uneven_forwards block: a collective no agreement covers)
         if self.module.training:
             self.monitor.saw_inputs(args)
         with self.monitor.span("forward"):
@@ -259,8 +284,11 @@ class Engine:
     @_names_peer_failure("engine.backward() (the gradient reduction)")
     def backward(self, loss: torch.Tensor) -> None:
         """Scale (fp16) and divide by the accumulation steps, run autograd, reduce the buckets."""
+        self._refuse_without_training("backward()")
         # Kept on device, unsynced: step() reports which rank's loss was non-finite.
         seen = loss.detach()
+        if isinstance(seen, DTensor):  # loss parallel: a Replicate DTensor (full_tensor: its value, no collective)
+            seen = seen.full_tensor()
         self._window_loss = seen if self._window_loss is None else self._window_loss + seen.float()
         self._scale_used = self.scaler.scale
         factor = self._scale_used / self.gas
@@ -278,6 +306,13 @@ class Engine:
                 self.gatherer.release_all()
         self.micro_steps += 1
 
+    def _refuse_without_training(self, call: str) -> None:
+        if not self.spec.trains:
+            raise RuntimeError(f"{call} on an engine with nothing to train: it was built without an optimizer "
+                               "for a model whose parameters all have requires_grad=False (a reference or "
+                               "teacher model), so it runs forward only; run it under torch.no_grad(), or give "
+                               "zerodp.initialize an optimizer and set requires_grad=True on what to train")
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next backward() ends an accumulation, i.e. the step() after it updates."""
         return self.micro_steps - self._stepped_at + 1 >= self.gas
@@ -290,6 +325,7 @@ class Engine:
         More backward() calls than that before step() (two at gradient_accumulation_steps 1) all
         add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
+        self._refuse_without_training("step()")
         if self._no_sync:
             raise RuntimeError("step() inside no_sync(): call it after the block, once a backward() outside "
                                "no_sync() has reduced the gradients")
@@ -302,6 +338,8 @@ class Engine:
         micro, loss = self.micro_steps - self._stepped_at, self._window_loss
         with self.monitor.span("step"):
             self._step()
+        if self.gatherer is not None:
+            self.gatherer.stepped(self.global_steps)
         # Read when the monitor reports the step (a step later on a GPU): by then a decision left on
         # the device has been settled, and these say what they would have said at once.
         self.monitor.after_step(self.global_steps, loss, micro, self._grad_norm,
@@ -320,6 +358,8 @@ class Engine:
         with self.monitor.span("reduce_wait"):
             self.reducer.wait()
         grads = self.reducer.shard_grads()
+        if self.reducer.grad_placements is not None:  # tensor parallelism: partial gradients summed over tp
+            self.reducer.grad_placements.sum_over_tp(grads)
         flags = step_flags(self._window_loss, self.comm.everyone.rank)  # (with tp: the rank in the world)
         if self.used_only is None:
             norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
@@ -505,20 +545,38 @@ class Engine:
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
         """Within the block the given parameters (default: all) are whole on every rank (stage 3 gathers
         and releases them; other stages always hold them whole). Changes made inside are not kept,
-        unless modifier_rank is given: that rank's values then become every rank's weights and masters."""
+        unless modifier_rank is given: that rank's values then become every rank's weights and masters.
+        Forwards inside gather nothing, so ranks may run different numbers of them (generate() of any
+        length: the whole model in working precision on every rank, gathered once, bounded by
+        comm_timeout_s); uneven_forwards() does it without the whole model."""
         self.wait_for_parameters()
         wanted = None if params is None else {id(p) for p in params}
-        buckets = [b for b in self.partitioned_optimizer.buckets
+        buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
+        if self.gatherer is not None and any(b.index not in self.gatherer.gathered for b in buckets):
+            self.gathered_state.entering("a gathered_parameters block")  # a lone state_dict() elsewhere learns of it
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
             if modifier_rank is not None:
                 self.partitioned_optimizer.adopt_working(buckets, modifier_rank, wanted)
 
+    @contextmanager
+    def uneven_forwards(self):
+        """Forwards inside the block (under torch.no_grad()) may differ in number between ranks: generate()
+        stopping at different lengths, an eval loop over data that does not divide the ranks. At stage 3,
+        each unit's gather is agreed first, and a rank that leaves the block early keeps joining the
+        others' gathers until every rank has left it (stage3.UnevenForwards); one small all_reduce per
+        unit, no prefetch. Call it on every rank. Stages 0-2 gather nothing in a forward: only no_grad.
+        Where the whole model fits on each rank, `gathered_parameters()` costs no collective per forward."""
+        with torch.no_grad(), self.gatherer.uneven_forwards() if self.gatherer is not None else nullcontext():
+            yield
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights of every rank, keyed like module.state_dict(), each tensor whole (joined over
         the tp group under tensor parallelism; collective). It gathers the whole model on every rank: files
         are written without that (zerodp.checkpoint.export_engine, from engine_weights, one bucket at a time)."""
+        if self.gathered_state is not None:
+            self.gathered_state.entering("full_state_dict()")
         weights = engine_weights(self)
         values = {name: t.clone() for name, t in weights.stream}
         return {name: values[weights.ties.get(name, name)] for name in weights.shapes}
@@ -527,6 +585,8 @@ class Engine:
                         keep_last: int | None = None) -> str:
         """Sharded checkpoint of everything needed to resume (collective: call on every rank)."""
         self.wait_for_parameters()
+        if self.gathered_state is not None:
+            self.gathered_state.entering("save_checkpoint()")
         return self._checkpoints().save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, optimizer_states: bool = True,
@@ -588,6 +648,12 @@ class Engine:
         """Bucket b's fp32 master values from every rank (collective in stages 1-3)."""
         return self.partitioned_optimizer.full_master(b, self.partitioned_optimizer.masters[b.index])
 
+    def full_frozen(self, b: Bucket) -> torch.Tensor:
+        """Stage 3's frozen bucket b, whole, in fp32, from every rank's working shard (collective)."""
+        full = torch.empty(b.numel, dtype=b.owned.dtype, device=self.device)
+        self.comm.shard_gather(full, b.owned.to(self.device))
+        return full.float()
+
     def weights_from_masters(self) -> None:
         """The working parameters from the fp32 masters, on every rank (collective): after the masters
         were written (a checkpoint loaded)."""
@@ -617,8 +683,8 @@ class Engine:
             names = {id(p): n for n, p in self.module.named_parameters()}
             self.used_only.after_load(self.optimizer, masters, names, saved)
 
-    def advise_on_lone_state_dict(self, advice: str) -> None:
-        """Stage 3: what the error of a module.state_dict() called on one rank only suggests instead (a
-        compatibility layer names its own saving calls)."""
+    def advise_on_lone_state_dict(self, advice: str, answer: LoneCall = LoneCall.RAISE) -> None:
+        """Stage 3: what a module.state_dict() called on some ranks only suggests instead (a compatibility
+        layer names its own saving calls), and whether it raises or returns placeholders (LoneCall)."""
         if self.gathered_state is not None:
-            self.gathered_state.advice = advice
+            self.gathered_state.advice, self.gathered_state.lone = advice, answer

@@ -11,16 +11,23 @@ The gathers are collectives: every rank must call state_dict() the same way (eve
 one rank saves). A call on one rank only (`if rank == 0: torch.save(model.state_dict(), ...)`) would
 wait for ever in its first all_gather, or pair it with another rank's different collective. So each
 call that has something to gather first checks, through the process group's store (which no
-collective uses), that every rank has made it too; when ranks are missing after `comm_timeout_s` it
-raises, naming what works instead. `state_dict(keep_vars=True)` returns the parameters themselves, as
-torch does (whole only inside a gather), and gathers nothing.
+collective uses), that every rank has made it too. A missing rank that is already in another gather of
+this engine that this rank has not reached (a `gathered_parameters` block that gathers, full_state_dict,
+save_checkpoint: DeepSpeed-Chat's every-rank save after its rank-0-only one) will not make this call: that is found at
+once (`LoneCall`), else after `comm_timeout_s`. Then the call raises, naming what works instead, or
+(`LoneCall.PLACEHOLDERS`, zerodp.deepspeed's choice) returns DeepSpeed's placeholders with one warning line:
+each released parameter as the empty tensor it is, the persistent ones whole, no collective.
+`state_dict(keep_vars=True)` returns the parameters themselves, as torch does (whole only inside a
+gather), and gathers nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+import time
 from datetime import timedelta
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -34,8 +41,16 @@ _NUMBER = itertools.count()  # engines of this process, numbered alike on every 
 _FIRST_WAIT_S = 10.0  # then one line says what the call waits for, before comm_timeout_s runs out
 _GAVE_UP = 1 << 40    # what a rank that stopped waiting takes from a call's count of ranks
 
+_POLL_S = 0.05        # how often a waiting call looks at the store
 ENGINE_ADVICE = ("read the fp32 weights with engine.full_state_dict() on every rank, or read the parameters "
                  "inside `with engine.gathered_parameters():` on every rank")
+
+
+class LoneCall(Enum):
+    """What a state_dict() that not every rank makes returns."""
+
+    RAISE = "raise"                # zerodp's own API: an error naming what works instead
+    PLACEHOLDERS = "placeholders"  # DeepSpeed's: the released parameters empty, with one warning line
 
 
 class GatheredStateDict:
@@ -45,6 +60,9 @@ class GatheredStateDict:
         self.gatherer, self.comm, self.timeout_s = gatherer, comm, timeout_s
         # What a call made on too few ranks is told to do instead (zerodp.deepspeed names its own API).
         self.advice = ENGINE_ADVICE
+        self.lone = LoneCall.RAISE  # what a call made on too few ranks returns
+        self.entered = 0  # collective calls of this engine this rank has entered (entering)
+        self.gathering = True  # this call gathers (False: it returns placeholders)
         self.bucket_of = {id(s.param): b for b in gatherer.buckets if not b.persistent for s in b.slots}
         self.tag = f"zerodp/stage3_state_dict/{next(_NUMBER)}"  # this engine's keys in the store
         self.calls = 0                        # calls that checked for every rank: numbers their keys
@@ -63,14 +81,15 @@ class GatheredStateDict:
         if self.root is not None and prefix != "":
             return
         self._end()
+        self.gathering = True
         if not keep_vars and self._has_released(module):
-            self._every_rank_called()
+            self.gathering = self._every_rank_called()
         self.root, self.root_prefix, self.keep_vars = module, prefix, keep_vars
 
     def _post_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
         if self.root is None:
             return
-        if not self.keep_vars:
+        if not self.keep_vars and self.gathering:
             own = [(n, p) for n, p in module._parameters.items() if p is not None and id(p) in self.bucket_of]
             if own:
                 self._fill(own, state_dict, prefix)
@@ -83,6 +102,7 @@ class GatheredStateDict:
         self.gatherer.release([b for b in self.mine if b.index not in needed])
         self.mine = [b for b in self.mine if b.index in needed]
         missing = [b for b in needed.values() if b.index not in self.gatherer.gathered]
+        self.gatherer.whereabouts.doing = "in module.state_dict()"
         self.gatherer.gather(missing)
         self.mine += missing
         for name, p in own:
@@ -100,40 +120,72 @@ class GatheredStateDict:
         return any((b := self.bucket_of.get(id(p))) is not None and b.index not in gathered
                    for p in module.parameters())
 
-    def _every_rank_called(self) -> None:
-        """Before a call's first gather: every rank of the group makes this call too, or this raises.
+    def entering(self, call: str) -> None:
+        """(the engine) This rank enters a collective call (a gathered_parameters block that gathers,
+        full_state_dict, save_checkpoint), which every rank makes in the same order: a rank waiting in a
+        state_dict() call this rank has not made learns that this rank will not make it first (_wait)."""
+        if self.comm.world_size > 1 and not self.comm.is_fake():
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{self.tag}/entered/{self.comm.everyone.rank}", f"{self.calls} {self.entered} {call}")
+        self.entered += 1
+
+    def _every_rank_called(self) -> bool:
+        """Before a call's first gather: whether every rank of the group makes this call too (True), or
+        not (False with LoneCall.PLACEHOLDERS; LoneCall.RAISE raises).
 
         Each rank adds 1 to the call's count; the last to arrive marks it complete. A rank that stops
         waiting subtracts _GAVE_UP in the same atomic add, so it and any rank arriving later agree on
-        whether every rank had arrived (then all gather) or not (then all that arrive raise)."""
+        whether every rank had arrived (then all gather) or not (then none does)."""
         if self.comm.world_size == 1 or self.comm.is_fake():
-            return
+            return True
         store = dist.distributed_c10d._get_default_store()
         key, world = f"{self.tag}/{self.calls}", self.comm.everyone.world_size  # tp: every rank of the world
         self.calls += 1
         arrived = store.add(key, 1)
         if arrived < 0:
-            self._refuse(arrived + _GAVE_UP, "another rank stopped waiting for it")
+            return self._lone(arrived + _GAVE_UP, "another rank stopped waiting for it")
         if arrived == world:
             store.set(key + "/all", "1")
-        first = min(_FIRST_WAIT_S, self.timeout_s)
-        if _waited(store, key + "/all", first):
-            return
-        if first < self.timeout_s:
-            print(f"[zerodp] rank {self.comm.rank}: state_dict() of a stage-3 model waits for every rank to call "
-                  f"it (it gathers the parameters' shards); it fails after comm_timeout_s={self.timeout_s:g} s "
-                  "if they do not", file=sys.stderr, flush=True)
-            if _waited(store, key + "/all", self.timeout_s - first):
-                return
+        why = self._wait(store, key + "/all", world)
+        if why is None:
+            return True
         arrived = store.add(key, -_GAVE_UP) + _GAVE_UP
-        if arrived != world:
-            self._refuse(arrived, f"comm_timeout_s={self.timeout_s:g} s passed")
+        if arrived == world:  # the last rank came as this one gave up: it gathers with the others
+            return True
+        return self._lone(arrived, why)
 
-    def _refuse(self, arrived: int, why: str) -> None:
-        raise RuntimeError(f"state_dict() of a stage-3 model gathers every parameter from all "
-                           f"{self.comm.world_size} ranks, but only {arrived} of them called it and {why} (is "
-                           f"it called under `if rank == 0:`?); call model.state_dict() on every rank and save "
-                           f"from one, or {self.advice}")
+    def _wait(self, store: dist.Store, done: str, world: int) -> str | None:
+        """Until every rank has made the call (None), another rank is found in a gather this rank has not
+        reached, or comm_timeout_s passes (then why this rank stops waiting)."""
+        start, told = time.monotonic(), False
+        others = [f"{self.tag}/entered/{r}" for r in range(world) if r != self.comm.everyone.rank]
+        while True:
+            if _waited(store, done, _POLL_S):
+                return None
+            for k in others:
+                if store.check([k]):
+                    calls, entered, call = store.get(k).decode().split(maxsplit=2)
+                    if int(calls) < self.calls and int(entered) >= self.entered:  # it will not make this one first
+                        return (f"rank {k.rsplit('/', 1)[1]} is in {call} instead "
+                                f"(found in {time.monotonic() - start:.1f} s)")
+            waited = time.monotonic() - start
+            if not told and waited > min(_FIRST_WAIT_S, self.timeout_s):
+                told = True
+                print(f"[zerodp] rank {self.comm.rank}: state_dict() of a stage-3 model waits for every rank to "
+                      "call it (it gathers the parameters' shards); it fails after "
+                      f"comm_timeout_s={self.timeout_s:g} s if they do not", file=sys.stderr, flush=True)
+            if waited > self.timeout_s:
+                return f"comm_timeout_s={self.timeout_s:g} s passed"
+
+    def _lone(self, arrived: int, why: str) -> bool:
+        """A call not every rank makes: DeepSpeed's placeholders with one warning line, or the error."""
+        text = (f"state_dict() of a stage-3 model gathers every parameter from all {self.comm.world_size} "
+                f"ranks, but only {arrived} of them called it and {why} (is it called under `if rank == 0:`?)")
+        if self.lone is LoneCall.PLACEHOLDERS:
+            print(f"[zerodp] rank {self.comm.rank}: {text}; it returns DeepSpeed's placeholders (the partitioned "
+                  f"parameters empty) and gathers nothing: {self.advice}", file=sys.stderr, flush=True)
+            return False
+        raise RuntimeError(f"{text}; call model.state_dict() on every rank and save from one, or {self.advice}")
 
 
 def _waited(store: dist.Store, key: str, seconds: float) -> bool:

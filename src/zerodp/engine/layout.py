@@ -8,6 +8,11 @@ Shapes: a slot's shape is the shape of the tensor this rank holds for the parame
 of a trained parameter's shape asks `shape_of` (a stage-3 parameter between uses is an empty tensor,
 so its own `.shape` says nothing). Tensor parallelism puts a parameter's local shard here: `build` lays
 out what this rank holds, and `shape_of` is where a local shape and the global one part.
+
+Frozen parameters at stage 3 (`frozen`): one more flat group, laid out by the same units, whose buckets
+come after every trained one (`buckets` and the bucket indices the reducer and the optimizer use are the
+trained ones alone). Stage 3 gathers `gathered` (both); nothing reduces or steps a frozen bucket, and it
+has no master: its working shard is its only copy. Below stage 3 frozen parameters are whole on every rank.
 """
 
 from __future__ import annotations
@@ -31,22 +36,49 @@ class Layout:
 
     groups: list[FlatGroup]    # one flat buffer of buckets per optimizer param group
     rank: int                  # this rank's shard of every bucket (0 in stage 0, which shards nothing)
-    buckets: list[Bucket] = field(init=False)  # every group's buckets, by index (launch order)
+    # stage 3's frozen parameters, sharded and gathered like the rest (no gradient, master or optimizer
+    # state); None: frozen parameters are whole on every rank, outside the flat buffers (stages 0-2)
+    frozen: FlatGroup | None = None
+    buckets: list[Bucket] = field(init=False)  # every trained group's buckets, by index (launch order)
+    gathered: list[Bucket] = field(init=False)  # stage 3: every bucket, trained then frozen, by index
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", [b for g in self.groups for b in g.buckets])
+        object.__setattr__(self, "gathered", self.buckets + self.frozen_buckets)
 
     @classmethod
     def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
-              zero: ZeroConfig, whole: Sequence[bool] = ()) -> Layout:
+              zero: ZeroConfig, frozen: list[nn.Parameter] | None = None,
+              whole: Sequence[bool] = ()) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
-        (units.layout). `whole`: per group, each parameter whole in one shard (optimizer_view.py).
-        Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        (units.layout), `frozen` (EngineSpec.shards_frozen) in a group of their own after the trained
+        ones. `whole`: per trained group, each parameter whole in one shard (optimizer_view.py); the
+        frozen group is never stepped, so never whole. Allocates nothing: setup/fill.py's fill() makes
+        the buffers."""
+        whole = tuple(whole)[:len(param_groups)]
         if stage < 3:
             groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size, whole=whole)
-        else:
-            groups = stage3_layout(param_groups, units, comm.shard_size, zero, whole)
-        return cls(groups, comm.shard_rank if stage > 0 else 0)
+            return cls(groups, comm.shard_rank if stage > 0 else 0)
+        groups = stage3_layout(param_groups + ([frozen] if frozen is not None else []), units,
+                               comm.shard_size, zero, whole)
+        if frozen is None:
+            return cls(groups, comm.shard_rank)
+        return cls(groups[:-1], comm.shard_rank, groups[-1])
+
+    @property
+    def frozen_buckets(self) -> list[Bucket]:
+        """Stage 3's buckets of frozen parameters (none below stage 3)."""
+        return self.frozen.buckets if self.frozen is not None else []
+
+    def frozen_slots(self) -> Iterator[tuple[Bucket, Slot]]:
+        """Every sharded frozen parameter's slot with its bucket, in bucket order."""
+        for b in self.frozen_buckets:
+            for s in b.slots:
+                yield b, s
+
+    def by_frozen_param(self) -> dict[int, tuple[Bucket, Slot]]:
+        """id(parameter) -> its bucket and slot, for every sharded frozen parameter."""
+        return {id(s.param): (b, s) for b, s in self.frozen_slots()}
 
     def slots(self) -> Iterator[tuple[Bucket, Slot]]:
         """Every trained parameter's slot with its bucket, in bucket order."""

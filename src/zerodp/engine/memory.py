@@ -35,7 +35,8 @@ GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.
 STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
 WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-MODEL_STATES = ("working_params", "frozen_params_and_buffers", "gradients", "fp32_master", "optimizer_states")
+MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "gradients", "fp32_master",
+                "optimizer_states")
 
 
 # ---- measured -----------------------------------------------------------------------------------
@@ -47,7 +48,8 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     """Bytes this rank holds, by category, counted from the tensors the engine owns: its layout, its
     reducer and partitioned optimizer, and (`gathers`, stage 3) the gathered copies.
 
-    model_states = working params (flat buffers, padding included) + frozen params and buffers +
+    model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) +
+    frozen params kept whole and buffers +
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
@@ -55,18 +57,21 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
     layout = engine.layout
-    flat = layout.by_param()
+    flat = {**layout.by_param(), **layout.by_frozen_param()}
     untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
                  if id(t) not in flat}
     grads, opt = reducer.bytes(), partitioned
+    frozen = layout.frozen
     report = {
         "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
+        # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
+        "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": grads["gradients"],
         **opt.bytes(),
         "reduce_buckets": grads["reduce_buckets"],
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.buckets),
+        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.gathered),
         # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
         # sub_group_size elements at a time.
         "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], reducer.acc_dtype),
@@ -76,7 +81,8 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
         report.update(whole_parameter_shares(layout.owned_numel(), layout.rank,
                                              report["fp32_master"] + report["optimizer_states"]))
     host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
-            "working_params": getattr(engine, "offload_param", False)}  # stage 3's offload_param
+            "working_params": getattr(engine, "offload_param", False),  # stage 3's offload_param
+            "frozen_params": getattr(engine, "offload_param", False)}
     if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
                                        + report.get("offload_gradients", 0) + report.get("offload_staging", 0))
@@ -160,6 +166,22 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     return {"device": device, "host": host}
 
 
+def finetune(num_params: int, trainable: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
+             gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
+             offload_param: bool = False) -> dict[str, int]:
+    """A fine-tune's bytes per rank (plan/finetune.py): `trainable` of the `num_params` elements trained,
+    by placed(); the rest frozen, its working copy alone (no gradient, master or optimizer state): whole
+    on every rank below stage 3, 1/N at stage 3 (which partitions frozen parameters too), in host memory
+    with offload_param. Returns frozen, trained (device and host), device and host."""
+    trained = placed(trainable, world, stage, dtype, optimizer, gradient_accumulation_steps, offload_optimizer,
+                     offload_param)
+    frozen = WORKING_BYTES[dtype] * (num_params - trainable)
+    frozen = round(frozen / world) if stage == 3 else frozen
+    return {"frozen": frozen, "trained": trained["device"] + trained["host"],
+            "device": trained["device"] + (0 if offload_param else frozen),
+            "host": trained["host"] + (frozen if offload_param else 0)}
+
+
 def bucket_estimate(num_params: int, world: int, stage: int, dtype: str = "bf16",
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE, largest_module: int | None = None) -> int:
     """Bytes of stage 2-3's reduce-buffer pool while backward runs: at most reducer.POOL_BUFFERS buckets
@@ -186,20 +208,21 @@ def offload_split(num_params: int, world: int, dtype: str = "bf16", optimizer: s
 
 # ---- activation estimate, for `estimate --fit` and the train job's report ------------------------
 def activation_estimate(cfg, micro_batch: int, seq: int, dtype: str = "bf16", checkpointing: bool = False,
-                        tp: int = 1, vocab_parallel: bool = True) -> int:
+                        tp: int = 1, vocab_parallel: bool = True, sequence_parallel: bool = False) -> int:
     """Activation bytes of one forward held for backward, per GPU, estimated (not measured).
 
     Korthikanti et al. 2022, eq. 2 in 16-bit without sequence parallelism: s·b·h·(10 + 24/tp) bytes per
-    layer when attention scores are not materialised (fused SDPA), 34 s·b·h at tp = 1; plus the logits
+    layer when attention scores are not materialised (fused SDPA), 34 s·b·h at tp = 1; with sequence
+    parallelism (eq. 4) the norms' and dropouts' 10 s·b·h are split over tp too: 34 s·b·h / tp; plus the logits
     (16-bit, their fp32 copy for the loss and its grad), split over tp by a vocabulary-parallel head
     (`vocab_parallel`; zerodp's own GPT keeps its tied head whole on every tp rank).
     With checkpointing each layer keeps only its input (2·s·b·h) and one layer is live in recompute.
     """
     scale = WORKING_BYTES[dtype] / 2
     sbh = seq * micro_batch * cfg.n_embd
-    layer = (10 + 24 / tp) * sbh * scale
+    layer = (34 / tp if sequence_parallel else 10 + 24 / tp) * sbh * scale
     logits = seq * micro_batch * cfg.vocab_size * (WORKING_BYTES[dtype] + 8) / (tp if vocab_parallel else 1)
-    if checkpointing:
-        return int(cfg.n_layer * 2 * sbh * scale + layer + logits)
+    if checkpointing:  # (each layer's input: a sequence slice with sequence parallelism)
+        return int(cfg.n_layer * 2 * sbh * scale / (tp if sequence_parallel else 1) + layer + logits)
     return int(cfg.n_layer * layer + logits)
 

@@ -258,7 +258,7 @@ class PartitionedOptimizer(TimedGathers):
                 value = b.data[start:end]
                 if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart
                     b.owned[start - lo:end - lo].copy_(value)
-                if self.separate:
+                if self.separate and b.index < len(self.masters):  # stage 3's frozen buckets come last, no master
                     self.masters[b.index][start - lo:end - lo].copy_(value)
 
     @gather_phase

@@ -1,7 +1,8 @@
 """Gradient hooks, buckets, and their overlapped reduction.
 
 As backward accumulates each parameter's gradient, a `post_accumulate_grad` hook copies it into
-its bucket and frees it. A bucket whose parameters have all arrived is launched asynchronously
+its bucket and frees it (a tensor-parallel gradient first brought to its parameter's placement:
+grad_placement.py). A bucket whose parameters have all arrived is launched asynchronously
 while backward goes on (`overlap_comm`):
   stage 0: all_reduce of the bucket (plain data parallelism, every rank keeps everything);
   stage 1: gradients accumulate in a full bucket; reduce_scatter once, at the boundary micro-step;
@@ -46,6 +47,7 @@ import torch
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, local
+from zerodp.engine.grad_placement import GradPlacements
 from zerodp.engine.layout import Layout
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
@@ -93,8 +95,11 @@ class Reducer:
     def __init__(self, layout: Layout, comm: Comm, stage: int, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False,
-                 predivide: float | None = None, bucket_numel: int | None = None):
+                 predivide: float | None = None, bucket_numel: int | None = None,
+                 grad_placements: GradPlacements | None = None):
         self.comm, self.stage, self.overlap = comm, stage, overlap_comm
+        # Tensor parallelism: each slot's gradient brought to its parameter's placement (None: no tp)
+        self.grad_placements = grad_placements
         self.on_bucket_done = on_bucket_done
         # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
         # "bucket": a reduce buffer of the pool): the memory planner (plan/peak.py) labels them.
@@ -163,7 +168,7 @@ class Reducer:
         b, slot = self.buckets[k], self.buckets[k].slots[i]
         target = self._target(k)[slot.offset:slot.offset + slot.numel]
         # Pool buffers and new gradient buffers start zeroed: a first arrival is a copy, not an add.
-        grad = local(p.grad).reshape(-1)  # a tensor-parallel parameter's gradient: its local shard
+        grad = self._in_placement(k, i, p.grad).reshape(-1)
         if not self.arrived[k][i] and (self.kept is Kept.SHARD or self.window is Window.EMPTY):
             target.copy_(grad)
         else:
@@ -177,6 +182,13 @@ class Reducer:
                     self.on_bucket_done(b)
                 if self.backward_pass is Pass.REDUCE:
                     self._mark_ready(k)
+
+    def _in_placement(self, k: int, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Slot i of bucket k's gradient as this rank's local tensor in its parameter's placement (a
+        tensor-parallel gradient: its local shard, cut or marked for the step's tp sum; grad_placement.py)."""
+        if self.grad_placements is None:
+            return local(grad)
+        return self.grad_placements.policies[k][i].local_grad(grad)
 
     def _target(self, k: int) -> torch.Tensor:
         """Where bucket k's gradients are summed this micro-step."""

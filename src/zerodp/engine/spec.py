@@ -42,6 +42,12 @@ class EngineSpec:
     offload_param: bool  # stage 3's offload_param: this rank's parameter shards live in host memory
     # per optimizer param group: its optimizer steps flat shards (element-wise) or whole parameters
     views: tuple[OptimizerView, ...] = ()
+    # Stage 3: frozen parameters are partitioned and gathered like trained ones (Layout.frozen), with no
+    # gradient, master or optimizer state. False: stages 0-2, which keep every parameter whole.
+    shards_frozen: bool = False
+    # Something to train. False: a frozen-only engine (a DPO reference model, a distillation teacher),
+    # built without any optimizer for a model with no trainable parameter: forward only.
+    trains: bool = True
 
     @property
     def gas(self) -> int:
@@ -72,10 +78,15 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
                 source: ParameterSource | None, param_init_fn: ParamInitFn | None,
                 stage3_unit: UnitRule | None) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
     """Everything about the set-up that this rank can check alone: the spec, the optimizer (the config's
-    when none is given) and the trained parameters of each optimizer param group. No collective."""
+    when none is given; for a frozen-only engine one over no parameter) and the trained parameters of
+    each optimizer param group. No collective."""
     zero = config.zero_optimization
     stage = zero.stage
-    batch = config.batch(comm.world_size)
+    trains = optimizer is not None or config.optimizer is not None
+    if trains or config.train_batch_size is not None or config.train_micro_batch_size_per_gpu is not None:
+        batch = config.batch(comm.world_size)
+    else:  # a frozen-only engine takes no step: no batch size to check (its forward takes any batch)
+        batch = BatchSizes(comm.world_size, 1, 1)
     shard_size = zero.shard_size(comm.world_size)
     if comm.mesh is not None:  # the mesh's shard dimension is S, unless the key says otherwise
         if zero.mics_shard_size not in (-1, comm.shard_size):
@@ -91,15 +102,18 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
             raise ConfigError(f"with an mpu (tensor parallelism), ZeRO shards over the whole data-parallel group "
                               f"at stage 1, 2 or 3: got stage {stage}, shard size {shard_size} of "
                               f"{comm.world_size}; use stage 1-3 and leave zero_optimization.mics_shard_size out")
+    if not trains and any(p.requires_grad for p in module.parameters()):
+        raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
+                          "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}; a model that "
+                          "is not trained (a reference or teacher model) is wrapped without one once none "
+                          "of its parameters requires grad (model.requires_grad_(False))")
     if optimizer is None:
-        if config.optimizer is None:
-            raise ConfigError("no optimizer: pass one to zerodp.initialize or give the config an "
-                              "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}")
-        optimizer = config.optimizer.for_model(module)
+        optimizer = config.optimizer.for_model(module) if trains else _nothing_to_step
     if isinstance(optimizer, (list, tuple)):
         optimizer = _combined(optimizer)
     groups = _trainable_groups(module, optimizer)
-    _check_model(module, groups)
+    if trains:
+        _check_model(module, groups)
     tensor_parallel.check(module, comm, source is not None)
     views = _views(module, optimizer, groups)
     filling = filling_for(module, source, param_init_fn)
@@ -108,7 +122,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
     # config/zero_optimization.py resets offload_param below stage 3.
     spec = EngineSpec(stage, batch, shard_size, config.dtype, device, filling, units,
-                      zero.offload_param.device == "cpu", views)
+                      zero.offload_param.device == "cpu", views, shards_frozen=stage == 3, trains=trains)
     return spec, optimizer, groups
 
 
@@ -144,6 +158,18 @@ def _views(module: nn.Module, optimizer: OptimizerLike, groups: list[list[nn.Par
                              "element-wise optimizer (AdamW, ...), e.g. in a second optimizer of a list, or train "
                              "without tensor parallelism")
     return views
+
+
+def _nothing_to_step(groups: list[dict]) -> Optimizer:
+    """A frozen-only engine's optimizer: over no parameter (torch accepts a group with an empty list), so
+    that the engine's parts are those of any engine; backward() and step() refuse before reaching it."""
+    return torch.optim.SGD(groups, lr=0.0)
+
+
+def frozen_params(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
+    """The model's parameters that no optimizer group trains, in registration order."""
+    trained = {id(p) for g in groups for p in g}
+    return [p for p in module.parameters() if id(p) not in trained]
 
 
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:

@@ -17,19 +17,22 @@ logger = logging.getLogger("zerodp")
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 
-def set_up_line(config: Config, world_size: int, shard_size: int) -> str:
-    """One line: stage (what it shards, over how many ranks), offload, dtype, batch sizes."""
+def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: bool = False) -> str:
+    """One line: stage (what it shards, over how many ranks), offload, dtype, batch sizes (forward_only:
+    a frozen-only engine, which has none)."""
     zero = config.zero_optimization
     sharded = {0: "nothing sharded: plain data parallelism", 1: "optimizer state sharded",
                2: "optimizer state and gradients sharded", 3: "optimizer state, gradients and parameters sharded"}
     over = f" over {shard_size} of {world_size} ranks" if zero.stage > 0 else f", {world_size} rank(s)"
     offload = [name for name, section in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param))
                if section.device == "cpu"]
+    line = (f"zerodp: ZeRO stage {zero.stage} ({sharded[zero.stage]}{over}); offload: "
+            f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype {_DTYPE_NAMES[str(config.dtype)]}; ")
+    if forward_only:
+        return line + "forward only (no optimizer, nothing to train)"
     batch = config.batch(world_size)
-    return (f"zerodp: ZeRO stage {zero.stage} ({sharded[zero.stage]}{over}); offload: "
-            f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype "
-            f"{_DTYPE_NAMES[str(config.dtype)]}; batch {batch.micro_batch_size} per rank x "
-            f"{batch.gradient_accumulation_steps} accumulation x {world_size} ranks = {batch.train_batch_size}")
+    return line + (f"batch {batch.micro_batch_size} per rank x {batch.gradient_accumulation_steps} accumulation "
+                   f"x {world_size} ranks = {batch.train_batch_size}")
 
 
 def no_stage_chosen(config: Config) -> bool:
@@ -38,7 +41,7 @@ def no_stage_chosen(config: Config) -> bool:
     return "zero_optimization" not in config.model_fields_set or "stage" not in zero.model_fields_set
 
 
-def log_set_up(config: Config, world_size: int, shard_size: int, rank: int) -> None:
+def log_set_up(config: Config, world_size: int, shard_size: int, rank: int, forward_only: bool = False) -> None:
     """The set-up line at INFO, on rank 0 only (one line per job, not one per rank)."""
     if rank == 0:
-        logger.info("%s", set_up_line(config, world_size, shard_size))
+        logger.info("%s", set_up_line(config, world_size, shard_size, forward_only))

@@ -50,7 +50,9 @@ def check(module: nn.Module, comm: Comm, from_source: bool) -> None:
             raise ValueError(f"parameter '{name}' is a DTensor on mesh {_ranks(p.device_mesh)} "
                              f"({p.device_mesh.device_type}), but this rank's 'tp' dimension of the device_mesh "
                              f"given to zerodp is {_ranks(comm.tp_mesh)} ({comm.tp_mesh.device_type}): "
-                             "parallelize the model over mesh['tp'] of the mesh zerodp is given")
+                             "parallelize the model over mesh['tp'] of the mesh zerodp is given (a Hugging Face model "
+                             "loaded with a distributed_config or tp_plan is split over a mesh of transformers' own: "
+                             "load it whole and apply its plan on mesh['tp'], docs/CONFIG.md 'Tensor parallelism')")
         # _StridedShard: each part of a fused Linear (q | k | v side by side) split over tp, as Megatron does.
         if not all(pl.is_shard() or pl.is_replicate() or isinstance(pl, _StridedShard) for pl in p.placements):
             raise ValueError(f"parameter '{name}' has placements {tuple(p.placements)}; a tensor-parallel "

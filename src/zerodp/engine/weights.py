@@ -4,8 +4,9 @@
 known before any value (a file's layout is fixed first), the names that share a tensor with another
 (ties), and the values, each once, in whatever order they become available. `engine_weights` gives
 a trained engine's: the fp32 master values bucket by bucket (each bucket's shards gathered from its
-owners, so every rank takes part and holds one bucket at a time), then the buffers and frozen
-parameters, which every rank holds whole. `Engine.full_state_dict` is the same values all at once.
+owners, so every rank takes part and holds one bucket at a time), stage 3's frozen parameters the
+same way from their working shards, then the buffers and the frozen parameters every rank holds whole.
+`Engine.full_state_dict` is the same values all at once.
 
 Tensor parallelism: a bucket gathered over dp holds this rank's tp shard of each parameter; each
 shard is then joined over the tp group (comm.tp) along the dimension it was split on, one parameter
@@ -18,16 +19,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import join_tp, local, tp_parts
+from zerodp.engine.flat import Bucket, join_tp, local, tp_parts
+from zerodp.engine.layout import Layout
 from zerodp.engine.tensor_parallel import shard_dim
 
-if TYPE_CHECKING:
-    from zerodp.engine.engine import Engine
+
+class Trained(Protocol):
+    """What `engine_weights` reads of a trained engine (engine.Engine is one): named here so that this
+    module, which the engine uses for full_state_dict, does not import the engine back."""
+
+    module: nn.Module
+    comm: Comm
+    layout: Layout
+
+    def wait_for_parameters(self) -> None: ...
+
+    def full_master(self, b: Bucket) -> torch.Tensor: ...
 
 
 @dataclass
@@ -68,7 +81,7 @@ class _Split:
     parts: int = 1
 
 
-def engine_weights(engine: Engine) -> Weights:
+def engine_weights(engine: Trained) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
     floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
     tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
@@ -76,7 +89,7 @@ def engine_weights(engine: Engine) -> Weights:
     Weights is one too (the shards' sizes, for the whole shapes): call it on every rank."""
     engine.wait_for_parameters()
     layout = engine.layout
-    slots = layout.by_param()
+    slots = {**layout.by_param(), **layout.by_frozen_param()}
     state = engine.module.state_dict(keep_vars=True)
     held = {id(t): layout.shape_of(slots[id(t)][1]) if id(t) in slots else local(t).shape for t in state.values()}
     splits = _splits(engine.comm, state, held)  # a local check, then the tp ranks' sizes (collective)
@@ -109,11 +122,11 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
     return {i: _Split(d, [theirs[k] for theirs in sizes], parts[i]) for k, (i, d) in enumerate(dims.items())}
 
 
-def _stream(engine: Engine, first: dict[int, str], splits: dict[int, _Split]
+def _stream(engine: Trained, first: dict[int, str], splits: dict[int, _Split]
             ) -> Iterator[tuple[str, torch.Tensor]]:
     trained, tp = set(), engine.comm.tp
-    for b in engine.layout.buckets:
-        full = engine.full_master(b)  # one bucket, fp32, on every rank
+    for b in engine.layout.gathered:  # stage 3's frozen buckets last: their working values, no master
+        full = engine.full_master(b) if b.index < len(engine.layout.buckets) else engine.full_frozen(b)
         for s in b.slots:
             trained.add(id(s.param))
             value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))

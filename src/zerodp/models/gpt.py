@@ -17,8 +17,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
@@ -249,27 +257,50 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def tp_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
-    """parallelize_module's plan for a GPT: each block's attention split by heads, its MLP by hidden units."""
+def tp_plan(config: GPTConfig, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """parallelize_module's plan for a GPT: each block's attention split by heads, its MLP by hidden units.
+
+    sequence_parallel (Korthikanti et al. 2022; torchtitan's plan): between the blocks' tensor-parallel halves
+    each tp rank holds its slice of the sequence, and the norms run on that slice (SequenceParallel: their
+    weights' gradients are partial sums, which zerodp sums over tp). The sequence is cut before the first block,
+    gathered before each half (PrepareModuleInput) and reduce-scattered after it (Rowwise to Shard(1)); ln_f's
+    slices are gathered again for the tied head, which every tp rank holds whole (parallelize)."""
     plan: dict[str, ParallelStyle] = {}
+    if sequence_parallel:
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                              use_local_output=True)
+        plan["ln_f"] = SequenceParallel()
+    to_slices = {"output_layouts": Shard(1)} if sequence_parallel else {}
     for i in range(config.n_layer):
         plan[f"blocks.{i}.attn.c_attn"] = FusedColwiseParallel(parts=3)
-        plan[f"blocks.{i}.attn.c_proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.attn.c_proj"] = RowwiseParallel(**to_slices)
         plan[f"blocks.{i}.mlp.c_fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.c_proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.c_proj"] = RowwiseParallel(**to_slices)
+        if sequence_parallel:
+            for half, norm in (("attn", "ln_1"), ("mlp", "ln_2")):
+                plan[f"blocks.{i}.{norm}"] = SequenceParallel()
+                plan[f"blocks.{i}.{half}"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
     return plan
 
 
-def check_tp(config: GPTConfig, tp: int) -> None:
-    """A GPT splits over `tp` ranks when its heads and its width do (n_head and n_embd divisible by tp).
-    Raises a ValueError naming the sizes otherwise (no collective: call it on every rank first)."""
+def check_tp(config: GPTConfig, tp: int, sequence_parallel: bool = False) -> None:
+    """A GPT splits over `tp` ranks when its heads and its width do (n_head and n_embd divisible by tp), and
+    with sequence parallelism its sequence (block_size). Raises a ValueError naming the sizes otherwise (no
+    collective: call it on every rank first)."""
     if config.n_head % tp or config.n_embd % tp:
         raise ValueError(f"tensor parallelism {tp} splits attention by heads: n_head={config.n_head} and "
                          f"n_embd={config.n_embd} must be divisible by it; choose a tp that divides both")
+    if sequence_parallel and config.block_size % tp:
+        raise ValueError(f"sequence parallelism over {tp} ranks splits the sequence: block_size={config.block_size} "
+                         "must be divisible by it")
 
 
-def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+def parallelize(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> GPT:
     """Split `model` over the tensor-parallel mesh `tp_mesh` (1-D, e.g. mesh["tp"]) by tp_plan, in place;
     returns it. Without it, or with tp 1, the model computes the same values."""
-    check_tp(model.config, tp_mesh.size())
-    return parallelize_module(model, tp_mesh, tp_plan(model.config))
+    check_tp(model.config, tp_mesh.size(), sequence_parallel)
+    parallelize_module(model, tp_mesh, tp_plan(model.config, sequence_parallel))
+    if sequence_parallel:  # after SequenceParallel's own output hook: ln_f's slices joined, as a plain tensor
+        parallelize_module(model, tp_mesh, {"ln_f": PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)})
+    return model

@@ -208,11 +208,14 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
 
     zero = ZeroConfig(stage=3, stage3_param_persistence_threshold=persistence)
     units = find_units(model, zero.stage3_unit)
-    buckets = [b for g in layout([[p for p in model.parameters() if p.requires_grad]], units, shard or world, zero)
-               for b in g.buckets]
+    # the engine's layout: the trained group, then the frozen one (gathered, never reduced)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    groups = layout([[p for p in model.parameters() if p.requires_grad]] + ([frozen] if frozen else []), units,
+                    shard or world, zero)
+    trained, buckets = groups[0].buckets, [b for g in groups for b in g.buckets]
     last = max((u for u, used in enumerate(units.uses) if used and u != units.outer), default=None)
     kept = kept_last(last, [] if last is None else unit_buckets(units, buckets)[last], zero.stage3_prefetch_bucket_size)
-    return Job(sum(b.numel for b in buckets), world, stage, shard or world, element_size, len(buckets), gas, per_node,
+    return Job(sum(b.numel for b in trained), world, stage, shard or world, element_size, len(trained), gas, per_node,
                planned_gathers(units, buckets, kept), params=params)
 
 

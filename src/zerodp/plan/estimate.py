@@ -25,6 +25,7 @@ import argparse
 import importlib
 import sys
 
+from zerodp.models.sizes import SIZES  # torch-free
 from zerodp.plan.units import parse_bytes
 
 DEFAULT_BUCKET = 50_000_000  # config.REDUCE_BUCKET_SIZE, here torch-free for --help (a test holds them equal)
@@ -35,7 +36,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # models.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
 SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel",
-                                    "zerodp.plan.optimizer_shares")
+                                    "zerodp.plan.optimizer_shares", "zerodp.plan.finetune")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Per-rank memory of a model at any world size: the ZeRO formula (device and host), reduce "
         "buckets, and a training step's peak measured as rank 0 of N on fake tensors (any size, in "
         "seconds). --fit: the largest micro-batch and the largest model of the family within a budget."))
-    ap.add_argument("--model", help="a GPT size (tiny, small, 125M ... 13B; default 125M), a JSON file of "
+    ap.add_argument("--model", help=f"a GPT size ({', '.join(SIZES)}; default 125M), a JSON file of "
                     "GPTConfig fields, a Hugging Face folder or config.json, or module:factory (a function "
                     "returning an nn.Module, or (module, inputs) with module(*inputs) the loss)")
     ap.add_argument("--world", type=int, nargs="+", default=[1, 8, 64], help="ranks N (default 1 8 64)")
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
 def _check(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None:
     """Flags that cannot go together fail here, before anything is built."""
     from zerodp.plan import tensor_parallel
-    tensor_parallel.check(ap, args)
+    tensor_parallel.check(ap, args, model.shape())
     if args.measure is None:
         args.measure = "none" if args.tp > 1 else "fake"
     if args.loss_chunk is not None:

@@ -124,13 +124,14 @@ class PlanModel:
 
     # ---- shape, for the activation estimate and --fit ----------------------------------------
     def shape(self) -> SimpleNamespace | None:
-        """n_layer, n_embd, vocab_size, block_size; None for a factory (its shape is unknown)."""
+        """n_layer, n_embd, n_head, vocab_size, block_size; None for a factory (its shape is unknown)."""
         f = self.fields
         if self.kind == "gpt":
-            return SimpleNamespace(**{k: f[k] for k in ("n_layer", "n_embd", "vocab_size", "block_size")})
+            return SimpleNamespace(**{k: f[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")})
         if self.kind == "hf":
             get = lambda keys, default=None: next((f[k] for k in keys if k in f), default)  # noqa: E731
-            return SimpleNamespace(n_layer=get(_HF_DEPTH), n_embd=hidden_size(f), vocab_size=f.get("vocab_size"),
+            return SimpleNamespace(n_layer=get(_HF_DEPTH), n_embd=hidden_size(f), n_head=get(_HF_HEADS),
+                                   vocab_size=f.get("vocab_size"),
                                    block_size=get(("max_position_embeddings", "n_positions"), 1024))
         return None
 

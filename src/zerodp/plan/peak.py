@@ -231,7 +231,8 @@ def _zerodp_engine(spec: dict[str, Any], device: torch.device):
 def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
     """Each tensor the engine holds, under its column; the reducer's buffers as it makes them."""
     tracker.track_external(engine.module)
-    for g in engine.layout.groups:
+    frozen = [engine.layout.frozen] if engine.layout.frozen is not None else []  # stage 3's frozen shards
+    for g in engine.layout.groups + frozen:
         if g.data is not None:
             tracker.label(g.data, Ref.PARAM)
         for b in g.buckets if engine.stage == 3 else ():

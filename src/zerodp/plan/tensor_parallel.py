@@ -18,10 +18,14 @@ Ranks fill nodes tp-first (rank = d·T + t), as torchtitan's and Megatron's mesh
 inside a node when T <= GPUs per node, and each data-parallel group crosses nodes.
 
 Beside each plan, tensor parallelism alone (Megatron without ZeRO: stage 0, 16Ψ/T of model states) at
-the same T and at the smallest power-of-two T whose model states fit --gpu-memory: the seed's 10x
-was ZeRO letting T stay inside a node where tensor parallelism alone must cross nodes.
+the same T and at the smallest T whose model states and activations fit --gpu-memory: the seed's 10x
+was ZeRO letting T stay inside a node where tensor parallelism alone must cross nodes. T splits the
+attention heads (as `zerodp train --tp` and Megatron do), so only the divisors of the model's heads
+are tried (powers of two for a model of unknown shape); a T that does not divide N plans on the
+largest multiple of T below N, and the table says how many GPUs that leaves idle.
 
-zerodp does not yet train a tensor-parallel model, so nothing here is measured: these are the formulas.
+These are formulas, not measurements: zerodp trains a tensor-parallel model (`zerodp train --tp`,
+`zerodp.initialize(device_mesh=...)`), but estimate's measured step runs a model without tp.
 """
 
 from __future__ import annotations
@@ -78,14 +82,22 @@ def plan(psi: int, shape, world: int, tp: int, stage: int, dtype: str = "bf16", 
     return TensorParallelPlan(world, tp, stage, states, acts, tp_bytes or 0.0, zero, tp <= gpus_per_node)
 
 
+def tp_sizes(shape, world: int, limit: int = 4096) -> list[int]:
+    """The tensor-parallel sizes a model can be split into on `world` GPUs, ascending: the divisors of its
+    attention heads (a head is never split), or the powers of two up to `limit` when its heads are unknown;
+    at most `world` either way."""
+    heads = getattr(shape, "n_head", None)
+    if heads:
+        return [t for t in range(1, min(heads, world) + 1) if heads % t == 0]
+    return [2**k for k in range(limit.bit_length()) if 2**k <= min(limit, world)]
+
+
 def smallest_fitting_tp(psi: int, shape, world: int, gpu_memory: int, limit: int = 4096, **kw) -> int | None:
-    """The smallest power of two T at which tensor parallelism alone (stage 0) fits `gpu_memory` on
-    `world` GPUs (model states and activations); None below `limit`."""
-    tp = 1
-    while tp <= limit:
-        if plan(psi, shape, max(world // tp, 1) * tp, tp, 0, **kw).total <= gpu_memory:
+    """The smallest T of tp_sizes at which tensor parallelism alone (stage 0) fits `gpu_memory` on the
+    largest multiple of T within `world` GPUs (model states and activations); None if none does."""
+    for tp in tp_sizes(shape, world, limit):
+        if plan(psi, shape, world // tp * tp, tp, 0, **kw).total <= gpu_memory:
             return tp
-        tp *= 2
     return None
 
 
@@ -94,13 +106,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("tensor parallelism (--tp)")
     g.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel degree: each GPU holds 1/T of every weight matrix and ZeRO partitions it "
-                        "over the N/T data-parallel ranks (formulas: zerodp does not train tp models yet)")
+                        "over the N/T data-parallel ranks; T must divide the model's attention heads (planned "
+                        "from formulas; `zerodp train --tp` trains this way)")
     g.add_argument("--gpu-memory", type=parse_bytes, default=SEED_GPU_MEMORY, metavar="BYTES",
                    help="per-GPU memory the --tp table checks against (default 32GiB, the seed's V100)")
 
 
-def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--tp's flags, before anything is built."""
+def check(ap: argparse.ArgumentParser, args: argparse.Namespace, shape=None) -> None:
+    """--tp's flags, before anything is built (shape: the model's, PlanModel.shape(), or None)."""
     if args.tp < 1:
         ap.error("--tp must be at least 1")
     if args.tp == 1:
@@ -109,9 +122,13 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if bad:
         ap.error(f"--tp {args.tp} must divide every --world (not {', '.join(map(str, bad))}): "
                  "N GPUs are N/T data-parallel ranks x T tensor-parallel ones")
+    heads = getattr(shape, "n_head", None)
+    if heads and heads % args.tp:
+        ap.error(f"--tp {args.tp} does not divide the model's {heads} attention heads, which tensor parallelism "
+                 f"splits whole; use one of {', '.join(map(str, tp_sizes(shape, heads)[1:]))}")
     if args.measure in ("fake", "real"):
-        ap.error(f"--measure {args.measure} runs zerodp's step, which does not train a tensor-parallel model yet; "
-                 "--tp plans from the formulas (leave --measure out, or --measure none)")
+        ap.error(f"--measure {args.measure} measures zerodp's step on a model without tensor parallelism; --tp plans "
+                 "from the formulas (leave --measure out, or --measure none)")
     for flag, given in (("--fit", args.fit is not None), ("--offload-optimizer", args.offload_optimizer),
                         ("--offload-param", args.offload_param), ("--fsdp2", args.fsdp2), ("--plain", args.plain),
                         ("--comm", args.comm)):
@@ -149,12 +166,11 @@ def table(args: argparse.Namespace, plan_model):
     for col in ("N", "setup", "D x T", "model\nstates", "activ-\nations", "total", "fits", "tp\nsends", "tp\nlink",
                 "tp\ntime", "ZeRO\nsends", "ZeRO\ntime"):
         t.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+    notes = []
     for world in args.world:
         rows = [(f"zerodp {s}", plan(psi, shape, world, args.tp, s, **kw)) for s in args.stage]
         rows.append(("tp alone", plan(psi, shape, world, args.tp, 0, **kw)))
-        fit = smallest_fitting_tp(psi, shape, world, args.gpu_memory, **kw)
-        if fit is not None and fit != args.tp:  # on the largest world it divides, at most N (at least T)
-            rows.append(("tp alone", plan(psi, shape, max(world // fit, 1) * fit, fit, 0, **kw)))
+        rows += _tp_alone_rows(psi, shape, world, args, notes, **kw)
         for name, p in rows:
             tp_speed = links.speed("intra" if p.tp_inside_node else "inter")[0]
             t.add_row(str(p.world), name, f"{p.dp} x {p.tp}", _size(p.model_states),
@@ -163,7 +179,29 @@ def table(args: argparse.Namespace, plan_model):
                       _size(p.tp_bytes), "NVLink" if p.tp_inside_node else "IB",
                       f"{p.tp_bytes / tp_speed:.2f}s", _size(p.zero_bytes),
                       f"{p.zero_bytes / links.speed('inter')[0]:.2f}s")
+    t.caption += "".join(f"\n{n}" for n in notes)
     return t
+
+
+def _tp_alone_rows(psi: int, shape, world: int, args: argparse.Namespace, notes: list[str], **kw) -> list:
+    """Tensor parallelism alone at the smallest T that fits (tp_sizes), or, when none does, at the largest
+    T the model splits into, with a note saying so; a T that does not divide N is planned on fewer GPUs:
+    the row's N and its note say how many."""
+    fit = smallest_fitting_tp(psi, shape, world, args.gpu_memory, **kw)
+    heads = getattr(shape, "n_head", None)
+    if fit is None:
+        fit = tp_sizes(shape, world)[-1]
+        split = f"that divides its {heads} attention heads" if heads else "(a power of two)"
+        notes.append(f"On {world} GPUs tensor parallelism alone fits {human(args.gpu_memory)} at no T {split}; "
+                     f"the largest, T = {fit}, is shown.")
+    if fit == args.tp:
+        return []
+    used = world // fit * fit
+    if used == world:
+        return [("tp alone", plan(psi, shape, world, fit, 0, **kw))]
+    notes.append(f"N = {used}: {world} GPUs are not a multiple of T = {fit}; tensor parallelism alone runs on {used} "
+                 f"of them ({used // fit} x {fit}) and leaves {world - used} idle.")
+    return [("tp alone", plan(psi, shape, used, fit, 0, **kw))]
 
 
 def _size(n: float) -> str:

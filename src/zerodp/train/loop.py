@@ -36,9 +36,9 @@ from zerodp.train.ds_sections import optimizer_and_schedule
 from zerodp.train.options import ds_config
 from zerodp.train.report import (
     Metrics,
+    bar_text,
     gather_memory,
     make_report,
-    memory_text,
     progress_bar,
 )
 
@@ -168,10 +168,8 @@ def train(opts: argparse.Namespace) -> int:
             save(job)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(refresh=False, s=f"loss {loss:.3f} val {val_loss:.3f} "
-                                f"{job.tokens_per_step / dt:,.0f} tok/s "
-                                f"lr {engine.get_lr()[0]:.2e} scale {engine.loss_scale:g} "
-                                f"mem/rank {memory_text(memory)}")
+            bar.set_postfix_str(refresh=False, s=bar_text(loss, job.log.last_val_loss, job.tokens_per_step / dt,
+                                                          engine.get_lr()[0], engine.loss_scale, memory))
         if stopping:
             return stopped(job, bar, stopping)
         crash_point(opts, step, job.rank, "step")
@@ -193,7 +191,7 @@ def set_up(opts: argparse.Namespace) -> Job:
     if device is not None and not any(p.is_meta for p in model.parameters()):
         model.to(device)  # a model built on meta holds nothing to move: initialize fills it on the device
     n_params = sum(p.numel() for p in model.parameters())
-    mesh = tensor_parallel(model, opts.tp)
+    mesh = tensor_parallel(model, opts.tp, opts.sequence_parallel)
     # The data is split over the data-parallel ranks only: a dp rank's tp ranks read the same rows.
     dp_rank, dp = (mesh.get_local_rank("dp"), mesh.size(0)) if mesh is not None else (rank, world)
     hf = hf_description(model, opts.model)
@@ -220,14 +218,15 @@ def set_up(opts: argparse.Namespace) -> Job:
     return job
 
 
-def tensor_parallel(model: torch.nn.Module, tp: int) -> DeviceMesh | None:
+def tensor_parallel(model: torch.nn.Module, tp: int, sequence_parallel: bool = False) -> DeviceMesh | None:
     """With --tp N > 1: the (dp, tp) mesh of every rank, tp ranks adjacent (within a node, as Megatron places
-    them), and the GPT split over its "tp" dimension; None without tensor parallelism."""
+    them), and the GPT split over its "tp" dimension (with --sequence-parallel, its norms on sequence slices);
+    None without tensor parallelism."""
     if tp == 1:
         return None
     world = dist.get_world_size()
     mesh = init_device_mesh(accelerator_type() or "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh["tp"])
+    parallelize(model, mesh["tp"], sequence_parallel)
     return mesh
 
 

@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
     eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
-    resume_from=None, seed=1337, nproc=None, tp=1, ds_config=None, timeout=600.0, save_on_signal=True,
+    resume_from=None, seed=1337, nproc=None, tp=1, sequence_parallel=False, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
 # Fault injection for the tests, not for --config.
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
     p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
-    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>)")
+    p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, -tp<N> added with --tp N)")
     p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
                    "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
@@ -77,10 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
-    p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
-                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
-                   "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
-                   "tensor-parallel")
+    add_parallel_options(p)
     p.add_argument("--ds-config", help="a DeepSpeed-style JSON config; its batch, precision, "
                    "clipping and zero settings fill the options not given here")
     p.add_argument("--timeout", type=float, help="seconds a collective may wait for a stalled or dead "
@@ -93,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the default), skip: go on (the config's non_finite section)")
     add_fault_options(p)
     return p
+
+
+def add_parallel_options(p: argparse.ArgumentParser) -> None:
+    """--tp and --sequence-parallel: the GPT split over tensor-parallel ranks, ZeRO over the rest."""
+    p.add_argument("--tp", type=int, help="tensor parallelism: each GPT block's attention heads and MLP split "
+                   "over N ranks (Megatron's layout, torch's parallelize_module), ZeRO over the world / N "
+                   "data-parallel ranks (default 1: none); e.g. --tp 2 --nproc 4 is 2 data-parallel x 2 "
+                   "tensor-parallel")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="with --tp: sequence parallelism for the GPT's norms (each tp rank normalises its slice of "
+                   "the sequence and keeps only that slice's activations between the blocks' halves)")
 
 
 def add_fault_options(p: argparse.ArgumentParser) -> None:
@@ -124,10 +132,17 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if accelerators else "fp32"
     if opts["out"] is None:
-        name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
-        opts["out"] = os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}")
+        opts["out"] = default_out(opts)
     _check(opts)
     return argparse.Namespace(**opts)
+
+
+def default_out(opts: dict[str, Any]) -> str:
+    """runs/<model>-zero<stage>, and -tp<N> for a tensor-parallel job: the README's `--tp 2 --nproc 4` must
+    not replace the main job's checkpoints (resume.py refuses a default folder another job wrote)."""
+    name = os.path.basename(os.path.normpath(opts["model"]))  # a model folder: its name
+    tp = f"-tp{opts['tp']}" if opts["tp"] != 1 else ""
+    return os.path.join("runs", f"{name.replace(':', '-')}-zero{opts['stage']}{tp}")
 
 
 def _read_options_file(path: str) -> dict[str, Any]:
@@ -222,7 +237,12 @@ def _check(o: dict[str, Any]) -> None:
 def _check_tp(o: dict[str, Any]) -> None:
     """--tp: what the tensor-parallel job supports, refused here with the reason (every rank parses alike)."""
     tp, world = o["tp"], int(os.environ.get("WORLD_SIZE", o["nproc"]))
+    if not isinstance(o["sequence_parallel"], bool):
+        raise SystemExit(f"zerodp train: sequence_parallel {o['sequence_parallel']!r}: expected true or false")
     if tp == 1:
+        if o["sequence_parallel"]:
+            raise SystemExit("zerodp train: --sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                             "give --tp N with N > 1 too")
         return
     if world % tp:
         raise SystemExit(f"zerodp train: --tp {tp} does not divide the {world} rank(s) (--nproc or torchrun's "
@@ -236,6 +256,10 @@ def _check_tp(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --tp {tp}: --model {o['model']} has n_head={shape['n_head']} and "
                          f"n_embd={shape['n_embd']}, which tensor parallelism splits by heads; use a --tp that "
                          "divides both")
+    block = o["block_size"] or shape["block_size"]
+    if o["sequence_parallel"] and block % tp:
+        raise SystemExit(f"zerodp train: --sequence-parallel with --tp {tp}: the sequence ({block} tokens, "
+                         f"--block-size) must be divisible by {tp}")
     if o["stage"] == 0:  # the engine's too: tensor parallelism needs ZeRO's one step over the whole world
         raise SystemExit(f"zerodp train: --tp {tp}: --stage 0 is not supported with tensor parallelism; use "
                          "--stage 1, 2 or 3, or --tp 1")

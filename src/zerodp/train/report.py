@@ -29,7 +29,8 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
     else:  # no allocator statistics on the CPU: the formula of zerodp.engine.memory
         # --tp splits each block's activations; the GPT's head is whole on every tp rank (models/gpt.py).
         parts["activations_estimate"] = activation_estimate(shape, opts.micro_batch, shape.block_size,
-                                                            opts.dtype, tp=opts.tp, vocab_parallel=False)
+                                                            opts.dtype, tp=opts.tp, vocab_parallel=False,
+                                                            sequence_parallel=opts.sequence_parallel)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, parts)
     return gathered
@@ -54,23 +55,40 @@ def progress_bar(rank: int, start: int, total: int):
                 mininterval=0.5 if tty else 15.0)
 
 
+def bar_text(loss: float, val_loss: float | None, tokens_per_s: float, lr: float, scale: float,
+             memory: list[dict[str, int]]) -> str:
+    """The progress bar's postfix; the validation loss only once there is one (none before the first
+    evaluation, or ever with --eval-every 0)."""
+    val = f" val {val_loss:.3f}" if val_loss is not None else ""
+    return (f"loss {loss:.3f}{val} {tokens_per_s:,.0f} tok/s lr {lr:.2e} scale {scale:g} "
+            f"mem/rank {memory_text(memory)}")
+
+
 class Metrics:
     """JSON lines in OUT/metrics.jsonl, written by rank 0. A resumed run first drops the lines
     after its checkpoint's step, which the run that crashed had logged but not kept."""
 
     def __init__(self, path: Path, rank: int, keep_until: int):
         self.path, self.rank = path, rank
+        self.last_val_loss: float | None = None  # rank 0: the newest "eval" record's, a resumed run's included
         if rank != 0:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = [line for line in _read_lines(path) if line["step"] <= keep_until] if keep_until else []
         path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        for line in kept:
+            self._remember(line)
 
     def write(self, **record: Any) -> None:
         if self.rank == 0:
             record["time"] = time.time()
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self._remember(record)
+
+    def _remember(self, record: dict[str, Any]) -> None:
+        if record.get("kind") == "eval":
+            self.last_val_loss = record["val_loss"]
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:

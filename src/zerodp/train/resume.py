@@ -29,6 +29,7 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
     --resume (this run's checkpoints) comes first; --resume-from DIR is taken when it finds none."""
     opts.resume_path = None
     if not opts.resume:
+        refuse_another_jobs_folder(opts)
         _choose_resume_from(opts, world)
         return
     ckpt_dir = Path(opts.out) / "checkpoints"
@@ -47,6 +48,34 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
     opts.resume_path = path
     keep_global_batch(opts, manifest, world)
     continue_schedule(opts, manifest, path)
+
+
+# What makes a run another job: the default --out names the model, stage and tp; these are the rest a
+# fresh run into the same default folder must share with the run whose checkpoints it would replace.
+JOB_KEYS = ("model", "data", "stage", "tp", "dtype", "offload", "block_size")
+
+
+def refuse_another_jobs_folder(opts: argparse.Namespace) -> None:
+    """A fresh run (no --resume) into a default --out whose latest checkpoint another job wrote (other
+    JOB_KEYS) stops, naming the difference: it would replace that job's checkpoints, metrics and final.pt.
+    The same job again replaces them (with the warning of loop.announce); an explicit --out is the user's."""
+    if "out" in opts.explicit:
+        return
+    ckpt_dir = Path(opts.out) / "checkpoints"
+    if not (ckpt_dir / LATEST).exists():
+        return
+    try:
+        _, manifest = resolve(ckpt_dir)
+    except CheckpointError:
+        return  # unreadable: whose it is cannot be told; the warning at start-up still names the folder
+    saved = (manifest.get("client_state") or {}).get("options") or {}
+    differ = [k for k in JOB_KEYS if k in saved and saved[k] != getattr(opts, k)]
+    if differ:
+        theirs = ", ".join(f"{k} {saved[k]!r}" for k in differ)
+        ours = ", ".join(f"{k} {getattr(opts, k)!r}" for k in differ)
+        raise SystemExit(f"zerodp train: '{opts.out}' holds the checkpoints of another job ({theirs}; this one: "
+                         f"{ours}), which this run would replace; pass --out DIR for this job, or --resume to "
+                         "continue that one with these settings")
 
 
 def continue_schedule(opts: argparse.Namespace, manifest: dict, path: str) -> None:

@@ -3,9 +3,10 @@ model built on `meta` or a weights source, from a ParameterSource that is asked 
 this rank keeps (stage 3: its shard of each bucket; stages 0-2: the whole working bucket, whose shard
 starts the fp32 master). One bucket at a time: no rank ever holds the whole model, in any precision.
 
-Parameters outside the flat buffers (frozen ones) and buffers are small next to the model and are kept
-whole on every rank, as for a model built whole: frozen parameters from the source, buffers from their
-modules' initialisers (initialisers.ModuleInit).
+Stage 3's frozen parameters are in flat buffers of their own (layout.Layout.frozen), filled like the
+trained ones. Parameters outside the flat buffers (frozen ones below stage 3) and buffers are kept whole
+on every rank, as for a model built whole: frozen parameters from the source, buffers from their modules'
+initialisers (initialisers.ModuleInit).
 """
 
 from __future__ import annotations
@@ -109,21 +110,24 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
 
 
 def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype: torch.dtype,
-         device: torch.device, sharded: bool, host_shards: bool, pin: bool) -> list[torch.Tensor]:
+         device: torch.device, sharded: bool, host_shards: bool, pin: bool,
+         frozen: FlatGroup | None = None) -> list[torch.Tensor]:
     """Materialise every group's flat buffer bucket by bucket; returns this rank's fp32 shard of each
-    bucket (the masters start from these): fresh tensors, or, in fp32 with the shards on the device,
-    views of the working shards themselves (the fp32 master is the working shard; no second copy)."""
+    trained bucket (the masters start from these): fresh tensors, or, in fp32 with the shards on the
+    device, views of the working shards themselves (the fp32 master is the working shard; no second copy).
+    `frozen` (stage 3's frozen parameters) is filled the same way last; it has no master."""
     names = {id(p): n for n, p in filling.module.named_parameters()}
     shards: list[torch.Tensor] = []
     fresh = dtype != torch.float32 or host_shards
-    for g in layout:
+    for g in layout + ([frozen] if frozen is not None else []):
+        trained = g is not frozen
         for b in g.buckets:
             for s in b.slots:
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
                     swap_tensors(s.param, _parameter(s.param, torch.empty(0, dtype=dtype, device=device)))
-        g.allocate(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh else None),
-                      rank, sharded=sharded, host_shards=host_shards, pin=pin)
-        if not fresh:
+        g.allocate(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh and trained else None),
+                   rank, sharded=sharded, host_shards=host_shards, pin=pin)
+        if not fresh and trained:
             shards += [b.owned for b in g.buckets]
     if filling.inits is not None:
         filling.inits.finish(advance=filling.source is filling.inits)

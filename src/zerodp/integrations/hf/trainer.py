@@ -87,8 +87,19 @@ class ZeroTrainer(Trainer):
     checkpoint, from which `train(resume_from_checkpoint=...)` resumes.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that puts another Trainer subclass first in its bases (`class T(SFTTrainer, ZeroTrainer)`)
+        would hand zero_config= to that class's __init__, which does not take it: such a subclass gets an
+        __init__ that sets zerodp's keywords aside before the chain of __init__s runs."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        first_init = next(c for c in mro if "__init__" in c.__dict__)
+        if not issubclass(first_init, ZeroTrainer):
+            cls.__init__ = _setting_zero_keywords_aside(first_init.__init__)
+
     def __init__(self, *args: Any, zero_config: dict[str, Any] | str | os.PathLike[str] | None = None,
                  weights: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        zero_config, weights = self.__dict__.pop("_zero_keywords", (zero_config, weights))
         missing = [m for m in _SEAMS if not hasattr(Trainer, m)]
         if missing:
             raise ImportError(f"ZeroTrainer needs a transformers whose Trainer has {', '.join(missing)} (the "
@@ -231,6 +242,17 @@ class ZeroTrainer(Trainer):
         # The sharded zerodp checkpoint (masters, optimizer, scheduler, loss scale, counters) in
         # output_dir/global_stepN with output_dir/latest, where DeepSpeed's would be.
         self.engine.save_checkpoint(output_dir)
+
+
+def _setting_zero_keywords_aside(init):
+    """`init` (the first base's __init__) called without zero_config= and weights=, which ZeroTrainer.__init__,
+    reached later in the chain, takes from the instance instead."""
+
+    def __init__(self, *args: Any, zero_config=None, weights=None, **kwargs: Any) -> None:
+        self._zero_keywords = (zero_config, weights)
+        init(self, *args, **kwargs)
+
+    return __init__
 
 
 class EngineModule(nn.Module):

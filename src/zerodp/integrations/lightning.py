@@ -1,0 +1,428 @@
+"""Lightning on zerodp: `ZeroStrategy` for `lightning.Trainer`, `ZeroFabricStrategy` for `lightning.Fabric`.
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy({"zero_optimization": {"stage": 2}}))
+    fabric = lightning.Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy({"zero_optimization": {"stage": 2}}))
+
+or by name: strategy="zerodp" (stage 2), "zerodp_stage_1" / "_2" / "_3", "zerodp_stage_2_offload",
+"zerodp_stage_3_offload" (both registries). Both strategies are Lightning's DDP strategies (process launch,
+process group, sampler, reduce / barrier for `self.log(sync_dist=True)`) with zerodp in place of DDP, as Lightning's
+DeepSpeed strategy is; the config is what `zerodp.initialize` takes. What Lightning owns and zerodp takes over:
+  precision          "32-true", "bf16-mixed", "16-mixed" become the config's fp32 / bf16 / fp16 (zerodp's
+                     low-precision weights with fp32 masters, as Lightning's DeepSpeed strategy maps them); any
+                     other precision is refused by name (zerodp has no equivalent)
+  accumulation       Trainer(accumulate_grad_batches=k) is the config's gradient_accumulation_steps; Lightning's
+                     loop still picks the boundaries and divides the loss by k, the engine sums the k backwards
+  clipping           gradient_clip_val is the config's gradient_clipping (norm; "value" refused): the engine
+                     clips inside step() on its sharded gradients, so clip hooks see no per-parameter gradients
+  optimizer / lr     configure_optimizers' one optimizer is rewired by zerodp.initialize onto this rank's master
+                     shards; its lr scheduler stays Lightning's (stepped by Lightning's loop, as under DeepSpeed)
+  configure_model    runs under torch.device("meta"): each rank materialises only its share in initialize
+  checkpoints        a checkpoint "file" (ModelCheckpoint, trainer.save_checkpoint, Fabric.save) is a directory:
+                     zerodp's sharded checkpoint, resumable on another number of ranks, plus Lightning's own
+                     state (loops, callbacks, schedulers) written by rank 0 as lightning_state.pt
+  validate / test / predict  through the engine after fit (stage 3 gathers per unit); on their own, the module
+                     runs whole on every rank (zerodp has no frozen-only engine yet)
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
+
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+import zerodp
+from zerodp.config import ConfigError
+from zerodp.config.schema import read_config_file
+from zerodp.engine.engine import Engine
+
+STATE_FILE = "lightning_state.pt"  # Lightning's own part of a checkpoint directory, beside zerodp's shards
+# Lightning's precision names that zerodp runs exactly: its config sections (fp32 has none).
+_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+_NAMED = {"zerodp": {"stage": 2}, "zerodp_stage_1": {"stage": 1}, "zerodp_stage_2": {"stage": 2},
+          "zerodp_stage_3": {"stage": 3},
+          "zerodp_stage_2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+          "zerodp_stage_3_offload": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                     "offload_param": {"device": "cpu"}}}
+
+
+# ---- shared by both strategies -------------------------------------------------------------------------
+def _config_dict(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        return read_config_file(config)
+    if not isinstance(config, dict):
+        raise TypeError(f"ZeroStrategy's config is a dict or a JSON file path, not {type(config).__name__}")
+    return dict(config)
+
+
+def _set(config: dict[str, Any], key: str, value: Any, source: str) -> None:
+    """config[key] = value, or an error when the config already says otherwise."""
+    if key in config and config[key] != value:
+        raise ConfigError(f"the zerodp config has {key}={config[key]!r} but {source} says {value!r}; "
+                          f"give it in one place")
+    config[key] = value
+
+
+def _precision_sections(config: dict[str, Any], precision: str) -> None:
+    """Lightning's precision flag as the config's fp16 / bf16 section, or a refusal naming it."""
+    if precision not in _PRECISIONS:
+        raise ConfigError(f"precision={precision!r} has no exact zerodp equivalent; ZeroStrategy runs "
+                          f"{', '.join(repr(p) for p in _PRECISIONS)} (the last two as the config's bf16 / fp16 "
+                          "sections: low-precision weights with fp32 masters)")
+    wanted = _PRECISIONS[precision]
+    for section in ("bf16", "fp16"):
+        enabled = bool(config.get(section, {}).get("enabled", False))
+        if enabled and section != wanted:
+            raise ConfigError(f"the zerodp config enables {section} but Lightning's precision is {precision!r}; "
+                              f"pass precision={'bf16-mixed' if section == 'bf16' else '16-mixed'!r} or drop the section")
+    if wanted is not None:
+        config[wanted] = {**config.get(wanted, {}), "enabled": True}
+
+
+class EngineModule(nn.Module):
+    """What Lightning calls the strategy's `model`: forwards go through the engine (input casts, stage 3's
+    gathers), so Lightning's forward redirection runs training_step / validation_step inside it."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+
+class ZeroOptimizer:
+    """The optimizer Lightning holds: step() is the engine's step (reduce, clip, update, gather); the real
+    optimizer's state lives sharded in the engine and is saved in zerodp's checkpoint, not Lightning's."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.state: dict = {}  # nothing for Lightning to move between devices (offload keeps its place)
+        self.defaults = getattr(engine.optimizer, "defaults", {})
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        result = closure() if closure is not None else None
+        self.engine.step()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()  # gradients live in the engine's buffers, cleared by step()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError("ZeroOptimizer's state is restored from zerodp's sharded checkpoint, not a state dict")
+
+
+def _save_dir(engine: Engine, path: str, state: dict[str, Any]) -> None:
+    """zerodp's sharded checkpoint in `path` (a directory), Lightning's own state beside it (rank 0)."""
+    engine.save_checkpoint(os.fspath(path), tag="checkpoint")
+    if engine.global_rank == 0:
+        torch.save(state, os.path.join(path, STATE_FILE))
+    torch.distributed.barrier()
+
+
+def _load_dir(engine: Engine, path: str, optimizer_states: bool) -> dict[str, Any]:
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, STATE_FILE)):
+        raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint (a directory with zerodp's shards and "
+                                f"{STATE_FILE})")
+    engine.load_checkpoint(os.fspath(path), optimizer_states=optimizer_states)
+    return torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+
+
+# ---- lightning.Trainer --------------------------------------------------------------------------------
+class ZeroPrecision(Precision):
+    """Lightning's precision plugin under ZeroStrategy: no autocast or scaler (the engine owns the dtype and
+    the fp16 loss scale); backward and the optimizer step are the engine's."""
+
+    def __init__(self, strategy: ZeroStrategy, precision: str) -> None:
+        self.strategy = strategy
+        self.precision = precision
+
+    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
+        engine = self.strategy.engine
+        # Lightning divided the loss by accumulate_grad_batches already; the engine divides by its
+        # gradient_accumulation_steps (the same k) again.
+        engine.backward(tensor * engine.gas)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        result = closure()
+        self._after_closure(model, optimizer)
+        if result is None and getattr(model, "automatic_optimization", False):
+            raise ValueError("training_step returned None: ZeroStrategy cannot skip a step (every rank's engine "
+                             "steps together); return a loss")
+        self.strategy.engine.step()
+        return result
+
+    def clip_gradients(self, optimizer, clip_val: float = 0.0, gradient_clip_algorithm=None) -> None:
+        pass  # the engine clips inside step() at the config's gradient_clipping (gradient_clip_val)
+
+
+class ZeroStrategy(DDPStrategy):
+    """Lightning's DDP strategy with zerodp's engine in place of DistributedDataParallel (stages 0-3, offload).
+
+    config: a zerodp / DeepSpeed-style config (dict or JSON path), as zerodp.initialize takes it; the batch
+    sizes, gradient_accumulation_steps, gradient_clipping and the precision come from the Trainer."""
+
+    strategy_name = "zerodp"
+
+    def __init__(self, config: dict[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config = _config_dict(config)
+        self.engine: Engine | None = None
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """configure_model / Trainer.init_module build on meta for fit (each rank materialises its share in
+        zerodp.initialize); for validate / test / predict on their own, whole on the device as under DDP."""
+        trainer = getattr(self._lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"):
+            yield
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        if not isinstance(self.precision_plugin, ZeroPrecision):
+            self.precision_plugin = ZeroPrecision(self, str(self.precision_plugin.precision))
+        module = self.lightning_module
+        if self.engine is not None and self.engine.module is module:
+            self.model = EngineModule(self.engine)
+        elif trainer.state.fn == TrainerFn.FITTING:
+            self.engine = self._build_engine(trainer, module)
+            self.model = EngineModule(self.engine)
+        else:
+            if any(p.is_meta for p in module.parameters()):
+                raise ValueError(f"trainer.{trainer.state.fn.value}() before fit() on a model built on meta "
+                                 "(configure_model): ZeroStrategy materialises it only when it trains")
+            self.model = module.to(self.root_device)  # whole on every rank: no frozen-only engine yet
+        self.barrier()
+
+    def _build_engine(self, trainer, module: nn.Module) -> Engine:
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        if len(optimizers) != 1 or len(schedulers) > 1:
+            raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers and {len(schedulers)} "
+                             "schedulers; ZeroStrategy trains one optimizer with at most one scheduler")
+        engine = zerodp.initialize(module, optimizers[0], self._config_for(trainer),
+                                   process_group=torch.distributed.group.WORLD)
+        self.optimizers = [ZeroOptimizer(engine)]
+        self.lr_scheduler_configs = schedulers  # stepped by Lightning's loop on the rewired optimizer
+        return engine
+
+    def _config_for(self, trainer) -> dict[str, Any]:
+        config = dict(self.config)
+        if getattr(trainer, "gradient_clip_algorithm", "norm") == "value" and trainer.gradient_clip_val:
+            raise ValueError("gradient_clip_algorithm='value' is not supported by ZeroStrategy: the engine clips "
+                             "the global norm of its sharded gradients; use gradient_clip_algorithm='norm'")
+        _set(config, "gradient_accumulation_steps", trainer.accumulate_grad_batches, "accumulate_grad_batches")
+        if trainer.gradient_clip_val:
+            _set(config, "gradient_clipping", float(trainer.gradient_clip_val), "gradient_clip_val")
+        if "train_batch_size" not in config:
+            config.setdefault("train_micro_batch_size_per_gpu", _micro_batch(trainer))
+        _precision_sections(config, self.precision_plugin.precision)
+        return config
+
+    def teardown(self) -> None:
+        # Lightning's own teardown moves the module to the CPU: its parameters are views into the engine's
+        # buffers, which stay where the engine placed them (validate / test / predict after fit use them).
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        yield  # each backward reduces into the engine's accumulators; it steps after k of them
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the weights are in zerodp's sharded checkpoint
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self.engine is None:
+            raise RuntimeError("ZeroStrategy saves a checkpoint of its engine, which fit() builds")
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        _save_dir(self.engine, os.fspath(filepath), state)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine loads its shards, so it must exist first
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.engine is None:
+            raise RuntimeError("ZeroStrategy loads checkpoints into its engine, which fit() builds")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return _load_dir(self.engine, os.fspath(checkpoint_path), optimizer_states=fitting)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded by the engine in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, zero in _NAMED.items():
+            strategy_registry.register(name, cls, description=f"zerodp {zero}", config={"zero_optimization": zero})
+
+
+def _micro_batch(trainer) -> int:
+    """The train dataloader's batch size (what Lightning's DeepSpeed strategy reads), else 1; zerodp
+    uses it only to report, the loop is Lightning's."""
+    source = trainer.fit_loop._data_source
+    if source.instance is not None and source.is_defined():
+        loader = source.dataloader()
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    return 1
+
+
+# ---- lightning.Fabric ---------------------------------------------------------------------------------
+class _EngineBackwardSync(_BackwardSyncControl):
+    """fabric.no_backward_sync: stages 0-1 defer the reduction (engine.no_sync); stages 2-3 reduce-scatter each
+    backward into the shard's accumulator, which sums the same gradients."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        engine = getattr(module, "engine", None)
+        if not enabled or engine is None or engine.stage >= 2:
+            return nullcontext()
+        return engine.no_sync()
+
+
+class ZeroFabricStrategy(FabricDDPStrategy):
+    """Lightning Fabric's DDP strategy with zerodp's engine in place of DistributedDataParallel.
+
+    config: as zerodp.initialize takes it; Fabric's precision maps onto it as for ZeroStrategy. The engine is
+    built when the optimizer is set up (fabric.setup(model, optimizer), or setup_module then setup_optimizers)."""
+
+    def __init__(self, config: dict[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config = _config_dict(config)
+        self.engine: Engine | None = None
+        self._module: nn.Module | None = None
+        self._backward_sync_control = _EngineBackwardSync()
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
+        if len(optimizers) != 1:
+            raise ValueError(f"ZeroFabricStrategy trains one optimizer, got {len(optimizers)}")
+        wrapped = self.setup_module(module)
+        return wrapped, [self.setup_optimizer(optimizers[0])], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._module = module
+        return _LazyEngineModule(self, module)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer):
+        if self._module is None or self.engine is not None:
+            raise RuntimeError("ZeroFabricStrategy builds one engine: set up one module, then its optimizer")
+        config = dict(self.config)
+        if "train_batch_size" not in config:
+            config.setdefault("train_micro_batch_size_per_gpu", 1)
+        _precision_sections(config, str(self.precision.precision))
+        self.precision = FabricPrecision()  # no autocast / casts: the engine owns the dtype
+        self.engine = zerodp.initialize(self._module, optimizer, config, process_group=torch.distributed.group.WORLD)
+        return ZeroOptimizer(self.engine)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # the engine places its shares
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self._engine("backward").backward(tensor)
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True):
+        engine = self._engine("clip_gradients")
+        if float(max_norm) != engine.config.gradient_clipping or float(norm_type) != 2.0:
+            raise ValueError(f"the engine clips the 2-norm inside optimizer.step() at the config's gradient_clipping "
+                             f"({engine.config.gradient_clipping}); fabric.clip_gradients(max_norm={max_norm}) must "
+                             "match it (set gradient_clipping in the zerodp config)")
+        return None
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        raise ValueError("clipping gradients by value is not supported by ZeroFabricStrategy: the engine clips "
+                         "the global norm (the config's gradient_clipping)")
+
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict | None = None) -> None:
+        rest = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, ZeroOptimizer))}
+        _save_dir(self._engine("save"), os.fspath(path), {k: _plain(v) for k, v in rest.items()})
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
+        saved = _load_dir(self._engine("load"), os.fspath(path), optimizer_states=True)
+        if state is None or isinstance(state, nn.Module):
+            return saved
+        for key, value in list(saved.items()):
+            if key in state and hasattr(state[key], "load_state_dict"):
+                state[key].load_state_dict(value)
+            elif key in state:
+                state[key] = value
+            else:
+                continue
+            saved.pop(key)
+        return saved
+
+    def _engine(self, what: str) -> Engine:
+        if self.engine is None:
+            raise RuntimeError(f"fabric.{what}() before the optimizer is set up: ZeroFabricStrategy builds its "
+                               "engine in fabric.setup(model, optimizer) or fabric.setup_optimizers(...)")
+        return self.engine
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, zero in _NAMED.items():
+            strategy_registry.register(name, cls, description=f"zerodp {zero}", config={"zero_optimization": zero})
+
+
+def _plain(value: Any) -> Any:
+    return value.state_dict() if hasattr(value, "state_dict") and not isinstance(value, dict) else value
+
+
+class _LazyEngineModule(nn.Module):
+    """Fabric's module before and after its optimizer is set up: calls go through the engine once built."""
+
+    def __init__(self, strategy: ZeroFabricStrategy, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._strategy = [strategy]  # in a list: not a submodule
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._strategy[0].engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._strategy[0]._engine("forward")(*args, **kwargs)
+
+
+for _registry, _cls in ((StrategyRegistry, ZeroStrategy), (FABRIC_REGISTRY, ZeroFabricStrategy)):
+    if "zerodp" not in _registry:
+        _cls.register_strategies(_registry)

@@ -1,0 +1,143 @@
+"""TRL's trainers on zerodp: `ZeroSFTTrainer`, `ZeroDPOTrainer`, `ZeroGRPOTrainer`, and `ZeroTRLMixin` for any
+other TRL trainer (every one is a `transformers.Trainer`, so `ZeroTrainer` does the data-parallel part).
+
+    from zerodp.integrations.trl import ZeroSFTTrainer as SFTTrainer   # the one line a TRL script changes
+
+The config comes as `zero_config=` or, in a script that passes none, from the file the environment variable
+ZERODP_CONFIG names, as for `ZeroTrainer`. What TRL does outside the Trainer's seams, and zerodp answers here:
+  reading the policy's weights  TRL gathers them only under DeepSpeed ZeRO-3 (it asks Accelerate), and
+                                otherwise reads `param.data`, which zerodp's stage 3 leaves empty between
+                                forwards. `sync_ref_model` (SyncRefModelCallback) and GRPO's generation run
+                                inside `engine.gathered_parameters()` (every stage; a no-op below 3).
+  the reference model (DPO, GRPO with beta > 0)  TRL keeps it outside the Trainer (Accelerate places it,
+                                zerodp never sees it): every rank holds it whole, at every stage. It passes
+                                through `reference_model`, the one place that will shard it at stage 3 as a
+                                frozen-only engine once zerodp can build one; a line on rank 0 says it is whole.
+  refused at set-up             what would read the policy's weights through another path: vLLM generation,
+                                DPO's generate_during_eval, GRPO's ds3_gather_for_generation=False at stage 3.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import transformers
+from torch import nn
+from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
+
+from zerodp.integrations.hf.trainer import ZeroTrainer
+
+_trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
+
+# TRL arguments whose code path reads or writes the policy's weights around the engine.
+_REFUSED = {
+    "use_vllm": "vLLM generation reads the policy's weights outside the engine; zerodp's TRL trainers generate "
+                "with transformers (use_vllm=False)",
+    "generate_during_eval": "DPO's evaluation-time generation reads the policy outside the engine; leave it False",
+}
+
+# TRL trainer methods that generate with the policy (through unwrap_model_for_generation).
+_GENERATING = ("_generate_single_turn",)
+
+
+class ZeroTRLMixin(ZeroTrainer):
+    """zerodp's part of a TRL trainer: `class ZeroKTOTrainer(ZeroTRLMixin, KTOTrainer)` (either base order)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        refused = [f"{type(self.args).__name__}.{k} is not supported by {type(self).__name__}: {why}"
+                   for k, why in _REFUSED.items() if getattr(self.args, k, False)]
+        if refused:
+            raise ValueError("\n".join(refused))
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
+        # Here rather than in __init__: with TRL's class first in the bases, its __init__ sets the reference
+        # model and callbacks up after ZeroTrainer's has returned.
+        for callback in list(self.callback_handler.callbacks):
+            if type(callback) is SyncRefModelCallback:  # TRL's, which copies param.data as it finds it
+                self.callback_handler.remove_callback(callback)
+                self.add_callback(GatheredSyncRefModel(self))
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = reference_model(self.ref_model, self.engine.stage, self.args)
+        if self.engine.stage == 3 and getattr(self.args, "ds3_gather_for_generation", True) is False:
+            raise ValueError("ds3_gather_for_generation=False would generate from stage 3's partitioned parameters "
+                             "unit by unit; zerodp gathers the policy whole for generation: leave it True")
+        return prepared
+
+    @contextmanager
+    def whole_policy(self) -> Iterator[nn.Module]:
+        """The policy with whole parameters (stage 3 gathers them; collective: every rank enters), seen by TRL's
+        `unwrap_model_for_generation` as the plain module it generates with."""
+        if self.engine is None:  # before train(): the model is TRL's own
+            yield self.model
+            return
+        wrapped = self.model_wrapped
+        self.model_wrapped = self.model
+        try:
+            with self.engine.gathered_parameters():
+                yield self.model
+        finally:
+            self.model_wrapped = wrapped
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """TRL's generation (GRPO's, RLOO's `_generate_single_turn`) runs inside `whole_policy`, whichever base
+        comes first: the subclass gets a wrapper of the method its bases define."""
+        super().__init_subclass__(**kwargs)
+        for name in _GENERATING:
+            method = next((c.__dict__[name] for c in cls.__mro__ if name in c.__dict__), None)
+            if method is not None and not getattr(method, "gathers_policy", False):
+                setattr(cls, name, _on_whole_policy(method))
+
+
+def _on_whole_policy(method):
+    def run(self, *args: Any, **kwargs: Any):
+        # transformers' generate on the policy's whole weights, as TRL does under DeepSpeed ZeRO-3.
+        with self.whole_policy():
+            return method(self, *args, **kwargs)
+
+    run.gathers_policy = True
+    return functools.wraps(method)(run)
+
+
+class GatheredSyncRefModel(SyncRefModelCallback):
+    """TRL's `sync_ref_model` (ref <- (1 - alpha) ref + alpha policy every ref_model_sync_steps) on the policy's
+    whole weights: gathered on every rank, since every rank holds the reference whole."""
+
+    def __init__(self, trainer: ZeroTRLMixin) -> None:
+        super().__init__(ref_model=trainer.ref_model, accelerator=None)
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step % args.ref_model_sync_steps:
+            return
+        with self.trainer.whole_policy() as policy:
+            self._sync_target_model(policy, self.trainer.ref_model, args.ref_model_mixup_alpha)
+
+
+def reference_model(model: nn.Module, stage: int, args: transformers.TrainingArguments) -> nn.Module:
+    """The frozen reference model as the trainer keeps it: whole on every rank (placed by Accelerate), at
+    every stage. The one place to shard it at stage 3 (a frozen-only zerodp engine) once zerodp can build one;
+    until then stage 3 says so on rank 0, as a warning (the policy is sharded, the reference is not)."""
+    if args.process_index == 0:
+        count = sum(p.numel() for p in model.parameters())
+        say = _trainer_log.warning if stage == 3 else _trainer_log.info
+        say("zerodp: the reference model (%d parameters) is whole on every rank, not sharded at ZeRO stage %d "
+            "(zerodp cannot yet shard a model it does not train)", count, stage)
+    return model
+
+
+class ZeroSFTTrainer(ZeroTRLMixin, SFTTrainer):
+    """TRL's SFTTrainer with zerodp doing the data parallelism (`zero_config=` or ZERODP_CONFIG)."""
+
+
+class ZeroDPOTrainer(ZeroTRLMixin, DPOTrainer):
+    """TRL's DPOTrainer with zerodp doing the data parallelism; the reference model is whole on every rank."""
+
+
+class ZeroGRPOTrainer(ZeroTRLMixin, GRPOTrainer):
+    """TRL's GRPOTrainer with zerodp doing the data parallelism; generation (transformers', no vLLM) on the
+    policy's gathered weights."""

@@ -1,0 +1,242 @@
+"""Fine-tunes of a frozen base at stage 3, which shards the base too (issue 32):
+  * PEFT as people use it: a tiny Hugging Face Llama wrapped by peft.get_peft_model(model, LoraConfig(...))
+    trains on 2 ranks as on one process; `save_pretrained` of the PEFT model writes adapter files that
+    PeftModel.from_pretrained loads to the trained logits; a checkpoint resumes on 1 rank;
+  * a frozen reference model as a zerodp engine of its own (no optimizer: forward only) beside a trained
+    policy, with a DPO loss written here: equal to one process; through zerodp.deepspeed too, as TRL builds it.
+One 2-rank launch runs every case; the references run in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerodp
+from spawn import run_ranks
+
+peft = pytest.importorskip("peft")  # the `test` extra pins it
+transformers = pytest.importorskip("transformers")
+
+MICRO, STEPS, SAVE_AT, SEQ, BETA = 2, 4, 2, 12, 0.1
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def llama(seed: int = 0):
+    """tests/hf_tiny.py's Llama (untied head), built from its config."""
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+def lora_model(seed: int = 0):
+    model = peft.get_peft_model(llama(seed), peft.LoraConfig(**LORA))
+    torch.manual_seed(seed + 100)  # LoRA's B starts at zero: give it values, so that the base matters at once
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
+
+
+def batches(world: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 300, (world * MICRO, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def config(world: int, stage: int = 3) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2 // world,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+PROBE = torch.arange(SEQ).view(1, SEQ) * 7 % 300
+
+
+# ---- on the ranks ---------------------------------------------------------------------------------
+def _lora_run(rank: int, world: int, work: str) -> dict:
+    model = lora_model()
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # (empty at stage 3 after)
+    engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(world))
+    losses = []
+    for step, ids in enumerate(batches()):
+        ids = ids[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if step + 1 == SAVE_AT:
+            engine.save_checkpoint(os.path.join(work, "ckpt"))
+    model.save_pretrained(os.path.join(work, "adapter"), is_main_process=rank == 0)  # every rank: it gathers
+    with torch.no_grad():
+        logits = engine(input_ids=PROBE).logits
+    return {"losses": losses, "state": engine.full_state_dict(), "logits": logits,
+            "frozen_bytes": engine.memory_report()["frozen_params"], "base_numel": base}
+
+
+def _lora_resume(rank: int, world: int, work: str) -> dict:
+    """One rank, other initial weights (the base too), from the 2-rank checkpoint to the end."""
+    model = lora_model(seed=1)
+    engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(world))
+    engine.load_checkpoint(os.path.join(work, "ckpt"))
+    for ids in batches()[SAVE_AT:]:
+        for k in range(2):  # the 2 ranks' micro-batches, accumulated
+            part = ids[k * MICRO:(k + 1) * MICRO]
+            engine.backward(engine(input_ids=part, labels=part).loss)
+            engine.step()
+    return {"state": engine.full_state_dict()}
+
+
+def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed log-probability of its own tokens."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+def dpo_loss(policy, reference, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023), chosen and rejected in one forward as TRL's concatenated_forward."""
+    both = torch.cat([chosen, rejected])
+    with torch.no_grad():
+        ref_c, ref_r = log_probs(reference, both).chunk(2)
+    pol_c, pol_r = log_probs(policy, both).chunk(2)
+    return -F.logsigmoid(BETA * ((pol_c - ref_c) - (pol_r - ref_r))).mean()
+
+
+def _dpo_run(rank: int, world: int) -> dict:
+    policy, reference = llama(), llama().requires_grad_(False)
+    engine = zerodp.initialize(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3), config(world))
+    ref = zerodp.initialize(reference, None, {"zero_optimization": {"stage": 3,
+                                                                     "stage3_param_persistence_threshold": 0}})
+    losses, data = [], batches()
+    for step in range(STEPS - 1):
+        chosen, rejected = (d[rank * MICRO:(rank + 1) * MICRO] for d in (data[step], data[step + 1]))
+        loss = dpo_loss(engine, ref, chosen, rejected)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    refused = []
+    for call in (lambda: ref.backward(loss), ref.step):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e))
+    # TRL's reference model: deepspeed.initialize(model=..., config=...), no optimizer, requires_grad left on
+    import zerodp.deepspeed as deepspeed
+    ds_ref, optimizer, _, _ = deepspeed.initialize(model=llama(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3}})
+    with torch.no_grad():
+        ds_logits, ref_logits = ds_ref(input_ids=PROBE).logits, ref(input_ids=PROBE).logits
+    return {"losses": losses, "state": engine.full_state_dict(), "refused": refused,
+            "frozen_bytes": ref.memory_report()["frozen_params"], "ds_optimizer": optimizer,
+            "ds_ids": all(hasattr(p, "ds_id") for p in ds_ref.module.parameters()),
+            "ds_logits": ds_logits, "ref_logits": ref_logits}
+
+
+def _jobs(rank: int, world: int, work: str) -> dict:
+    return {"lora": _lora_run(rank, world, work), "dpo": _dpo_run(rank, world)}
+
+
+@functools.cache
+def work() -> str:
+    path = tempfile.mkdtemp(prefix="zerodp-peft-")
+    import atexit
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@functools.cache
+def runs() -> list[dict]:
+    return run_ranks(_jobs, 2, work())
+
+
+# ---- one process ------------------------------------------------------------------------------------
+@functools.cache
+def lora_reference() -> dict:
+    model = lora_model()
+    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
+    losses = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _close(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_peft_lora_trains_at_stage3_on_2_ranks_as_on_one_process_with_the_base_sharded():
+    ours, ref = runs(), lora_reference()
+    per_step = [sum(r["lora"]["losses"][s] for r in ours) / 2 for s in range(STEPS)]
+    assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
+    _close(ours[0]["lora"]["state"], ref["state"])
+    base = ours[0]["lora"]["base_numel"]
+    for r in ours:  # each rank holds half of the frozen base (fp32), plus alignment padding
+        assert base * 4 / 2 <= r["lora"]["frozen_bytes"] < base * 4 / 2 * 1.1
+
+
+def test_peft_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_trained_logits():
+    ours = runs()[0]["lora"]
+    loaded = peft.PeftModel.from_pretrained(llama(), os.path.join(work(), "adapter"))
+    with torch.no_grad():
+        logits = loaded(input_ids=PROBE).logits
+    torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
+    untrained = lora_model()(input_ids=PROBE).logits.detach()
+    assert (untrained - logits).abs().max() > 1e-3, "training must have changed the adapter's logits"
+
+
+def test_peft_lora_stage3_checkpoint_resumes_on_one_rank_base_included():
+    runs()
+    resumed = run_ranks(_lora_resume, 1, work())[0]
+    _close(resumed["state"], runs()[0]["lora"]["state"])
+
+
+@functools.cache
+def dpo_reference() -> dict:
+    policy, reference = llama(), llama().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    losses, data = [], batches()
+    for step in range(STEPS - 1):
+        loss = dpo_loss(policy, reference, data[step], data[step + 1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in policy.state_dict().items()}}
+
+
+def test_dpo_with_a_frozen_reference_engine_beside_the_policy_equals_one_process():
+    ours, ref = runs(), dpo_reference()
+    per_step = [sum(r["dpo"]["losses"][s] for r in ours) / 2 for s in range(STEPS - 1)]
+    assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
+    _close(ours[0]["dpo"]["state"], ref["state"])
+    numel = sum(p.numel() for p in llama().parameters())
+    for r in ours:  # the reference model is sharded too: half of it on each rank
+        assert numel * 4 / 2 <= r["dpo"]["frozen_bytes"] < numel * 4 / 2 * 1.1
+
+
+def test_a_reference_engine_refuses_backward_and_step_by_name():
+    for r in runs():
+        assert len(r["dpo"]["refused"]) == 2
+        assert all("nothing to train" in m and "forward only" in m for m in r["dpo"]["refused"])
+
+
+def test_trl_style_deepspeed_initialize_without_optimizer_gives_a_sharded_reference_engine():
+    for r in runs():
+        assert r["dpo"]["ds_optimizer"] is None and r["dpo"]["ds_ids"]
+        torch.testing.assert_close(r["dpo"]["ds_logits"], r["dpo"]["ref_logits"], rtol=0, atol=0)
