@@ -187,8 +187,10 @@ OPTIMIZER_CASES["optim_row_norm"] = Case(optimizer=lambda m: RowNormSGD(_trained
 # whole parameters with parameters unused on some steps, and tied ones
 OPTIMIZER_CASES["optim_Adafactor_unused"] = Case(model={"unused": True}, optimizer=TORCH_OPTIMIZERS["Adafactor"])
 OPTIMIZER_CASES["optim_row_norm_tied"] = Case(model={"tied": True}, optimizer=lambda m: RowNormSGD(_trained(m)))
+# Muon's whole matrices and AdamW's flat shards beside a frozen parameter (stage 3's frozen group, never whole)
+OPTIMIZER_CASES["optim_Muon_frozen"] = Case(model={"frozen": True}, optimizer=muon_and_adamw)
 WHOLE_PARAMETER_CASES = {f"optim_{n}" for n in WHOLE_PARAMETER_OPTIMIZERS} | {
-    "optim_row_norm", "optim_Adafactor_unused", "optim_row_norm_tied"}
+    "optim_row_norm", "optim_Adafactor_unused", "optim_row_norm_tied", "optim_Muon_frozen"}
 
 
 def case_named(name: str) -> Case:
