@@ -97,6 +97,66 @@ def tiny_group(model):
     return torch.optim.AdamW([{"params": rest}, {"params": small, "lr": LR * 2}], lr=LR, weight_decay=0.1)
 
 
+def _trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+class RowNormSGD(torch.optim.Optimizer):
+    """A user's shape-aware optimizer: each row of a matrix (a vector: the whole) moves by its gradient over
+    a running average of that row's gradient norm, kept as state of shape (rows,). On a flat shard its
+    rows would be other rows."""
+
+    def __init__(self, params, lr=LR, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.reshape(p.shape[0], -1) if p.dim() > 1 else p.grad.reshape(1, -1)
+                state = self.state[p]
+                norms = g.norm(dim=1)
+                if "row_norm" not in state:
+                    state["row_norm"] = norms.clone()
+                state["row_norm"].mul_(group["beta"]).add_(norms, alpha=1 - group["beta"])
+                p.sub_((g / (state["row_norm"][:, None] + 1e-3)).view_as(p), alpha=group["lr"])
+
+
+def muon_and_adamw(model):
+    """Muon as people run it: the hidden matrices; AdamW for the rest (here the first and last layers'
+    weights, the norm and the biases)."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and p.requires_grad
+              and not n.startswith(("inp.", "out."))]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in _trained(model) if id(p) not in ids]
+    return [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
+
+
+# Every optimizer class of torch.optim (test_engine checks that none is missing), built on the Toy: None for
+# the classes zerodp refuses at initialize (their step couples every parameter, or needs sparse gradients).
+TORCH_OPTIMIZERS: dict[str, Callable | None] = {
+    "Adam": lambda m: torch.optim.Adam(_trained(m), lr=LR),
+    "AdamW": one_group,
+    "SGD": lambda m: torch.optim.SGD(_trained(m), lr=LR * 10, momentum=0.9, nesterov=True),
+    "Adagrad": lambda m: torch.optim.Adagrad(_trained(m), lr=LR * 10),
+    "Adadelta": lambda m: torch.optim.Adadelta(_trained(m), lr=1.0),
+    "RMSprop": lambda m: torch.optim.RMSprop(_trained(m), lr=LR, momentum=0.5, eps=1e-4),  # not 1e-8: v is tiny early
+    "Adamax": lambda m: torch.optim.Adamax(_trained(m), lr=LR),
+    "NAdam": lambda m: torch.optim.NAdam(_trained(m), lr=LR),
+    "RAdam": lambda m: torch.optim.RAdam(_trained(m), lr=LR),
+    "ASGD": lambda m: torch.optim.ASGD(_trained(m), lr=LR * 10, t0=2),
+    "Rprop": lambda m: torch.optim.Rprop(_trained(m), lr=LR),
+    "Adafactor": lambda m: torch.optim.Adafactor(_trained(m), lr=LR * 10),
+    "Muon": muon_and_adamw,
+    "LBFGS": None,
+    "SparseAdam": None,
+}
+# Shape-aware: stepped on whole parameters (the rest step flat shards, as AdamW does in every case above).
+WHOLE_PARAMETER_OPTIMIZERS = ("Adafactor", "Muon")
+
+
 @dataclass
 class Case:
     model: dict = field(default_factory=dict)
@@ -121,6 +181,20 @@ CASES = {
     "used_by_parent": Case(model={"parent": True}),
     "fused_adamw": Case(optimizer=fused),
 }
+# One case per optimizer: "optim_{name}" (tests/test_engine.py runs them in the same launch).
+OPTIMIZER_CASES = {f"optim_{name}": Case(optimizer=make) for name, make in TORCH_OPTIMIZERS.items() if make}
+OPTIMIZER_CASES["optim_row_norm"] = Case(optimizer=lambda m: RowNormSGD(_trained(m)))
+# whole parameters with parameters unused on some steps, and tied ones
+OPTIMIZER_CASES["optim_Adafactor_unused"] = Case(model={"unused": True}, optimizer=TORCH_OPTIMIZERS["Adafactor"])
+OPTIMIZER_CASES["optim_row_norm_tied"] = Case(model={"tied": True}, optimizer=lambda m: RowNormSGD(_trained(m)))
+# Muon's whole matrices and AdamW's flat shards beside a frozen parameter (stage 3's frozen group, never whole)
+OPTIMIZER_CASES["optim_Muon_frozen"] = Case(model={"frozen": True}, optimizer=muon_and_adamw)
+WHOLE_PARAMETER_CASES = {f"optim_{n}" for n in WHOLE_PARAMETER_OPTIMIZERS} | {
+    "optim_row_norm", "optim_Adafactor_unused", "optim_row_norm_tied", "optim_Muon_frozen"}
+
+
+def case_named(name: str) -> Case:
+    return CASES[name] if name in CASES else OPTIMIZER_CASES[name]
 
 
 def batches(world: int, gas: int, seed: int = 0):
@@ -157,7 +231,7 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
                  seed: int = 0, meta: bool = False, **zero) -> dict:
     """Train one case on this rank; returns the gathered fp32 weights and the step norms. meta: the model
     is built on the meta device, each rank's random state seeded differently (rank 0's must be used)."""
-    case = CASES[name]
+    case = case_named(name)
     model = build(case, seed=seed + rank)  # different init per rank: the engine must broadcast rank 0's
     if meta:
         torch.manual_seed(seed + rank)
@@ -187,9 +261,10 @@ def train_reference(name: str, world: int, seed: int = 0, step_unused: bool = Fa
     """Plain PyTorch, one process, the full batch of all ranks and micro-steps at once. A parameter
     with no gradient is not stepped, as in PyTorch; `step_unused` gives it a zero gradient instead
     (DeepSpeed's behaviour, zero_optimization.step_unused_parameters)."""
-    case = CASES[name]
+    case = case_named(name)
     model = build(case, seed=seed)
-    opt = case.optimizer(model)
+    opts = case.optimizer(model)
+    opts = opts if isinstance(opts, list) else [opts]  # Muon + AdamW: each steps its own parameters
     norms = []
     for step, micro in enumerate(batches(world, case.gas, seed)):
         model.use_sometimes = step % 2 == 1
@@ -204,8 +279,9 @@ def train_reference(name: str, world: int, seed: int = 0, step_unused: bool = Fa
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip)))
         else:
             norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return {"state": {k: v.float() for k, v in model.state_dict().items()}, "norms": norms}
 
 
@@ -279,6 +355,18 @@ def mismatched_models(rank: int, world: int) -> str:
     model = Toy(hidden=37 if rank == 0 else 38)
     try:
         zerodp.initialize(model, one_group(model), config_for(Case(), 2, world))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def refused_optimizer(rank: int, world: int, name: str) -> str:
+    """initialize with an optimizer zerodp refuses: every rank must raise, naming it, before any collective."""
+    model = build(Case())
+    params = _trained(model)
+    optimizer = torch.optim.LBFGS(params) if name == "LBFGS" else getattr(torch.optim, name)(params)
+    try:
+        zerodp.initialize(model, optimizer, config_for(Case(), 2, world))
     except ValueError as e:
         return str(e)
     return "no error"

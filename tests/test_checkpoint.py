@@ -64,11 +64,13 @@ class WithExtra(oracle.Toy):
 
 
 def make_engine(world: int, stage: int, dtype: str = "fp32", seed: int = 0, model_kw: dict | None = None,
-                offload: bool = False):
+                offload: bool = False, optimizer: str | None = None):
+    """optimizer: a name of oracle.TORCH_OPTIMIZERS (default: AdamW in two groups)."""
     torch.manual_seed(seed)
     kw = dict(model_kw or {})
     model = (WithExtra if kw.pop("extra", False) else oracle.Toy)(**kw)
-    return zerodp.initialize(model, oracle.two_groups(model), config(world, stage, dtype, offload))
+    built = oracle.two_groups(model) if optimizer is None else oracle.TORCH_OPTIMIZERS[optimizer](model)
+    return zerodp.initialize(model, built, config(world, stage, dtype, offload))
 
 
 def train(engine, rank: int, world: int, steps: range) -> None:
@@ -100,9 +102,9 @@ def working_params(engine) -> dict[str, torch.Tensor]:
 
 
 def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False,
-             model_kw: dict | None = None) -> dict:
+             optimizer: str | None = None, model_kw: dict | None = None) -> dict:
     """Train SAVE_AT steps, save, train on to STEPS: the snapshot at the save and at the end."""
-    engine = make_engine(world, stage, dtype, offload=offload, model_kw=model_kw)
+    engine = make_engine(world, stage, dtype, offload=offload, optimizer=optimizer, model_kw=model_kw)
     train(engine, rank, world, range(SAVE_AT))
     engine.save_checkpoint(path, client_state={"data": {"step": SAVE_AT, "rank": rank}})
     at_save = {**snapshot(engine), "rng": rng_draws()}
@@ -111,9 +113,9 @@ def save_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", 
 
 
 def resume_run(rank: int, world: int, stage: int, path: str, dtype: str = "fp32", offload: bool = False,
-               model_kw: dict | None = None) -> dict:
+               optimizer: str | None = None, model_kw: dict | None = None) -> dict:
     """A fresh engine (other initial weights, the frozen ones too) loads the checkpoint and trains on to STEPS."""
-    engine = make_engine(world, stage, dtype, seed=1, offload=offload, model_kw=model_kw)
+    engine = make_engine(world, stage, dtype, seed=1, offload=offload, optimizer=optimizer, model_kw=model_kw)
     client = engine.load_checkpoint(path)
     loaded = {**snapshot(engine), "rng": rng_draws()}
     train(engine, rank, world, range(SAVE_AT, STEPS))
@@ -186,11 +188,11 @@ def world_of_one():
 @functools.cache
 def runs() -> dict:
     """{world: {job key: [result per rank]}}, run once in dependency order: 4 -> 1 -> 2."""
-    out = {4: _by_key(run_ranks(run_jobs, 4, [("save", "s2", 2, ckpt("w4"))]))}
+    out = {4: _by_key(run_ranks(run_jobs, 4, [("save", "s2", 2, ckpt("w4")), *WHOLE_SAVES]))}
     with world_of_one():
         out[1] = _by_key([run_jobs(0, 1, [("resume", "from4", 2, ckpt("w4")),
-                                          ("save", "s1", 1, ckpt("w1")),
-                                          ("save", "s1frozen", 1, ckpt("w1f"), "fp32", False, FROZEN)])])
+                                          ("save", "s1", 1, ckpt("w1")), *WHOLE_RESUMES[1],
+                                          ("save", "s1frozen", 1, ckpt("w1f"), "fp32", False, None, FROZEN)])])
     out[2] = _by_key(run_ranks(run_jobs, 2, [
         ("resume", "from4", 2, ckpt("w4")), ("resume", "from1", 1, ckpt("w1")),
         ("save", "stage2", 2, ckpt("st2")), ("resume", "2to0", 0, ckpt("st2")),
@@ -200,14 +202,24 @@ def runs() -> dict:
         ("resume", "offloadto3", 3, ckpt("off")),
         ("save", "bf16_save", 2, ckpt("bf16"), "bf16"), ("resume", "bf16_resume", 1, ckpt("bf16"), "bf16"),
         ("save", "fp16_save", 1, ckpt("fp16"), "fp16"), ("resume", "fp16_resume", 2, ckpt("fp16"), "fp16"),
-        ("wrong", "wrong", 2, ckpt("w4")), ("fixture", "fixture", ckpt("fixture")),
+        ("wrong", "wrong", 2, ckpt("w4")), ("fixture", "fixture", ckpt("fixture")), *WHOLE_RESUMES[2],
         # stage 3 saves its frozen parameters' shards once (frozen/ pieces); below it they are saved whole
-        ("save", "stage3frozen", 3, ckpt("st3f"), "fp32", False, FROZEN),
-        ("resume", "3fto3", 3, ckpt("st3f"), "fp32", False, FROZEN),
-        ("resume", "3fto1", 1, ckpt("st3f"), "fp32", False, FROZEN),
-        ("resume", "1fto3", 3, ckpt("w1f"), "fp32", False, FROZEN),
+        ("save", "stage3frozen", 3, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "3fto3", 3, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "3fto1", 1, ckpt("st3f"), "fp32", False, None, FROZEN),
+        ("resume", "1fto3", 3, ckpt("w1f"), "fp32", False, None, FROZEN),
     ]))
     return out
+
+
+# Optimizers that step whole parameters (their state in the parameter's shape, or Adafactor's row and column
+# factors, or a user's per-row state), saved on 4 ranks and resumed on 1 and 2, at other stages.
+WHOLE_SAVES = [("save", "Muon", 2, ckpt("muon"), "fp32", False, "Muon"),
+               ("save", "Adafactor", 3, ckpt("adafactor"), "fp32", False, "Adafactor")]
+WHOLE_RESUMES = {1: [("resume", "Muon_to1", 1, ckpt("muon"), "fp32", False, "Muon"),
+                     ("resume", "Adafactor_to1", 0, ckpt("adafactor"), "fp32", False, "Adafactor")],
+                 2: [("resume", "Muon_to2", 3, ckpt("muon"), "fp32", True, "Muon"),
+                     ("resume", "Adafactor_to2", 2, ckpt("adafactor"), "fp32", False, "Adafactor")]}
 
 
 def _by_key(per_rank: list[dict]) -> dict:
@@ -223,6 +235,7 @@ def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
                 name, _, start = key.rpartition("@")
                 parts.setdefault(name, {})[int(start)] = t
     out = {name: torch.cat([p[s] for s in sorted(p)]) for name, p in parts.items()}
+    out.update({k: t for snap in per_rank for k, t in snap["pieces"].items() if k.startswith("optim_param/")})
     out.update({k: t for k, t in per_rank[0]["pieces"].items() if k.startswith("optim_scalar/")})
     return out
 
@@ -270,6 +283,23 @@ def test_resume_restores_state_exactly_and_continues(resumed, saved):
     for r in after:  # the uninterrupted run and the resumed one end on the same weights
         assert_close(r["end"]["full"], before[0]["end"]["full"])
         assert r["end"]["lr"] == before[0]["end"]["lr"]
+
+
+@pytest.mark.parametrize("optimizer,world", [(o, w) for o in ("Muon", "Adafactor") for w in (1, 2)])
+def test_whole_parameter_optimizer_state_resumes_on_other_world_sizes(optimizer, world):
+    before, after = runs()[4][optimizer], runs()[world][f"{optimizer}_to{world}"]
+    pieces = assemble([r["at_save"] for r in before])
+    whole = {k: t.shape for k, t in pieces.items() if k.startswith("optim_param/")}
+    if optimizer == "Muon":  # the hidden matrix's momentum, in its shape; AdamW's state in flat pieces
+        assert whole == {"optim_param/momentum_buffer/mid.weight": (37, 37)}
+        assert any(k.startswith("optim/exp_avg_sq/") for k in pieces)
+    else:  # a matrix's row and column factors, a vector's full variance, each parameter's step
+        assert whole["optim_param/row_var/mid.weight"] == (37, 1) and whole["optim_param/col_var/mid.weight"] == (1, 37)
+        assert whole["optim_param/variance/mid.bias"] == (37,) and whole["optim_param/step/mid.bias"] == ()
+    assert_identical(assemble([r["loaded"] for r in after]), pieces)
+    for r in after:
+        assert_identical(r["loaded"]["full"], before[0]["at_save"]["full"])
+        assert_close(r["end"]["full"], before[0]["end"]["full"], tol=2e-4 if optimizer == "Muon" else 1e-6)
 
 
 def reseeded_draws(seed: int) -> list[float]:

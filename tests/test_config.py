@@ -315,7 +315,7 @@ def test_unknown_optimizer_lists_supported_ones():
 @pytest.mark.parametrize("name, reason", [
     ("Lamb", "DeepSpeed's own CUDA kernel"), ("OneBitAdam", "compresses DeepSpeed's gradient all-reduce"),
     ("ZeroOneAdam", "compresses"), ("OneBitLamb", "compresses"), ("Lion", "not in torch.optim"),
-    ("Muon", "flat shard"), ("MuAdam", "mup package"), ("MuAdamW", "mup package"), ("MuSGD", "mup package"),
+    ("MuAdam", "mup package"), ("MuAdamW", "mup package"), ("MuSGD", "mup package"),
     ("FusedAdam", "write \"Adam\""), ("CPUAdam", "offload_optimizer"), ("SparseAdam", "dense"),
     ("LBFGS", "closure"),
 ])
@@ -323,6 +323,29 @@ def test_deepspeed_only_optimizers_are_refused_with_reason_and_alternative(name,
     message = error_of({"optimizer": {"type": name}})
     assert f"'optimizer.type' = \"{name}\"" in message and "not supported by zerodp" in message
     assert reason in message and ("AdamW" in message or "Adam" in message or "SGD" in message)
+
+
+def test_deepspeed_muon_maps_onto_torch_muon_on_hidden_matrices_and_adamw_on_the_rest():
+    config = Config.model_validate({"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "Muon", "params": {"lr": 0.02, "momentum": 0.9, "betas": [0.9, 0.95], "adam_lr": 3e-4}}})
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 8)
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+            self.lm_head = torch.nn.Linear(8, 11, bias=False)
+
+    model = LM()
+    muon, adamw = config.optimizer.for_model(model)
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    assert muon.param_groups[0]["params"] == [model.block[0].weight]
+    assert muon.param_groups[0]["lr"] == 0.02 and muon.param_groups[0]["momentum"] == 0.9
+    assert {id(p) for p in adamw.param_groups[0]["params"]} == {
+        id(p) for p in model.parameters() if p is not model.block[0].weight}
+    assert adamw.param_groups[0]["lr"] == 3e-4 and adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    model.lm_head.weight.use_muon = True  # DeepSpeed's tag wins
+    assert len(config.optimizer.for_model(model)[0].param_groups[0]["params"]) == 2
 
 
 def test_adam_without_bias_correction_is_refused():

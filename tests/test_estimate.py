@@ -186,6 +186,30 @@ def test_fit_needs_the_larger_of_the_step_and_the_setup():
     assert setup.formula("whole", psi, 64, 3, "bf16", 0) > step > setup.formula("meta", psi, 64, 3, "bf16", 0)
 
 
+def test_optimizer_shares_of_whole_parameters_beside_one_nth(capsys):
+    """--optimizer muon: Muon's hidden matrices are owned whole (each rank's share is whole matrices), AdamW's
+    rest in flat shards; the table gives 1/N, the largest rank and its excess, as the engine lays them out."""
+    from zerodp.config.optimizer import muon_params
+    from zerodp.plan.optimizer_shares import shares
+    with torch.device("meta"):
+        model, _ = PlanModel.parse("small").build()
+    hidden, rest = (sum(p.numel() for p in ps) for ps in muon_params(model))
+    for world in (8, 64):
+        muon = shares(model, "muon", world, 2_000_000)
+        # bf16: a 4-byte master for every element, Muon's momentum (4) or AdamW's two moments (8)
+        assert sum(muon["per_rank"]) == 8 * hidden + 12 * rest
+        adamw = shares(model, "adamw", world, 2_000_000)
+        assert max(adamw["per_rank"]) - min(adamw["per_rank"]) <= 12 * 64 * world * 4  # flat: 1/N, up to padding
+        assert adamw["padding_bytes"] < muon["padding_bytes"]
+    for world, excess in ((4, 0.01), (8, 0.35)):  # 24 matrices of 0.07-0.26M: whole ones dealt to 4 and 8 ranks
+        per_rank = shares(model, "muon", world, 2_000_000)["per_rank"]
+        assert max(per_rank) <= (1 + excess) * sum(per_rank) / world
+    estimate.main(["--model", "small", "--world", "8", "--stage", "2", "--measure", "none", "--optimizer", "muon"])
+    out = capsys.readouterr().out
+    assert "Optimizer state per rank, muon (whole parameters)" in out and "excess over 1/N" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
 def test_a_fine_tune_plans_the_frozen_base_whole_below_stage_3_and_one_nth_at_stage_3(capsys):
     """--lora 4 on the tiny GPT: r x (in + out) per Linear but the head; --trainable-fraction: F x Ψ. The
     frozen base's working copy alone per rank, whole at stage 2, 1/N at stage 3 (host with --offload-param)."""

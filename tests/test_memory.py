@@ -21,13 +21,14 @@ from zerodp.engine.reducer import POOL_BUFFERS
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
 BUCKET = 2 ** 18  # elements
 RUNS = ([(world, stage, 1) for world in (8, 64) for stage in (1, 2, 3)] + [(8, 2, 2)]
-        + [(world, stage, 1, "offload") for world in (8, 64) for stage in (2, 3)])
+        + [(world, stage, 1, "offload") for world in (8, 64) for stage in (2, 3)]
+        + [(8, 2, 1, "", optimizer) for optimizer in ("Muon", "Adafactor")])
 
 
-def spec(world: int, stage: int, gas: int, offload: str = "") -> dict:
+def spec(world: int, stage: int, gas: int, offload: str = "", optimizer: str = "AdamW") -> dict:
     return {"world": world, "stage": stage, "gas": gas, "model": MODEL, "micro_batch": 2, "seq": 32,
             "dtype": "bf16", "checkpointing": False, "reduce_bucket_size": BUCKET,
-            "offload": offload == "offload"}
+            "offload": offload == "offload", "optimizer": optimizer}
 
 
 @functools.cache
@@ -75,6 +76,18 @@ def test_model_states_per_rank_match_the_formula_bf16_adam(stage, world):
     assert rep["reduce_buckets"] <= POOL_BUFFERS * bucket * 2
     assert rep["fp32_master"] == pytest.approx(4 * psi / world, rel=0.05)
     assert rep["optimizer_states"] == pytest.approx(8 * psi / world, rel=0.05)
+
+
+@pytest.mark.parametrize("optimizer", ["Muon", "Adafactor"])
+def test_whole_parameter_state_shares_are_reported_beside_one_nth(optimizer):
+    """Stepped whole, a rank's share of the states is whole parameters: reported beside 1/N, with the worst
+    rank's excess (a 3.3M GPT at N = 8: 16 hidden matrices of 0.07-0.26M and a 0.13M embedding)."""
+    rep, adamw = measured()[(8, 2, 1, "", optimizer)]["report"], measured()[(8, 2, 1)]["report"]
+    assert rep["state_bytes_this_rank"] == rep["fp32_master"] + rep["optimizer_states"]
+    assert 0 < rep["state_bytes_worst_rank_excess"] <= 0.5 * rep["state_bytes_one_nth"]
+    # Muon keeps one momentum per hidden matrix (AdamW two moments for the rest); Adafactor row and column factors
+    assert rep["optimizer_states"] < (0.8 if optimizer == "Muon" else 0.01) * adamw["optimizer_states"]
+    assert "state_bytes_this_rank" not in adamw  # flat shards: every rank holds 1/N exactly
 
 
 @pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")

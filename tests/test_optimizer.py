@@ -71,3 +71,30 @@ def test_step_in_sub_groups_is_the_same_step_with_a_smaller_fp32_copy():
         assert torch.equal(a, b)
     assert whole.memory_report()["step_transient"] == 4 * sum(numels)
     assert parts.memory_report()["step_transient"] <= 4 * max(6000, max(numels))
+
+
+def test_element_wise_optimizers_step_flat_shards_and_every_other_one_whole_parameters():
+    from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from zerodp.engine.optimizer_view import OptimizerView, view_of
+
+    flat = [getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "RMSprop", "Adamax",
+                                              "NAdam", "RAdam", "ASGD", "Rprop")] + [FusedAdam, DeepSpeedCPUAdam]
+    assert all(view_of(cls) is OptimizerView.FLAT_SHARDS for cls in flat)
+
+    class MyAdamW(torch.optim.AdamW):  # a user's subclass may change the update: whole parameters, to be safe
+        pass
+
+    class Declared(MyAdamW):
+        zerodp_element_wise = True
+
+    for cls in (torch.optim.Adafactor, torch.optim.Muon, MyAdamW):
+        assert view_of(cls) is OptimizerView.WHOLE_PARAMETERS
+    assert view_of(Declared) is OptimizerView.FLAT_SHARDS
+
+
+def test_adagrad_built_with_its_initial_state_is_rewired_with_that_state():
+    """torch's Adagrad makes its accumulators at construction (initial_accumulator_value): remade on the shards."""
+    engine = _engine(lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, initial_accumulator_value=0.25))
+    states = [engine.optimizer.state[m] for m in engine.master_shards()]
+    assert states and all(torch.equal(s["sum"], torch.full_like(s["sum"], 0.25)) for s in states)
+    assert all(float(s["step"]) == 0 for s in states)

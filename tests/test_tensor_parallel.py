@@ -201,6 +201,11 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
     out["nothing split"] = set_up_error(build(), mesh)  # a tp mesh, the model never parallelized
     out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
+    # Muon orthogonalises a whole matrix: on a tp shard it would orthogonalise a piece as if it were the matrix
+    hidden = [p for n, p in tp_model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in tp_model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
+    out["muon on tp shards"] = error_text(lambda: zerodp.initialize(
+        tp_model, [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)], config(2, 2), device_mesh=mesh))
     return out
 
 
@@ -476,6 +481,8 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         nothing = bad["nothing split"]
         assert "has 2 ranks, but no parameter of the model is split over it" in nothing, nothing
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
+        muon = bad["muon on tp shards"]
+        assert "optimizer Muon steps whole parameters" in muon and "'blocks.0.attn.q.weight' is a tensor-parallel shard" in muon, muon
 
 
 def test_mpu_setup_errors_on_every_rank_before_any_collective():

@@ -6,11 +6,11 @@ counters, loss scaler and RNG. It runs only after every rank agreed that staging
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from zerodp.checkpoint.pieces import owned_frozen_pieces, untrained
+from zerodp.checkpoint.pieces import owned_frozen_pieces, untrained, whole_parameters
 from zerodp.distributed.device import seed_everything, set_rng_state
 from zerodp.engine.flat import local
 
@@ -31,6 +31,8 @@ class Staged:
     scalars: dict[str, torch.Tensor]             # "{group}/{key}" -> 0-dim tensor
     untrained: dict[str, torch.Tensor]         # whole values by name (frozen parameters, buffers)
     rng: dict[str, torch.Tensor]
+    # a parameter stepped whole: its stored name -> its optimizer state, each tensor as saved (pieces.whole_parameters)
+    whole_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     # stage 3: this rank's shard of each frozen bucket, read from saved pieces (None: none saved so; the
     # frozen parameters saved whole are in `untrained`, and this rank's pieces are cut out of them)
     frozen: list[torch.Tensor] | None = None
@@ -78,7 +80,12 @@ def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
+    for name, t in whole_parameters(engine):
+        if staged.whole_states.get(name):
+            state[index[id(t)]] = dict(staged.whole_states[name])
     for i, (b, m) in enumerate(zip(engine.layout.buckets, masters)):
+        if b.whole:
+            continue
         entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
         entry.update({k.split("/", 1)[1]: t.clone() for k, t in staged.scalars.items()
                       if k.split("/", 1)[0] == str(b.group)})

@@ -25,6 +25,7 @@ from zerodp.checkpoint.pieces import (
     owned_frozen_pieces,
     owned_pieces,
     saved_pieces,
+    sharded_frozen,
     signature,
     stored,
     tp_rank,
@@ -32,7 +33,7 @@ from zerodp.checkpoint.pieces import (
     tp_shard,
     tp_size,
     untrained,
-    sharded_frozen,
+    whole_parameters,
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
 from zerodp.checkpoint.whole import its_shard, plan
@@ -105,6 +106,11 @@ def _check_model(engine, path: str, manifest: dict) -> None:
     if len(manifest["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(manifest['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
+    views = [v.value for v in engine.spec.views]
+    saved_views = manifest.get("optimizer_views") or ["flat shards"] * len(manifest["param_groups"])
+    if saved_views != views:
+        raise CheckpointError(f"checkpoint '{path}' holds optimizer state of {saved_views} (per param "
+                              f"group), the optimizer steps {views}: its state cannot be read in another form")
 
 
 def _stage(engine, path: str, manifest: dict) -> Staged:
@@ -119,6 +125,8 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
         dtype = next(m.properties.dtype for k, m in md.items() if k.startswith(f"optim/{key}/"))
         states[key] = [torch.zeros(m.numel(), dtype=dtype) for m in shards]
     small = [k for k in md if k.startswith(("optim_scalar/", f"rng/{rank}/"))]
+    mine = {name for name, _ in whole_parameters(engine)}  # stepped whole here: their state is read whole
+    small += [k for k in md if k.startswith(("optim_param/", "optim_param_number/")) and k.split("/", 2)[2] in mine]
     whole = {**untrained(engine), **sharded_frozen(engine)}  # stage 3's cut out of a whole saved value
     frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in whole.items()}
     shards = [torch.zeros(b.shard_numel, dtype=b.owned.dtype) for b in engine.layout.frozen_buckets]
@@ -147,7 +155,13 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
         model_state = {frozen[k]: t for k, t in rest.items() if k.startswith("model/")}
         model_state.update({frozen[k]: t.view(local(whole[frozen[k]]).shape) for k, t in assembled.items()})
     rng = {k.rsplit("/", 1)[1]: t for k, t in rest.items() if k.startswith("rng/")}
-    return Staged(masters, states, scalars, model_state, rng, shards)
+    whole_states: dict[str, dict[str, torch.Tensor]] = {}
+    for k, t in rest.items():
+        if k.startswith(("optim_param/", "optim_param_number/")):
+            kind, key, name = k.split("/", 2)
+            number = t.item() if kind == "optim_param_number" else None
+            whole_states.setdefault(name, {})[key] = t if number is None else int(number) if number.is_integer() else number
+    return Staged(masters, states, scalars, model_state, rng, whole_states, shards)
 
 
 def _frozen_copies(engine, path: str, metadata, shards: list[torch.Tensor], unsaved_whole: list[str]
@@ -187,7 +201,8 @@ def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: 
     saved = {"master": saved_pieces(metadata, "master/")}
     saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in states})
     for pc in owned_pieces(engine):
-        for kind, dests in [("master", masters), *states.items()]:
+        stepped_whole = engine.layout.buckets[pc.master].whole  # its state is read whole (_stage)
+        for kind, dests in [("master", masters), *(() if stepped_whole else states.items())]:
             covered = 0
             for start, numel, key in saved[kind].get(pc.stored, []):
                 lo, hi = max(start, pc.start), min(start + numel, pc.start + pc.numel)
@@ -220,9 +235,10 @@ def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states:
     def cut(t: torch.Tensor, shape: torch.Size, w: torch.Tensor) -> torch.Tensor:
         return its_shard(t, tp_shard(engine, t), tp_size(engine), shape, w)
 
+    whole = {n for n, _ in whole_parameters(engine)}  # their state is read whole (_stage)
     for kind, dests in [("master", masters), *states.items()]:
         prefix = "master/" if kind == "master" else f"optim/{kind}/"
-        entries = [saved[n] for n in mine if kind == "master" or n not in never]  # never stepped: zeros
+        entries = [saved[n] for n in mine if kind == "master" or (n not in never and n not in whole)]  # never stepped: zeros
         reading = plan(path, manifest, metadata, entries, prefix)
         for name, w in reading.stream(path, manifest, metadata, LOAD_CHUNK_NUMEL, verified):
             p = params[name]

@@ -174,6 +174,19 @@ def sharded_frozen(engine) -> dict[str, torch.Tensor]:
             if e.get("sharded") and e["alias_of"] is None}
 
 
+def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
+    """(stored name, the tensor its optimizer steps) of each parameter this rank steps whole (a shape-aware
+    optimizer's: optimizer_view.py); its state is saved whole, under `optim_param/{key}/{name}`, with
+    whatever shape it has (Adafactor's row and column factors are not the parameter's)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = []
+    for b, stepped in zip(engine.layout.buckets, engine.stepped_tensors()):
+        if b.whole:
+            for t, (_, s, _, _) in zip(stepped, engine.layout.owned_slots(b)):
+                out.append((stored(names[id(s.param)], tp_shard(engine, s.param)), t))
+    return out
+
+
 def group_states(engine) -> dict[int, dict]:
     """The optimizer state of the first master of each param group (its per-group scalars)."""
     out: dict[int, dict] = {}
@@ -202,6 +215,12 @@ def local_state(engine) -> dict[str, torch.Tensor]:
             for key, v in engine.optimizer.state.get(m, {}).items():
                 if torch.is_tensor(v) and v.shape == m.shape:
                     out[f"optim/{key}/{pc.stored}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
+        for name, t in whole_parameters(engine) if tp_rank(engine) == 0 else ():  # never a tp shard
+            for key, v in engine.optimizer.state.get(t, {}).items():
+                if torch.is_tensor(v):
+                    out[f"optim_param/{key}/{name}"] = _cpu(v.detach())
+                else:  # a plain number (transformers' Adafactor keeps its step and RMS so): read back as one
+                    out[f"optim_param_number/{key}/{name}"] = torch.tensor(v, dtype=torch.float64)
         for pc in owned_frozen_pieces(engine):  # stage 3's frozen parameters: once, as the masters
             if pc.tp_rank is None and tp_rank(engine) != 0:
                 continue

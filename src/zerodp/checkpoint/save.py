@@ -43,6 +43,7 @@ from zerodp.checkpoint.pieces import (
     tp_rank,
     tp_shapes,
     tp_size,
+    whole_parameters,
 )
 
 
@@ -149,12 +150,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"client_state must be JSON-serialisable (dicts, lists, strings, numbers, "
                               f"bools, None): {e}") from None
-    for m in engine.master_shards():
-        for key, v in engine.optimizer.state.get(m, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
-                raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
-                                      f"per parameter element {tuple(m.shape)} nor a scalar: it cannot be "
-                                      "saved in a world-size-independent form")
+    _check_state_saveable(engine)
     sched = None
     if engine.lr_scheduler is not None:
         sched = engine.lr_scheduler.state_dict()
@@ -181,12 +177,31 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
         "step_counts": engine.step_counts(),
+        # Only where some group steps whole parameters: a checkpoint of flat shards stays what it was before.
+        **({"optimizer_views": [v.value for v in engine.spec.views]}
+           if any(engine.spec.whole_parameters(g) for g in range(len(engine.spec.views))) else {}),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
                    for b in engine.layout.buckets],
         # Only with tp: a checkpoint without it stays what it was before tp existed (the reader's default 1).
         **({"tp": tp_size(engine)} if tp_size(engine) > 1 else {}),
     }
+
+
+def _check_state_saveable(engine) -> None:
+    """Optimizer state that a checkpoint can hold world-size-independently: per element of a flat shard (or a
+    scalar), or, for a parameter stepped whole, any tensor or number."""
+    for m in engine.master_shards():
+        for key, v in engine.optimizer.state.get(m, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
+                raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "
+                                      f"per parameter element {tuple(m.shape)} nor a scalar: it cannot be "
+                                      "saved in a world-size-independent form")
+    for name, t in whole_parameters(engine):
+        for key, v in engine.optimizer.state.get(t, {}).items():
+            if not (torch.is_tensor(v) or isinstance(v, (int, float))):
+                raise CheckpointError(f"optimizer state '{key}' of '{name}' is a {type(v).__name__}, neither a tensor "
+                                      "nor a number: it cannot be saved in a world-size-independent form")
 
 
 def _jsonable(v) -> bool:

@@ -118,8 +118,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "zero_optimization.zero_quantized_nontrainable_weights": (False, _ZPP),
     "zero_optimization.zero_quantized_gradients": (False, _ZPP),
     "zero_optimization.pipeline_loading_checkpoint": (False, "pipeline parallelism does not exist in zerodp"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "the Muon optimizer is refused (see "
-                                                                     "optimizer.type)"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (False, "Muon's momentum is the optimizer state of "
+                                                                     "the rank that owns each matrix whole"),
     "zero_optimization.leaf_module": (None, "stage 3 gathers per unit; name the units' classes or modules "
                                             "in zero_optimization.stage3_unit instead"),
     "zero_optimization.zenflow": (None, "DeepSpeed's ZenFlow (asynchronous offloaded updates) is not "

@@ -11,16 +11,21 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from zerodp.config.base import _AUTO, ConfigError, _Section, _unknown_key
 
-# torch.optim's classes that step on plain dense tensors (a flat master shard is one).
+# torch.optim's classes a config may name (the engine steps the element-wise ones on flat shards, Adafactor and
+# Muon on whole parameters: engine/optimizer_view.py). "Muon" is DeepSpeed's Muon: torch's Muon on the hidden
+# matrices and AdamW on the rest (for_model).
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
-                    "ASGD", "Rprop", "Adafactor")
+                    "ASGD", "Rprop", "Adafactor", "Muon")
+# Muon's params that go to the AdamW of the other parameters (the rest go to torch.optim.Muon); adam_lr and
+# adam_weight_decay default to Muon's lr and weight_decay.
+_MUON_ADAMW_KEYS = {"betas": "betas", "adam_lr": "lr", "adam_eps": "eps", "adam_weight_decay": "weight_decay"}
 _OPTIMIZERS = {name.lower(): name for name in TORCH_OPTIMIZERS if hasattr(torch.optim, name)}
 
 _USE_ADAMW = "use \"AdamW\" (or \"Adam\"), or build your optimizer and pass it to initialize()"
@@ -34,8 +39,6 @@ REFUSED_OPTIMIZERS = {
     "onebitlamb": "1-bit Lamb compresses DeepSpeed's gradient all-reduce, which zerodp does not do; "
                   + _USE_ADAMW,
     "lion": f"Lion is DeepSpeed's own kernel and not in torch.optim; {_USE_ADAMW}",
-    "muon": "DeepSpeed's Muon orthogonalises whole 2-D matrices and steps the rest with Adam, which a "
-            f"flat shard of 1/N of the model cannot do; {_USE_ADAMW}",
     "muadam": f"MuAdam needs the mup package's parametrisation; {_USE_ADAMW} with your own per-group lrs",
     "muadamw": f"MuAdamW needs the mup package's parametrisation; {_USE_ADAMW} with your own per-group lrs",
     "musgd": "MuSGD needs the mup package's parametrisation; use \"SGD\" with your own per-group lrs",
@@ -71,8 +74,13 @@ class OptimizerConfig(_Section):
         self._torch_class_and_kwargs()
         return self
 
-    def _torch_class_and_kwargs(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-        kwargs = dict(self.params)
+    def _torch_class_and_kwargs(self, kwargs: dict[str, Any] | None = None
+                                ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        if self.type == "Muon" and kwargs is None:  # both halves checked; the Muon half returned
+            muon, adamw = self._muon_kwargs()
+            self._checked(torch.optim.AdamW, adamw, "AdamW")
+            return self._checked(torch.optim.Muon, muon, "Muon")
+        kwargs = dict(self.params) if kwargs is None else kwargs
         cls = getattr(torch.optim, self.type)
         if self.type in ("Adam", "AdamW"):
             kwargs.pop("torch_adam", None)  # DeepSpeed's choice of kernel; torch's is the only one here
@@ -87,12 +95,17 @@ class OptimizerConfig(_Section):
         if "max_grad_norm" in kwargs:
             raise ConfigError("config key 'optimizer.params.max_grad_norm' is not supported; "
                               "use the top-level key 'gradient_clipping'")
+        return self._checked(cls, kwargs, self.type)
+
+    def _checked(self, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], name: str
+                 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        """cls and kwargs, every key known to cls and every value of the right form and accepted by torch."""
         for key, value in kwargs.items():
             if isinstance(value, str) and value == "auto":
                 raise ConfigError(f"config key 'optimizer.params.{key}' = \"auto\": {_AUTO} a number")
         signature = {k: v.default for k, v in inspect.signature(cls).parameters.items() if k != "params"}
         known = list(signature)
-        unknown = [_unknown_key(f"optimizer.params.{k}", known) + f" (optimizer {self.type}, "
+        unknown = [_unknown_key(f"optimizer.params.{k}", known) + f" (optimizer {name}, "
                    f"torch.optim.{cls.__name__})" for k in kwargs if k not in known]
         problems = unknown or [p for k, v in kwargs.items() if (p := _value_problem(k, v, signature[k]))]
         if problems:
@@ -105,6 +118,24 @@ class OptimizerConfig(_Section):
                      f"'optimizer.params.{key}' = {json.dumps(kwargs[key], default=repr)}")
             raise ConfigError(f"config key {where} rejected by torch.optim.{cls.__name__}: {error}")
         return cls, kwargs
+
+    def _muon_kwargs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DeepSpeed's Muon params split into torch.optim.Muon's and the AdamW's (_MUON_ADAMW_KEYS)."""
+        muon = {k: v for k, v in self.params.items() if k not in _MUON_ADAMW_KEYS}
+        adamw = {"lr": muon.get("lr", 1e-3), "weight_decay": muon.get("weight_decay", 0.1)}
+        adamw.update({_MUON_ADAMW_KEYS[k]: v for k, v in self.params.items() if k in _MUON_ADAMW_KEYS})
+        return muon, adamw
+
+    def for_model(self, module: torch.nn.Module) -> Callable[[list], torch.optim.Optimizer] | list[torch.optim.Optimizer]:
+        """What zerodp.initialize uses when given no optimizer: a factory params -> Optimizer (build); for
+        "Muon", DeepSpeed's split, built on the model: torch.optim.Muon on the hidden matrices (muon_params),
+        AdamW on the rest."""
+        if self.type != "Muon":
+            return self.build
+        muon, adamw = self._muon_kwargs()
+        hidden, rest = muon_params(module)
+        built = [torch.optim.Muon(hidden, **muon)] if hidden else []
+        return built + ([torch.optim.AdamW(rest, **adamw)] if rest else [])
 
     def build(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> torch.optim.Optimizer:
         cls, kwargs = self._torch_class_and_kwargs()
@@ -120,6 +151,22 @@ class OptimizerConfig(_Section):
         return cls(groups, **kwargs)
 
 
+def muon_params(module: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """The trainable parameters Muon steps (the hidden matrices) and the rest, as DeepSpeed tags them: a
+    parameter's own `use_muon` attribute where set; else 2-D, and neither an embedding's table (nor a head
+    tied to one) nor the output head (a parameter whose name has "lm_head", or a module named "head")."""
+    tables = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    hidden, rest = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        head = "lm_head" in name or name.rsplit(".", 2)[0].split(".")[-1] == "head"
+        use = getattr(p, "use_muon", None)
+        use = (p.dim() == 2 and id(p) not in tables and not head) if use is None else bool(use)
+        (hidden if use else rest).append(p)
+    return hidden, rest
+
+
 def fused_adam_fits(tensors: list[torch.Tensor]) -> bool:
     """Whether Adam(W) over these tensors takes torch's fused kernel: on CUDA and the CPU, where the
     engine keeps the fp32 master shards it steps (build's comment says why fused on the CPU too)."""
@@ -129,7 +176,7 @@ def fused_adam_fits(tensors: list[torch.Tensor]) -> bool:
 def _torch_rejects(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> Exception | None:
     """torch's own error for these arguments, built on a one-element dummy; None when it accepts them."""
     try:
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, 1, requires_grad=True)], **kwargs)  # 2-D: Muon takes nothing else
     except (TypeError, ValueError, RuntimeError) as e:
         return e
     return None

@@ -216,10 +216,11 @@ class Engine:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = Layout.build(groups, self.stage, self.units, comm, zero, frozen)
+        layout = Layout.build(groups, self.stage, self.units, comm, zero, frozen,
+                              [self.spec.whole_parameters(g) for g in range(len(groups))])
         fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device,
-                                self.stage == 3, self.offload_param, zero.offload_param.pin_memory and can_pin(),
-                                frozen=layout.frozen)
+                                self.spec.gathers_per_unit, self.offload_param,
+                                zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
         return layout, fp32_shards
@@ -241,12 +242,12 @@ class Engine:
 
     def _forward_order(self) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
-        if self.config.zero_optimization.overlap_param_gather and 0 < self.stage < 3:
+        if self.config.zero_optimization.overlap_param_gather and self.spec.shards_optimizer and not self.spec.gathers_per_unit:
             return ForwardOrder(self.module, self.partitioned_optimizer)
         return None
 
     def _gatherer(self, layout: Layout) -> Gatherer | None:
-        if self.stage != 3:
+        if not self.spec.gathers_per_unit:
             return None
         names = {id(m): n for n, m in self.module.named_modules()}
         return Gatherer(self.units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
@@ -435,7 +436,7 @@ class Engine:
         """As DDP's no_sync: backward() inside reduces nothing; its gradients join those of the next
         backward() outside, which reduces them all. Stages 0-1 only: stages 2-3 reduce-scatter every
         gradient as backward produces it, to keep only a shard."""
-        if self.stage >= 2:
+        if self.spec.keeps_gradient_shard:
             raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.stage}, which partitions "
                                "gradients as backward produces them; use stage 0 or 1, or "
                                "gradient_accumulation_steps, which reduces once per step in stage 1")
@@ -632,6 +633,11 @@ class Engine:
         """This rank's fp32 master of each bucket, by bucket index (the whole bucket in stage 0). Written
         in place, they become the weights at the next weights_from_masters()."""
         return self.partitioned_optimizer.masters
+
+    def stepped_tensors(self) -> list[list[torch.Tensor]]:
+        """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
+        a view of the master in each owned parameter's shape (its state is keyed by these)."""
+        return self.partitioned_optimizer.stepped
 
     @property
     def masters_are_copies(self) -> bool:

@@ -8,12 +8,16 @@ order backward produces their gradients). Every bucket is padded to a multiple o
 Why shard per bucket rather than once per group: a bucket's gradient can then be reduce-scattered
 the moment backward has produced it, straight into the owning shards, with no reduce-to-owner
 loop and no copy (the layout FSDP and picotron use). Each rank still owns exactly 1/N.
+
+A param group whose optimizer needs whole parameters (optimizer_view.py) is laid out `whole`: its
+parameters are dealt whole to the shards of their bucket (`_deal`), each shard padded to the fullest, so a
+rank's shard holds whole parameters (about 1/N, plus its share of the imbalance).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -115,6 +119,7 @@ class Bucket:
     partitions: int
     slots: list[Slot] = field(default_factory=list)
     persistent: bool = False           # stage 3: stays gathered (its units are under the persistence threshold)
+    whole: bool = False                # each parameter lies whole in one shard (a shape-aware optimizer's)
     data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
     owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
     # Each slot's view of `data`, made while its storage was whole: stage 3 points each parameter at
@@ -214,30 +219,39 @@ class FlatGroup:
 
 def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_numel: int,
             unit_of: dict[int, int] | None = None,
-            persistent: set[int] | frozenset = frozenset()) -> list[FlatGroup]:
+            persistent: set[int] | frozenset = frozenset(), whole: Sequence[bool] = ()) -> list[FlatGroup]:
     """Lay out buckets and shards; allocates nothing. A parameter never spans two buckets.
 
     unit_of (stage 3): id(param) -> its unit (units.py). A unit's parameters of one group are never
     split between buckets; consecutive units share a bucket up to `bucket_numel` elements (0: a
     bucket per unit), and the units in `persistent` share one only with each other.
+    whole: per group, whether its parameters must each lie whole in one shard (optimizer_view.py): such a
+    bucket grows to at least `partitions` x its largest parameter, so that the others can balance it,
+    and its parameters are dealt to the shards by size (`_deal`), each shard padded to the fullest.
     """
     groups, index = [], 0
+    loads = [0] * partitions  # elements each shard of whole-parameter buckets holds so far, for balance
     for g, params in enumerate(param_groups):
         buckets, start = [], 0
         current: Bucket | None = None
+        is_whole = g < len(whole) and whole[g]
         for run in _runs(list(reversed(params)), unit_of):
             keep = unit_of is not None and unit_of[id(run[0])] in persistent
+            limit = bucket_numel
+            if is_whole and current is not None:  # room for the others to balance its largest parameter
+                limit = max(limit, partitions * max([s.numel for s in current.slots] + [local(p).numel() for p in run]))
             if current is None or (current.slots and (keep != current.persistent
-                                                      or _fill(current) + _run_numel(run) > bucket_numel)):
+                                                      or _fill(current) + _run_numel(run) > limit)):
                 if current is not None:
-                    start = _close(current, start)
+                    start = _close(current, start, loads)
                     buckets.append(current)
-                current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions, persistent=keep)
+                current = Bucket(index=index, group=g, start=start, numel=0, partitions=partitions, persistent=keep,
+                                 whole=is_whole)
                 index += 1
             for p in run:
                 current.slots.append(Slot(p, _fill(current), local(p).numel(), local(p).shape))
         if current is not None:
-            start = _close(current, start)
+            start = _close(current, start, loads)
             buckets.append(current)
         groups.append(FlatGroup(index=g, buckets=buckets, numel=start))
     return groups
@@ -268,6 +282,28 @@ def _fill(b: Bucket) -> int:
     return _round_up(last.offset + last.numel, ALIGN)
 
 
-def _close(b: Bucket, start: int) -> int:
-    b.numel = _round_up(max(_fill(b), 1), b.partitions * ALIGN)
+def _close(b: Bucket, start: int, loads: list[int]) -> int:
+    if b.whole and b.partitions > 1:
+        _deal(b, loads)
+    else:
+        b.numel = _round_up(max(_fill(b), 1), b.partitions * ALIGN)
     return start + b.numel
+
+
+def _deal(b: Bucket, loads: list[int]) -> None:
+    """Deal a bucket's parameters whole to its shards, largest first, each to the shard with the fewest
+    elements (ties: the rank with the fewest over all buckets so far, which balances the ranks' optimizer
+    states); every shard is then padded to the fullest one's size (equal shards: reduce_scatter and
+    all_gather need them)."""
+    fill = [0] * b.partitions
+    placed: list[tuple[int, int, Slot]] = []  # (shard, offset in it, slot)
+    for s in sorted(b.slots, key=lambda s: -s.numel):
+        r = min(range(b.partitions), key=lambda r: (fill[r], loads[r], r))
+        placed.append((r, fill[r], s))
+        fill[r] += _round_up(s.numel, ALIGN)
+        loads[r] += s.numel
+    shard = max(_round_up(max(fill), ALIGN), ALIGN)
+    b.numel = shard * b.partitions
+    for r, offset, s in placed:
+        s.offset = r * shard + offset
+    b.slots.sort(key=lambda s: s.offset)

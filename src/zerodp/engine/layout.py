@@ -18,7 +18,7 @@ has no master: its working shard is its only copy. Below stage 3 frozen paramete
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -48,15 +48,19 @@ class Layout:
 
     @classmethod
     def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
-              zero: ZeroConfig, frozen: list[nn.Parameter] | None = None) -> Layout:
+              zero: ZeroConfig, frozen: list[nn.Parameter] | None = None,
+              whole: Sequence[bool] = ()) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
         (units.layout), `frozen` (EngineSpec.shards_frozen) in a group of their own after the trained
-        ones. Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        ones. `whole`: per trained group, each parameter whole in one shard (optimizer_view.py); the
+        frozen group is never stepped, so never whole. Allocates nothing: setup/fill.py's fill() makes
+        the buffers."""
+        whole = tuple(whole)[:len(param_groups)]
         if stage < 3:
-            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size)
+            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size, whole=whole)
             return cls(groups, comm.shard_rank if stage > 0 else 0)
         groups = stage3_layout(param_groups + ([frozen] if frozen is not None else []), units,
-                               comm.shard_size, zero)
+                               comm.shard_size, zero, whole)
         if frozen is None:
             return cls(groups, comm.shard_rank)
         return cls(groups[:-1], comm.shard_rank, groups[-1])
@@ -97,3 +101,12 @@ class Layout:
     def shard_start(self, b: Bucket) -> int:
         """Where this rank's shard of bucket `b` starts, in bucket coordinates."""
         return self.rank * b.shard_numel
+
+    def owned_numel(self) -> list[int]:
+        """Elements of parameters each rank's shards hold (padding not counted): its share of the masters
+        and optimizer states. Whole parameters make the shares unequal (flat.lay_out's `_deal`)."""
+        out = [0] * (self.buckets[0].partitions if self.buckets else 1)
+        for b in self.buckets:
+            for r in range(b.partitions):
+                out[r] += sum(hi - lo for _, _, lo, hi in b.owned_slots(r))
+        return out

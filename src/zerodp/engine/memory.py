@@ -77,6 +77,9 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
         "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], reducer.acc_dtype),
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
+    if any(b.whole for b in layout.buckets):
+        report.update(whole_parameter_shares(layout.owned_numel(), layout.rank,
+                                             report["fp32_master"] + report["optimizer_states"]))
     host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
             "working_params": getattr(engine, "offload_param", False),  # stage 3's offload_param
             "frozen_params": getattr(engine, "offload_param", False)}
@@ -92,6 +95,17 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
         report["cuda_peak_allocated"] = max_memory_allocated(engine.device)
         report["cuda_peak_reserved"] = max_memory_reserved(engine.device)
     return report
+
+
+def whole_parameter_shares(owned: list[int], rank: int, state_bytes: int) -> dict[str, int]:
+    """Where parameters are stepped whole (optimizer_view.py), each rank's share of the masters and optimizer
+    states is whole parameters, so the shares differ: `owned` is each rank's parameter elements. Returns this
+    rank's state bytes, 1/N of all ranks' (at this rank's bytes per element), and how far the worst rank's
+    share is above 1/N."""
+    per_element = state_bytes / owned[rank] if owned[rank] else 0.0
+    fair = sum(owned) / len(owned)
+    return {"state_bytes_this_rank": state_bytes, "state_bytes_one_nth": round(fair * per_element),
+            "state_bytes_worst_rank_excess": round((max(owned) - fair) * per_element)}
 
 
 # ---- formula ------------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ In fp32 training the master is the shard of the flat working buffer itself (no s
 After the step the updated shards are cast to working precision and all-gathered back into the
 flat buffers, which the module's parameters are views of.
 
+Whole parameters (optimizer_view.py: Adafactor, Muon, ...): a bucket laid out `whole` holds each parameter
+in one rank's shard, and the optimizer steps, instead of the master shard, a view of it in each owned
+parameter's shape (`stepped`), its gradient the same view of the gradient shard: its state is in that
+shape, and nothing else changes (the masters, offload, the norm and the gather are per bucket as before).
+
 ZeRO-Offload (`offload=True`): masters, their gradients and the optimizer state live in (pinned)
 host memory and the user's optimizer steps on the CPU; the device keeps only the working
 parameters and the gradient buckets. Gradient shards go out and updated weights come back with
@@ -65,26 +70,27 @@ class PartitionedOptimizer(TimedGathers):
             # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
             self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
         self.set_gather_order(list(range(len(self.buckets))))
-        per_group = [[m for b, m in zip(self.buckets, self.masters) if b.group == g.index] for g in layout.groups]
-        if isinstance(optimizer, Optimizer):
-            if len(optimizer.state) > 0:
-                raise ValueError("the optimizer already has state; pass a freshly built optimizer "
-                                 "(load optimizer state through engine.load_checkpoint)")
-            for group, masters in zip(optimizer.param_groups, per_group):
-                group["params"] = masters
-            self.optimizer = optimizer
-        else:
-            self.optimizer = optimizer([{"params": per_group[0]}])
-            if not isinstance(self.optimizer, Optimizer):
-                raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, "
-                                "expected a torch.optim.Optimizer")
+        # What the optimizer steps of each bucket: its master shard (flat, element-wise optimizers), or a
+        # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py).
+        self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
+        per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
+                     for g in layout.groups]
+        self.optimizer = _rewired(optimizer, per_group)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
         self._stepping = False
-        self.optimizer.register_step_pre_hook(self._only_from_engine)
+        for opt in [self.optimizer, *getattr(self.optimizer, "optimizers", [])]:  # a list's each, too
+            opt.register_step_pre_hook(self._only_from_engine)
         # offload: a torch Adam/AdamW that chose no implementation now steps with its fused CPU kernel
         self.fused_on_host = offload and use_fused_kernel(self.optimizer)
+
+    def _stepped(self, b: Bucket, m: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors the optimizer steps for bucket b, whose master is m (see __init__)."""
+        if not b.whole:
+            return [m]
+        first = self.rank * b.shard_numel
+        return [m.detach()[lo - first:hi - first].view(s.shape) for _, s, lo, hi in b.owned_slots(self.rank)]
 
     def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._stepping:
@@ -161,13 +167,29 @@ class PartitionedOptimizer(TimedGathers):
                     m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
             if coef is not None and not fold:
                 torch._foreach_mul_([m.grad for m in masters], coef)
+            whole = [k for k in part if self.buckets[k].whole]
+            for k in whole:
+                self._whole_gradients(k)
             if self.used_only is None:
                 self.optimizer.step()  # parameters whose .grad is None are left alone
             else:
-                with self.used_only.only_used(self.optimizer, self.masters, part):
+                with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
                     self.optimizer.step()
             for m in masters:
                 m.grad = None
+            for k in whole:
+                for t in self.stepped[k]:
+                    t.grad = None
+
+    def _whole_gradients(self, k: int) -> None:
+        """Bucket k's owned parameters get their gradients in their own shape (views of the master's
+        gradient); a parameter that no rank used in this step gets none, so the optimizer leaves it alone
+        (unused.py's semantics, here given by the optimizer itself)."""
+        b, g = self.buckets[k], self.masters[k].grad
+        first = self.rank * b.shard_numel
+        used = None if self.used_only is None else self.used_only.used_slots(k)
+        for j, (t, (_, s, lo, hi)) in enumerate(zip(self.stepped[k], b.owned_slots(self.rank))):
+            t.grad = g[lo - first:hi - first].view(s.shape) if used is None or used[j] else None
 
     def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken
@@ -266,6 +288,55 @@ class PartitionedOptimizer(TimedGathers):
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
         return {"fp32_master": master, "optimizer_states": state, **host}
+
+
+def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]]) -> Optimizer:
+    """The user's optimizer stepping `per_group`'s tensors instead of the model's parameters (or the factory's,
+    built on them)."""
+    if not isinstance(optimizer, Optimizer):
+        built = optimizer([{"params": per_group[0]}])
+        if not isinstance(built, Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
+        return built
+    initial = _initial_state(optimizer)  # Adagrad's accumulators, made at construction
+    if initial is None:
+        raise ValueError("the optimizer already has state; pass a freshly built optimizer "
+                         "(load optimizer state through engine.load_checkpoint)")
+    optimizer.state.clear()
+    for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
+        group["params"] = tensors
+        for t in tensors if init else ():
+            optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
+                                  for k, v in init.items()}
+    return optimizer
+
+
+def _initial_state(optimizer: Optimizer) -> list[dict] | None:
+    """The state a freshly built optimizer made for each param group at construction (torch's Adagrad: a
+    step of 0 and an accumulator filled with one value), as {key: fill value (float) of a per-element
+    tensor, or a tensor of its own}, to be made again on the tensors it will step; [] per group when it made
+    none. None when the state is not such a fresh one (the optimizer has stepped)."""
+    out = []
+    for group in optimizer.param_groups:
+        states = [optimizer.state[p] for p in group["params"] if p in optimizer.state]
+        if not states:
+            out.append({})
+            continue
+        p0 = next(p for p in group["params"] if p in optimizer.state)
+        init = {}
+        for k, v in optimizer.state[p0].items():
+            if not torch.is_tensor(v):
+                return None
+            if v.shape == p0.shape and v.dim() > 0:
+                if not all(torch.equal(s[k], torch.full_like(s[k], v.flatten()[0])) for s in states):
+                    return None
+                init[k] = float(v.flatten()[0])
+            elif k == "step" and float(v) != 0:
+                return None
+            else:
+                init[k] = v
+        out.append(init)
+    return out
 
 
 def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -18,7 +18,9 @@ from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
 from zerodp.engine import tensor_parallel
+from zerodp.engine.flat import tp_duplicate
 from zerodp.engine.optimizer import OptimizerLike
+from zerodp.engine.optimizer_view import OptimizerView, Optimizers, probe_class, refusal, view_of
 from zerodp.engine.setup.fill import Filling, filling_for
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
@@ -38,6 +40,8 @@ class EngineSpec:
     filling: Filling  # where the parameters' values come from: rank 0's module, initialisers or files
     units: Units | None  # stage 3's units, gathered and released together; None below stage 3
     offload_param: bool  # stage 3's offload_param: this rank's parameter shards live in host memory
+    # per optimizer param group: its optimizer steps flat shards (element-wise) or whole parameters
+    views: tuple[OptimizerView, ...] = ()
     # Stage 3: frozen parameters are partitioned and gathered like trained ones (Layout.frozen), with no
     # gradient, master or optimizer state. False: stages 0-2, which keep every parameter whole.
     shards_frozen: bool = False
@@ -49,6 +53,25 @@ class EngineSpec:
     def gas(self) -> int:
         """Gradient accumulation steps: backward() calls per optimizer step."""
         return self.batch.gradient_accumulation_steps
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Stages 1-3: each rank keeps (and steps) only its shard of the masters and optimizer states."""
+        return self.stage > 0
+
+    @property
+    def keeps_gradient_shard(self) -> bool:
+        """Stages 2-3: a rank keeps only its shard of each reduced gradient bucket, not the whole bucket."""
+        return self.stage >= 2
+
+    @property
+    def gathers_per_unit(self) -> bool:
+        """Stage 3: parameters are sharded, gathered per unit for its forward and backward."""
+        return self.stage == 3
+
+    def whole_parameters(self, group: int) -> bool:
+        """Whether param group `group`'s optimizer steps whole parameters (OptimizerView)."""
+        return bool(self.views) and self.views[group] is OptimizerView.WHOLE_PARAMETERS
 
 
 def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: OptimizerLike | None,
@@ -84,19 +107,57 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
                           "'optimizer' section, e.g. {'type': 'AdamW', 'params': {'lr': 1e-3}}; a model that "
                           "is not trained (a reference or teacher model) is wrapped without one once none "
                           "of its parameters requires grad (model.requires_grad_(False))")
-    optimizer = optimizer if optimizer is not None else (config.optimizer.build if trains else _nothing_to_step)
+    if optimizer is None:
+        optimizer = config.optimizer.for_model(module) if trains else _nothing_to_step
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = _combined(optimizer)
     groups = _trainable_groups(module, optimizer)
     if trains:
         _check_model(module, groups)
     tensor_parallel.check(module, comm, source is not None)
+    views = _views(module, optimizer, groups)
     filling = filling_for(module, source, param_init_fn)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
     device = _device_of(module, comm)
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
     # config/zero_optimization.py resets offload_param below stage 3.
     spec = EngineSpec(stage, batch, shard_size, config.dtype, device, filling, units,
-                      zero.offload_param.device == "cpu", shards_frozen=stage == 3, trains=trains)
+                      zero.offload_param.device == "cpu", views, shards_frozen=stage == 3, trains=trains)
     return spec, optimizer, groups
+
+
+def _combined(optimizers: list | tuple) -> Optimizers:
+    """Several optimizers over disjoint parameters (Muon on the matrices, AdamW on the rest), as one."""
+    if not optimizers or not all(isinstance(o, Optimizer) for o in optimizers):
+        raise TypeError("a list of optimizers must hold torch.optim.Optimizer objects built on disjoint parameters "
+                        f"of the model, got [{', '.join(type(o).__name__ for o in optimizers)}]")
+    return Optimizers(optimizers)
+
+
+def _views(module: nn.Module, optimizer: OptimizerLike, groups: list[list[nn.Parameter]]) -> tuple[OptimizerView, ...]:
+    """Each param group's OptimizerView; an optimizer zerodp cannot step exactly is refused by name, as is a
+    shape-aware one on a tensor-parallel shard (it would see a piece of the matrix as the matrix)."""
+    if isinstance(optimizer, Optimizers):
+        classes = [type(o) for o in optimizer.group_owners()]
+    elif isinstance(optimizer, Optimizer):
+        classes = [type(optimizer)] * len(groups)
+    else:
+        classes = [probe_class(optimizer)] * len(groups)
+    for cls in dict.fromkeys(classes):
+        reason = refusal(cls)
+        if reason is not None:
+            raise ValueError(f"optimizer {cls.__name__} is not supported by zerodp: {reason}")
+    views = tuple(view_of(cls) for cls in classes)
+    names = {id(p): n for n, p in module.named_parameters()}
+    for cls, view, params in zip(classes, views, groups):
+        shard = next((p for p in params if not tp_duplicate(p)), None) if view is OptimizerView.WHOLE_PARAMETERS else None
+        if shard is not None:
+            raise ValueError(f"optimizer {cls.__name__} steps whole parameters (its update depends on a parameter's "
+                             f"shape), and '{names[id(shard)]}' is a tensor-parallel shard: stepped here it would "
+                             "treat one piece of the matrix as the matrix. Step tensor-parallel parameters with an "
+                             "element-wise optimizer (AdamW, ...), e.g. in a second optimizer of a list, or train "
+                             "without tensor parallelism")
+    return views
 
 
 def _nothing_to_step(groups: list[dict]) -> Optimizer:

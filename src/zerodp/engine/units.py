@@ -73,13 +73,14 @@ def unit_rule(zero: ZeroConfig, given: UnitRule | None) -> UnitRule:
     return given
 
 
-def layout(groups: list[list[nn.Parameter]], units: Units, partitions: int, zero: ZeroConfig) -> list[FlatGroup]:
+def layout(groups: list[list[nn.Parameter]], units: Units, partitions: int, zero: ZeroConfig,
+           whole: Sequence[bool] = ()) -> list[FlatGroup]:
     """Stage 3's buckets: units never split, persistent ones apart, small ones coalesced up to the
     prefetch size (and the reduce bucket size, which bounds the reduce buffers as in stage 2)."""
     sizes = units.numel([p for g in groups for p in g])
     persistent = {u for u, n in sizes.items() if n < zero.stage3_param_persistence_threshold}
     coalesce = min(zero.stage3_prefetch_bucket_size, zero.reduce_bucket_size)
-    return lay_out(groups, partitions, coalesce, units.of_param, persistent)
+    return lay_out(groups, partitions, coalesce, units.of_param, persistent, whole)
 
 
 def _roots(model: nn.Module, rule: UnitRule) -> list[nn.Module]:

@@ -58,6 +58,9 @@ class UsedParameters:
             lo_r = rank * b.shard_numel
             self.ranges.append([(self.first[k] + i, lo - lo_r, hi - lo_r) for i, _, lo, hi in b.owned_slots(rank)])
         self.ids = [torch.tensor([r[0] for r in ranges], dtype=torch.long) for ranges in self.ranges]
+        # Whole-parameter buckets: the optimizer steps each parameter as its own tensor and skips one
+        # without a gradient itself (used_slots); only flat shards need the views below.
+        self.whole = [b.whole for b in buckets]
         self.used: torch.Tensor | None = None  # the agreed bits of the step being taken; None: all used
         # Step counts, materialised only once some parameter was not stepped (until then every
         # parameter and every shard has been stepped `uniform_steps` times).
@@ -144,6 +147,12 @@ class UsedParameters:
             for k, views in swaps.items():
                 self._write_back(optimizer, k, masters[k], views, used)
 
+    def used_slots(self, k: int) -> list[bool] | None:
+        """For master k's parameter ranges in order: whether each was used in this step; None: all were."""
+        if self.used is None:
+            return None
+        return self.used[self.ids[k]].tolist()
+
     def _segments(self, k: int, used: torch.Tensor) -> list[tuple[int, int, int]]:
         """(lo, hi, step count) of runs of used parameters with equal counts (the padding between two
         adjacent ones is zero, has a zero gradient and stays zero, so it may be stepped with them)."""
@@ -216,8 +225,9 @@ class UsedParameters:
                  for m in masters]
         self.window = 0
         self.used = None
-        if saved is None and len(set(steps)) <= 1:
-            self.uniform_steps, self.counts, self.shard_step = (steps[0] if steps else 0), None, None
+        if saved is None and len({n for n, whole in zip(steps, self.whole) if not whole}) <= 1:
+            flat = [n for n, whole in zip(steps, self.whole) if not whole]
+            self.uniform_steps, self.counts, self.shard_step = (flat[0] if flat else 0), None, None
             return
         self.counts = torch.tensor([saved.get(names[id(p)], 0) if saved else steps[0] for p in self.params],
                                    dtype=torch.long)

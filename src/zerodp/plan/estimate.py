@@ -35,7 +35,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 # Extra sections of the report, printed after the memory table: each names a torch-free module
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # models.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
-SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel", "zerodp.plan.finetune")
+SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel",
+                                    "zerodp.plan.optimizer_shares", "zerodp.plan.finetune")
 
 
 def build_parser() -> argparse.ArgumentParser:

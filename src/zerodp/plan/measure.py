@@ -66,7 +66,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
                                     "reduce_bucket_size": spec.get("reduce_bucket_size") or REDUCE_BUCKET_SIZE,
                                     "mics_shard_size": spec.get("mics_shard_size", -1),
                                     "offload_optimizer": {"device": "cpu" if spec.get("offload") else "none"}},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+              "optimizer": {"type": spec.get("optimizer", "AdamW"), "params": {"lr": 1e-4}}}
     if spec["dtype"] != "fp32":
         config[spec["dtype"]] = {"enabled": True}
     rss0 = _rss()

@@ -48,6 +48,8 @@ class FusedAdam(torch.optim.Adam):
     set_grad_none has no effect: torch's zero_grad() sets gradients to None as DeepSpeed's does with
     it (and the engine owns the gradients anyway). amsgrad, which DeepSpeed's kernel refuses, is torch's."""
 
+    zerodp_element_wise = True  # torch's Adam: the engine steps it on flat shards (optimizer_view.py)
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True):
@@ -65,6 +67,8 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
     It steps wherever the engine keeps the masters: host memory with zero_optimization.offload_optimizer
     (DeepSpeed requires that for its CPUAdam; zerodp does not need it). fp32_optimizer_states=False
     (states in the parameters' 16-bit dtype) is refused: the states stay fp32, next to fp32 masters."""
+
+    zerodp_element_wise = True  # torch's Adam: the engine steps it on flat shards (optimizer_view.py)
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
