@@ -96,8 +96,9 @@ def release_at_exit() -> None:
             except Exception:  # noqa: BLE001 - freeing it below is what matters
                 pass
     _groups.clear()
-    if any(alive(g) for g in _default):
-        _default.clear()
+    # Dropped whatever happens: a reference held here would keep the group's gloo threads alive into finalization.
+    created, _default[:] = any(alive(g) for g in _default), []
+    if created:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already half torn down: freeing it below is what matters
