@@ -74,21 +74,20 @@ def tp_dim(t: torch.Tensor) -> int | None:
 
 def owned_pieces(engine) -> list[Piece]:
     """The parameter pieces this rank's master shards hold (every piece of the model in stage 0)."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    layout, pieces = engine.layout, []
-    for i, b in enumerate(layout.buckets):
-        lo_r = layout.shard_start(b)
-        for _, s, lo, hi in layout.owned_slots(b):
-            pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo, tp_shard(engine, s.param)))
-    return pieces
+    return _pieces_of(engine, engine.layout.buckets)
 
 
 def owned_frozen_pieces(engine) -> list[Piece]:
     """The pieces of stage 3's frozen parameters this rank's working shards hold (Piece.master: the
     frozen bucket's place in layout.frozen_buckets); none below stage 3."""
+    return _pieces_of(engine, engine.layout.frozen_buckets)
+
+
+def _pieces_of(engine, buckets: list) -> list[Piece]:
+    """The pieces this rank's shards of `buckets` hold, each bucket by its place in the list."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     layout, pieces = engine.layout, []
-    for i, b in enumerate(layout.frozen_buckets):
+    for i, b in enumerate(buckets):
         lo_r = layout.shard_start(b)
         for _, s, lo, hi in layout.owned_slots(b):
             pieces.append(Piece(names[id(s.param)], lo - s.offset, i, lo - lo_r, hi - lo, tp_shard(engine, s.param)))
