@@ -80,9 +80,8 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
       zerodp.engine.setup.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
-      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it. A
-      PEFT model (peft.get_peft_model) reads its base from the base model's files, under the base's names,
-      and initialises its LoRA adapter as PEFT does (zerodp.models.hf_peft).
+      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it. A PEFT
+      model reads its base from the base model's files; its LoRA is initialised as PEFT does (models/hf_peft).
     mpu: instead of device_mesh, Megatron's parallel_state or DeepSpeed's mpu (its data- and tensor-parallel
       groups), for a model whose tp parameters are plain local shards marked `tensor_model_parallel=True`
       (or `model_parallel=True`); ZeRO partitions over the dp group (docs/CONFIG.md, "Tensor parallelism").
