@@ -367,3 +367,33 @@ def test_peft_default_build_on_meta_draws_the_adapter_again_with_lora_B_zero():
 def test_peft_initialiser_that_reads_the_base_is_refused_on_meta_by_name():
     with pytest.raises(ValueError, match=r"lora_A\.default\.weight.*init_lora_weights='pissa'"):
         _materialised(meta_lora(base_folder(), init_lora_weights="pissa"), base_folder())
+
+
+def _config_md_block() -> str:
+    """docs/CONFIG.md's python block of the big-model path."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()
+    return next(b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if "get_peft_model" in b)
+
+
+def test_config_md_peft_on_meta_runs_as_written_and_a_checkpoint_of_it_is_read_adapter_included(tmp_path):
+    scope = {"folder": base_folder()}
+    torch.manual_seed(SEED)
+    exec(compile(_config_md_block(), "docs/CONFIG.md", "exec"), scope)  # the documented code, as written
+    engine, model = scope["engine"], scope["model"]
+    torch.manual_seed(SEED)
+    whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_folder()),
+                                peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    assert engine.full_state_dict().keys() == whole.state_dict().keys()
+    assert all(torch.equal(v, whole.state_dict()[k]) for k, v in engine.full_state_dict().items())
+    ids = PROBE[:, :8]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    trained = engine.full_state_dict()
+    again = meta_lora(base_folder(), r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    read = zerodp.initialize(again, torch.optim.AdamW(trainable(again)), config(1), weights=str(tmp_path))
+    assert any(v.any() for k, v in trained.items() if "lora_B" in k)  # trained: read, not initialised again
+    assert all(torch.equal(v, trained[k]) for k, v in read.full_state_dict().items())

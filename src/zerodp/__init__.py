@@ -127,7 +127,7 @@ def _default_init_fn(model: nn.Module, source: ParameterSource | None) -> tuple[
     left = getattr(source, "initialised", None)  # the parameters the weights leave to the initialisers
     try:
         return hf_peft.init_fn(model, hf_folder.init_fn(model), None if source is None else
-                               set(left([n for n, _ in model.named_parameters()]) if left else [])), None
+                               set(left([n for n, p in model.named_parameters() if p.is_meta]) if left else [])), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         return None, e
 

@@ -85,7 +85,7 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
         raise ValueError("param_init_fn initialises a model built on the 'meta' device, and this model has no "
                          "tensor on meta; build it under torch.device('meta'), or leave param_init_fn out")
     shapes = {n: p.shape for n, p in module.named_parameters()}
-    initialised = _left_to_initialisers(source, shapes)
+    initialised = _left_to_initialisers(source, params)
     inits = None
     if buffers or (params and source is None) or initialised:  # weights need no initialiser for theirs
         inits = ModuleInit(module, param_init_fn, None if source is None else {*buffers, *initialised})
@@ -102,16 +102,17 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
                    frozenset(initialised))
 
 
-def _left_to_initialisers(source: ParameterSource | None, shapes: dict[str, torch.Size]) -> set[str]:
-    """The parameters `source` says it does not hold and leaves to the modules' initialisers."""
+def _left_to_initialisers(source: ParameterSource | None, params: list[str]) -> set[str]:
+    """Of the parameters on meta, those `source` says it does not hold and leaves to their initialisers. (A
+    parameter already built has no initialiser to run: the files must hold it, or check names it.)"""
     ask = getattr(source, "initialised", None)
     if ask is None:
         return set()
-    names = set(ask(list(shapes)))
-    unknown = sorted(names - set(shapes))
+    names = set(ask(params))
+    unknown = sorted(names - set(params))
     if unknown:
         raise ValueError(f"{type(source).__name__}.initialised named {unknown[:3]}, which are not parameters of "
-                         "the model")
+                         "the model on the 'meta' device")
     return names
 
 
