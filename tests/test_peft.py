@@ -4,12 +4,17 @@
     PeftModel.from_pretrained loads to the trained logits; a checkpoint resumes on 1 rank;
   * a frozen reference model as a zerodp engine of its own (no optimizer: forward only) beside a trained
     policy, with a DPO loss written here: equal to one process; through zerodp.deepspeed too, as TRL builds it.
+  * the big-model path: the base built on meta, wrapped by get_peft_model, its values read from the base's
+    Hugging Face folder with weights= (PEFT's names mapped to the folder's, the LoRA initialised as PEFT
+    does, bit for bit): trains on 2 ranks as the same PEFT model of from_pretrained on one process, and
+    each rank reads only its share of the base.
 One 2-rank launch runs every case; the references run in this process.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -24,7 +29,7 @@ from spawn import run_ranks
 peft = pytest.importorskip("peft")  # the `test` extra pins it
 transformers = pytest.importorskip("transformers")
 
-MICRO, STEPS, SAVE_AT, SEQ, BETA = 2, 4, 2, 12, 0.1
+MICRO, STEPS, SAVE_AT, SEQ, BETA, SEED = 2, 4, 2, 12, 0.1, 5
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -44,6 +49,30 @@ def lora_model(seed: int = 0):
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     return model
+
+
+def base_folder() -> str:
+    """The base model's Hugging Face folder (save_pretrained's), written once: what weights= reads."""
+    path = os.path.join(work(), "base")
+    if not os.path.isdir(path):
+        llama().save_pretrained(path)
+    return path
+
+
+def meta_lora(folder: str, low_cpu_mem_usage: bool = True, **lora):
+    """The big-model path as a user writes it: the base on meta, wrapped by PEFT (which with
+    low_cpu_mem_usage=True builds the adapter on meta too, drawing nothing); weights= then fills it."""
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    return peft.get_peft_model(base, peft.LoraConfig(**{**LORA, **lora}), low_cpu_mem_usage=low_cpu_mem_usage)
+
+
+def whole_lora(folder: str, **lora):
+    """The same PEFT model built whole, as on one GPU, from the same seed."""
+    torch.manual_seed(SEED)
+    return peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                               peft.LoraConfig(**{**LORA, **lora}))
 
 
 def batches(world: int = 2) -> list[torch.Tensor]:
@@ -97,6 +126,33 @@ def _lora_resume(rank: int, world: int, work: str) -> dict:
     return {"state": engine.full_state_dict()}
 
 
+def _meta_run(rank: int, world: int, work: str) -> dict:
+    """The PEFT model on meta, its base from the folder at stage 3; every range read from the files counted."""
+    from zerodp.checkpoint.weights import SafetensorsSource
+
+    read, original = [], SafetensorsSource.read_key
+
+    def counted(self, key: str, start: int, stop: int) -> torch.Tensor:
+        read.append(stop - start)
+        return original(self, key, start, stop)
+    SafetensorsSource.read_key = counted
+    try:
+        model = meta_lora(os.path.join(work, "base"))
+        engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(world),
+                                   weights=os.path.join(work, "base"))
+    finally:
+        SafetensorsSource.read_key = original
+    losses = []
+    for ids in batches():
+        ids = ids[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": engine.full_state_dict(), "read": sum(read),
+            "frozen_bytes": engine.memory_report()["frozen_params"]}
+
+
 def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     """Each sequence's summed log-probability of its own tokens."""
     logits = model(input_ids=ids).logits[:, :-1].float()
@@ -143,7 +199,7 @@ def _dpo_run(rank: int, world: int) -> dict:
 
 
 def _jobs(rank: int, world: int, work: str) -> dict:
-    return {"lora": _lora_run(rank, world, work), "dpo": _dpo_run(rank, world)}
+    return {"lora": _lora_run(rank, world, work), "dpo": _dpo_run(rank, world), "meta": _meta_run(rank, world, work)}
 
 
 @functools.cache
@@ -156,6 +212,7 @@ def work() -> str:
 
 @functools.cache
 def runs() -> list[dict]:
+    base_folder()
     return run_ranks(_jobs, 2, work())
 
 
@@ -240,3 +297,103 @@ def test_trl_style_deepspeed_initialize_without_optimizer_gives_a_sharded_refere
     for r in runs():
         assert r["dpo"]["ds_optimizer"] is None and r["dpo"]["ds_ids"]
         torch.testing.assert_close(r["dpo"]["ds_logits"], r["dpo"]["ref_logits"], rtol=0, atol=0)
+
+
+# ---- the big-model path: the base on meta, read from its folder ------------------------------------
+@functools.cache
+def meta_reference() -> dict:
+    model = whole_lora(base_folder())
+    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
+    losses = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def test_peft_model_on_meta_with_the_base_folder_as_weights_trains_on_2_ranks_as_from_pretrained_on_one():
+    ours, ref = runs(), meta_reference()
+    per_step = [sum(r["meta"]["losses"][s] for r in ours) / 2 for s in range(STEPS)]
+    assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
+    _close(ours[0]["meta"]["state"], ref["state"])  # the trained adapter, and the base unchanged
+    assert any("lora_A" in k for k in ref["state"])
+    base = sum(v.numel() for k, v in ref["state"].items() if "lora_" not in k)
+    # No rank reads, or holds, the whole base: each reads its half of the files, and keeps it sharded.
+    assert ours[0]["meta"]["read"] + ours[1]["meta"]["read"] == base
+    for r in ours:
+        assert 0.4 * base < r["meta"]["read"] < 0.6 * base
+        assert base * 4 / 2 <= r["meta"]["frozen_bytes"] < base * 4 / 2 * 1.1
+
+
+def _materialised(model, folder: str) -> tuple[dict, torch.Tensor]:
+    engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model)), config(1), weights=folder)
+    rng = torch.get_rng_state()
+    with engine.gathered_parameters():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, rng
+
+
+@pytest.mark.parametrize("lora", [{}, {"init_lora_weights": "gaussian", "modules_to_save": ["lm_head"]},
+                                  {"init_lora_weights": False, "lora_bias": True}],
+                         ids=["default", "gaussian+modules_to_save", "no-init+lora_bias"])
+def test_peft_model_on_meta_materialises_bit_for_bit_as_get_peft_model_of_from_pretrained(lora):
+    whole = whole_lora(base_folder(), **lora)
+    rng = torch.get_rng_state()
+    expected = whole.state_dict()
+    got, got_rng = _materialised(meta_lora(base_folder(), **lora), base_folder())
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert torch.equal(got_rng, rng)  # the random state left where the whole build leaves it
+    if lora.get("init_lora_weights", True) is not False:  # the untrained adapter adds nothing
+        assert all(not got[k].any() for k in got if "lora_B" in k)
+
+
+def test_peft_default_build_on_meta_draws_the_adapter_again_with_lora_B_zero():
+    """get_peft_model's default on a meta base draws the adapter on CPU and drops it to meta: zerodp draws it
+    again, as PEFT does, from the state after (not the whole build's numbers, which are gone)."""
+    expected = whole_lora(base_folder()).state_dict()
+    got, _ = _materialised(meta_lora(base_folder(), low_cpu_mem_usage=False), base_folder())
+    for k, v in expected.items():
+        if "lora_B" in k:
+            assert not got[k].any()
+        elif "lora_A" in k:
+            assert 0 < got[k].abs().max() <= 1 / math.sqrt(v.shape[1]) and not torch.equal(got[k], v)
+        else:
+            assert torch.equal(got[k], v), k
+
+
+def test_peft_initialiser_that_reads_the_base_is_refused_on_meta_by_name():
+    with pytest.raises(ValueError, match=r"lora_A\.default\.weight.*init_lora_weights='pissa'"):
+        _materialised(meta_lora(base_folder(), init_lora_weights="pissa"), base_folder())
+
+
+def _config_md_block() -> str:
+    """docs/CONFIG.md's python block of the big-model path."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()
+    return next(b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if "get_peft_model" in b)
+
+
+def test_config_md_peft_on_meta_runs_as_written_and_a_checkpoint_of_it_is_read_adapter_included(tmp_path):
+    scope = {"folder": base_folder()}
+    torch.manual_seed(SEED)
+    exec(compile(_config_md_block(), "docs/CONFIG.md", "exec"), scope)  # the documented code, as written
+    engine, model = scope["engine"], scope["model"]
+    torch.manual_seed(SEED)
+    whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_folder()),
+                                peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    assert engine.full_state_dict().keys() == whole.state_dict().keys()
+    assert all(torch.equal(v, whole.state_dict()[k]) for k, v in engine.full_state_dict().items())
+    ids = PROBE[:, :8]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    trained = engine.full_state_dict()
+    again = meta_lora(base_folder(), r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    read = zerodp.initialize(again, torch.optim.AdamW(trainable(again)), config(1), weights=str(tmp_path))
+    assert any(v.any() for k, v in trained.items() if "lora_B" in k)  # trained: read, not initialised again
+    assert all(torch.equal(v, trained[k]) for k, v in read.full_state_dict().items())

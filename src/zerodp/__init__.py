@@ -80,7 +80,8 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
       (save_pretrained's: model.safetensors, or shards with model.safetensors.index.json), a .safetensors
       file, a zerodp or DeepSpeed checkpoint directory (zerodp.checkpoint.weights.open_weights), or a
       zerodp.engine.setup.source.ParameterSource. Every rank reads only the elements it keeps; a parameter the
-      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it.
+      files lack or hold in another shape, or a tensor of theirs the model lacks, is an error naming it. A PEFT
+      model reads its base from the base model's files; its LoRA is initialised as PEFT does (models/hf_peft).
     mpu: instead of device_mesh, Megatron's parallel_state or DeepSpeed's mpu (its data- and tensor-parallel
       groups), for a model whose tp parameters are plain local shards marked `tensor_model_parallel=True`
       (or `model_parallel=True`); ZeRO partitions over the dp group (docs/CONFIG.md, "Tensor parallelism").
@@ -92,11 +93,10 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
     from zerodp.engine.summary import log_set_up
-    from zerodp.models import hf_folder
 
     cfg, source, error = _local_inputs(config, weights, model)
-    if param_init_fn is None:  # None still, unless a Hugging Face model is on meta
-        param_init_fn = hf_folder.init_fn(model)
+    if param_init_fn is None and error is None:  # None still, unless a Hugging Face or PEFT model is on meta
+        param_init_fn, error = _default_init_fn(model, source)
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh, mpu=mpu)
     if error is not None:
@@ -120,6 +120,18 @@ def _local_inputs(config, weights, model: nn.Module) -> tuple[Config | None, Par
     return cfg, source, error
 
 
+def _default_init_fn(model: nn.Module, source: ParameterSource | None) -> tuple[Callable | None, Exception | None]:
+    """(HF's initialiser of a model on meta, with PEFT's for its LoRA adapters, or the error to agree on)."""
+    from zerodp.models import hf_folder, hf_peft
+
+    left = getattr(source, "initialised", None)  # the parameters the weights leave to the initialisers
+    try:
+        return hf_peft.init_fn(model, hf_folder.init_fn(model), None if source is None else
+                               set(left([n for n, p in model.named_parameters() if p.is_meta]) if left else [])), None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        return None, e
+
+
 def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, Exception | None]:
     """(the ParameterSource `weights` names, or the error to agree on): headers and metadata only."""
     if weights is None:
@@ -130,7 +142,8 @@ def _weights_source(weights, model: nn.Module) -> tuple[ParameterSource | None, 
         return None, TypeError(f"weights must be a path (an HF folder, a .safetensors file, a zerodp or DeepSpeed "
                                f"checkpoint) or a ParameterSource, got {type(weights).__name__}")
     from zerodp.checkpoint.weights import open_weights
-    try:
-        return open_weights(weights, model), None
+    from zerodp.models.hf_peft import weight_names
+    try:  # a PEFT model's base is read under the base model's own names
+        return open_weights(weights, model, *weight_names(model)), None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         return None, e

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -44,12 +45,24 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # (prefix of the model's names, prefix of the file's keys): the first pair that finds every parameter wins.
 _PAIRS = [(p, "") for p in PREFIXES] + [("", p) for p in PREFIXES[1:]]
+Alias = Callable[[str], str]
 
 
-def open_weights(path: str | os.PathLike, model: nn.Module) -> FileSource:
+def open_weights(path: str | os.PathLike, model: nn.Module, alias: Alias | None = None,
+                 optional: frozenset[str] = frozenset()) -> FileSource:
     """The ParameterSource for `path`: an HF folder, a .safetensors file, a zerodp or DeepSpeed checkpoint
-    (a save_dir with `latest`, or a tag directory). Reads headers and metadata only."""
-    path = os.fspath(path)
+    (a save_dir with `latest`, or a tag directory). Reads headers and metadata only. For a model that an
+    adapter library wraps around a pretrained one: `alias(name)`, one more name under which the files may
+    hold a parameter (the wrapped model's own), tried after the parameter's own names; `optional`, the
+    parameters the files may lack (the adapter's), left to the modules' initialisers (`initialised`)."""
+    source = _open(os.fspath(path), model)
+    if alias is not None:
+        source.match(model, alias)
+    source.optional = frozenset(optional)
+    return source
+
+
+def _open(path: str, model: nn.Module) -> FileSource:
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return SafetensorsSource(f"the weights in file '{path}'", _keys_in([path]), model)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, CONFIG)):
@@ -72,9 +85,18 @@ class FileSource:
 
     def __init__(self, origin: str, shapes: dict[str, torch.Size], model: nn.Module, other: set[str] = frozenset(),
                  problems: list[str] | None = None):
-        self.origin, self.shapes = origin, shapes
-        self.names, self.unexpected = match_names(model, set(shapes) | set(other))
+        self.origin, self.shapes, self.keys = origin, shapes, set(shapes) | set(other)
+        self.match(model)
         self.problems = list(problems or [])
+        self.optional: frozenset[str] = frozenset()  # parameters the files may lack (open_weights)
+
+    def initialised(self, names: list[str]) -> list[str]:
+        """Of `names`, the optional ones the files lack: the engine takes them from the initialisers."""
+        return [n for n in names if n in self.optional and n not in self.names]
+
+    def match(self, model: nn.Module, alias: Alias | None = None) -> None:
+        """The model's names matched to the file's keys (`names`), and the keys none matches (`unexpected`)."""
+        self.names, self.unexpected = match_names(model, self.keys, alias)
 
     def check(self, shapes: dict[str, torch.Size]) -> None:
         """ValueError naming each parameter missing or of another shape and each tensor the model lacks."""
@@ -104,12 +126,14 @@ class FileSource:
         raise NotImplementedError
 
 
-def match_names(model: nn.Module, keys: set[str]) -> tuple[dict[str, str], list[str]]:
+def match_names(model: nn.Module, keys: set[str], alias: Alias | None = None) -> tuple[dict[str, str], list[str]]:
     """({parameter's first name: file key}, the file's keys that are none of the model's tensors)."""
     aliases: dict[str, list[str]] = {}
     first: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(first.setdefault(id(p), n), []).append(n)
+    if alias is not None:  # after the own names: a file of the wrapped model's own names is read first
+        aliases = {n: names + [alias(a) for a in names if alias(a) != a] for n, names in aliases.items()}
     best: tuple[dict[str, str], str, str] = ({}, "", "")
     for mp, fp in _PAIRS:
         names = {}
@@ -122,7 +146,8 @@ def match_names(model: nn.Module, keys: set[str]) -> tuple[dict[str, str], list[
         if len(names) == len(aliases):
             break
     names, mp, fp = best
-    known = {fp + n[len(mp):] for n in model.state_dict() if n.startswith(mp)}
+    state = list(model.state_dict()) + ([alias(n) for n in model.state_dict()] if alias is not None else [])
+    known = {fp + n[len(mp):] for n in state if n.startswith(mp)}
     # Keys a Hugging Face model declares it ignores on load (old checkpoints' buffers, e.g. attn.masked_bias).
     ignored = [re.compile(p) for m in model.modules()
                for p in getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ()]

@@ -10,7 +10,9 @@
                    whole tensor (`read_local`: its rows, and of Shard(1) only its columns).
   fill.py          the steps, each named once:
                    `filling_for`  local, no collective: every tensor on meta has a source (a ModuleInit,
-                                  or weights the caller gave), and the source has every parameter;
+                                  or weights the caller gave), and the source has every parameter, but
+                                  those it leaves to the initialisers (`initialised`: an adapter added
+                                  to a pretrained base), whose modules alone the ModuleInit runs;
                    `move_to`      the module's real tensors onto the device (meta ones have no values);
                    `start`        one broadcast of rank 0's random state (`ModuleInit.seed`), then every
                                   tensor outside the flat buffers (frozen parameters, buffers) whole;

@@ -3,6 +3,10 @@ model built on `meta` or a weights source, from a ParameterSource that is asked 
 this rank keeps (stage 3: its shard of each bucket; stages 0-2: the whole working bucket, whose shard
 starts the fp32 master). One bucket at a time: no rank ever holds the whole model, in any precision.
 
+Weights may leave some parameters to the initialisers (`ParameterSource.initialised`: an adapter added to
+a pretrained base, which no file of the base holds): those are read from the modules' initialisers, run
+only for the modules that hold them, and every other parameter from the weights.
+
 Stage 3's frozen parameters are in flat buffers of their own (layout.Layout.frozen), filled like the
 trained ones. Parameters outside the flat buffers (frozen ones below stage 3) and buffers are kept whole
 on every rank, as for a model built whole: frozen parameters from the source, buffers from their modules'
@@ -41,6 +45,8 @@ class Filling:
     inits: ModuleInit | None = None  # the initialisers of the tensors on meta
     # tensor-parallel parameters whose local shard is read out of the source's whole tensor, by name
     boxes: dict[str, Box] = field(default_factory=dict)
+    # parameters the weights leave to the initialisers (source.initialised), read from `inits`
+    initialised: frozenset[str] = frozenset()
 
     @property
     def from_source(self) -> bool:
@@ -59,8 +65,14 @@ class Filling:
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the values this rank holds of parameter `name` (a tensor-parallel
         parameter's local shard) flattened."""
+        source = self.inits if name in self.initialised else self.source
         box = self.boxes.get(name)
-        return self.source.read(name, start, stop) if box is None else read_local(self.source, name, box, start, stop)
+        return source.read(name, start, stop) if box is None else read_local(source, name, box, start, stop)
+
+    @property
+    def draws(self) -> bool:
+        """The initialisers give parameters: the random state is left where the whole build leaves it."""
+        return self.inits is not None and (self.source is self.inits or bool(self.initialised))
 
 
 def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn: ParamInitFn | None) -> Filling:
@@ -72,19 +84,36 @@ def filling_for(module: nn.Module, source: ParameterSource | None, param_init_fn
     if param_init_fn is not None and not params and not buffers:
         raise ValueError("param_init_fn initialises a model built on the 'meta' device, and this model has no "
                          "tensor on meta; build it under torch.device('meta'), or leave param_init_fn out")
+    shapes = {n: p.shape for n, p in module.named_parameters()}
+    initialised = _left_to_initialisers(source, params)
     inits = None
-    if buffers or (params and source is None):  # weights from files need no initialiser for parameters
-        inits = ModuleInit(module, param_init_fn)
-        missing = inits.uninitialisable(buffers + ([] if source is not None else params))
+    if buffers or (params and source is None) or initialised:  # weights need no initialiser for theirs
+        inits = ModuleInit(module, param_init_fn, None if source is None else {*buffers, *initialised})
+        missing = inits.uninitialisable(buffers + (params if source is None else sorted(initialised)))
         if missing:
             raise ValueError(missing_initialiser(missing))
     if source is None and params:
         source = inits
     elif source is not None:
-        source.check({n: p.shape for n, p in module.named_parameters()})
+        source.check({n: s for n, s in shapes.items() if n not in initialised})
     # Files hold every parameter whole; the initialisers give whole values for the tensors on meta only (a
     # parameter already built holds its local shard, which ModuleInit reads).
-    return Filling(module, source, inits, boxes(module, None if source is not inits else set(params)))
+    return Filling(module, source, inits, boxes(module, None if source is not inits else set(params)),
+                   frozenset(initialised))
+
+
+def _left_to_initialisers(source: ParameterSource | None, params: list[str]) -> set[str]:
+    """Of the parameters on meta, those `source` says it does not hold and leaves to their initialisers. (A
+    parameter already built has no initialiser to run: the files must hold it, or check names it.)"""
+    ask = getattr(source, "initialised", None)
+    if ask is None:
+        return set()
+    names = set(ask(params))
+    unknown = sorted(names - set(params))
+    if unknown:
+        raise ValueError(f"{type(source).__name__}.initialised named {unknown[:3]}, which are not parameters of "
+                         "the model on the 'meta' device")
+    return names
 
 
 def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int]) -> None:
@@ -130,7 +159,7 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
         if not fresh and trained:
             shards += [b.owned for b in g.buckets]
     if filling.inits is not None:
-        filling.inits.finish(advance=filling.source is filling.inits)
+        filling.inits.finish(advance=filling.draws)
     return shards
 
 

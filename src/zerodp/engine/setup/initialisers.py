@@ -50,9 +50,14 @@ def meta_names(module: nn.Module) -> tuple[list[str], list[str]]:
 
 
 class ModuleInit:
-    """ParameterSource over the module initialisers of a meta-built model; also gives its buffers."""
+    """ParameterSource over the module initialisers of a meta-built model; also gives its buffers.
 
-    def __init__(self, module: nn.Module, param_init_fn: ParamInitFn | None = None):
+    `wanted`: the names (parameters and buffers) the initialisers give when weights give the rest; a module
+    holding none of them is left out, neither run nor drawn for, as a build that loads its values from
+    files (from_pretrained) draws nothing for it. None: every module with a tensor on meta."""
+
+    def __init__(self, module: nn.Module, param_init_fn: ParamInitFn | None = None,
+                 wanted: set[str] | None = None):
         self.param_init_fn = param_init_fn
         self.modules: list[nn.Module] = []
         self.module_names: list[str] = []
@@ -64,7 +69,7 @@ class ModuleInit:
         self.real = {n: p for n, p in module.named_parameters() if not p.is_meta}  # a partly meta model
         for mname, m in module.named_modules():
             direct = list(itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
-            if not any(t.is_meta for t in direct):
+            if not any(t.is_meta for t in direct) or not _holds_wanted(m, mname, first, wanted):
                 continue
             k = len(self.modules)
             self.modules.append(m)
@@ -171,6 +176,15 @@ class ModuleInit:
         if len(self.states) == k + 1:
             self.states.append(torch.get_rng_state())
         return values
+
+
+def _holds_wanted(m: nn.Module, mname: str, first: dict[int, str], wanted: set[str] | None) -> bool:
+    """Whether module m registers a tensor on meta that `wanted` names (under its own or its first name)."""
+    if wanted is None:
+        return True
+    prefix = mname + "." if mname else ""
+    named = itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))
+    return any(t.is_meta and (prefix + n in wanted or first.get(id(t)) in wanted) for n, t in named)
 
 
 def _has_initialiser(m: nn.Module) -> bool:

@@ -27,6 +27,12 @@ class ParameterSource(Protocol):
         dtype (the caller casts). Reads no more of the file than those elements need."""
         ...
 
+    # A source may also have `initialised(names: list[str]) -> list[str]`: of the names of the model's parameters on
+    # meta, those it does not hold and leaves to the modules' own initialisers (an adapter added to a pretrained base: the
+    # base's files have no adapter). `check` is then asked about the others only, the initialisers run only
+    # for the modules holding those names, and the random state ends where a whole build that loads the rest
+    # (drawing nothing for it) leaves it.
+    #
     # A source may also have `read_box(name, index: tuple[slice, ...]) -> Tensor`: the elements inside one
     # box of the tensor (a slice per dimension), shaped as the box. A tensor-parallel Shard(1) shard, a
     # column block of every row, is read with it in one call (tp_shards.read_local); without it, one `read`
