@@ -230,7 +230,7 @@ class Engine:
         step_unused_parameters steps every one, the unused with a zero gradient (DeepSpeed's)."""
         if self.config.zero_optimization.step_unused_parameters:
             return None
-        return UsedParameters(layout, self.comm, self.stage)
+        return UsedParameters(layout, self.comm)
 
     def _partitioned(self, optimizer: OptimizerLike, layout: Layout,
                      fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
@@ -258,7 +258,7 @@ class Engine:
         acc_dtype = config.grad_accum_dtype or (torch.float32 if self.gas > 1 else self.dtype)
         done = None if self.gatherer is None else self.gatherer.gradients_done
         placements = GradPlacements(layout, self.comm, names_of(self.module)) if self.comm.tp is not None else None
-        return Reducer(layout, self.comm, self.stage, acc_dtype, zero.overlap_comm, on_bucket_done=done,
+        return Reducer(layout, self.comm, self.spec, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                        comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
                        predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size,
                        grad_placements=placements)

@@ -49,6 +49,7 @@ from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, local
 from zerodp.engine.grad_placement import GradPlacements
 from zerodp.engine.layout import Layout
+from zerodp.engine.spec import EngineSpec
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
@@ -92,25 +93,27 @@ class InFlight(NamedTuple):
 
 
 class Reducer:
-    def __init__(self, layout: Layout, comm: Comm, stage: int, acc_dtype: torch.dtype,
+    def __init__(self, layout: Layout, comm: Comm, spec: EngineSpec, acc_dtype: torch.dtype,
                  overlap_comm: bool, on_bucket_done: Callable[[Bucket], None] | None = None,
                  comm_dtype: torch.dtype | None = None, prescale: bool = False,
                  predivide: float | None = None, bucket_numel: int | None = None,
                  grad_placements: GradPlacements | None = None):
-        self.comm, self.stage, self.overlap = comm, stage, overlap_comm
+        self.comm, self.overlap = comm, overlap_comm
+        # Stage 0 all-reduces whole buckets; stages 1-3 reduce-scatter each to the rank that owns its shard.
+        self.scatters = spec.shards_optimizer
         # Tensor parallelism: each slot's gradient brought to its parameter's placement (None: no tp)
         self.grad_placements = grad_placements
         self.on_bucket_done = on_bucket_done
         # Called with each buffer the reducer makes and what it holds ("grad": a bucket's gradient,
         # "bucket": a reduce buffer of the pool): the memory planner (plan/peak.py) labels them.
         self.on_new_buffer: list[Callable[[torch.Tensor, str], None]] = []
-        self.kept = Kept.SHARD if stage >= 2 and comm.shard_size > 1 else Kept.BUCKET  # fixed, not a state
+        self.kept = Kept.SHARD if spec.keeps_gradient_shard and comm.shard_size > 1 else Kept.BUCKET  # fixed
         self.buckets: list[Bucket] = layout.buckets
         # The dtype of the reduce buffers: the gradients' own, unless communication_data_type says otherwise.
         self.dtype = comm_dtype or (self.buckets[0].data.dtype if self.buckets else acc_dtype)
         world = comm.world_size  # the mean is over every rank, also with hierarchical sharding
         if predivide is None:
-            predivide = 1.0 if stage == 0 else float(world)
+            predivide = float(world) if self.scatters else 1.0
         # Multiply by `pre` before the sum and by `post` after it: their product is 1 / world.
         self.pre, self.post = (1.0 / world, 1.0) if prescale else (1.0 / predivide, predivide / world)
         if world == 1:
@@ -231,7 +234,7 @@ class Reducer:
         reduced (the rest is this rank's own gradient / N): that chunk becomes N x mean, the rest 0."""
         self.wait()
         self.window = Window.SUMMED
-        if self.stage == 0 or self.comm.world_size == 1:
+        if not self.scatters or self.comm.world_size == 1:
             return
         for b, grad in zip(self.buckets, self.grads):
             if grad is not None:
@@ -265,7 +268,7 @@ class Reducer:
             sent.mul_(self.pre)
         # In an EMPTY window a shard of the right dtype is reduced straight into the gradient.
         into_grad = self.kept is Kept.SHARD and self.window is Window.EMPTY and self.acc_dtype == buf.dtype
-        if self.stage == 0:
+        if not self.scatters:
             work = self.comm.all_reduce(sent, async_op=True)
         else:
             out = self._grad(k) if into_grad else b.shard(sent, self.rank)
@@ -279,11 +282,11 @@ class Reducer:
         work.wait()
         b = self.buckets[k]
         if self.kept is Kept.BUCKET:  # the reduced values: the whole bucket (stage 0) or the owned chunk
-            reduced = sent if self.stage == 0 else b.shard(sent, self.rank)
+            reduced = b.shard(sent, self.rank) if self.scatters else sent
             if self.post != 1.0:
                 reduced.mul_(self.post)
             if sent is not self.grads[k]:
-                (self.grads[k] if self.stage == 0 else b.shard(self.grads[k], self.rank)).copy_(reduced)
+                (b.shard(self.grads[k], self.rank) if self.scatters else self.grads[k]).copy_(reduced)
         else:
             shard = self._grad(k) if into_grad else b.shard(self._target(k), self.rank)
             if self.post != 1.0:

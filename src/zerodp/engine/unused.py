@@ -38,8 +38,8 @@ from zerodp.engine.layout import Layout
 class UsedParameters:
     """The window's used bits, their agreement across ranks, and a step that leaves the rest alone."""
 
-    def __init__(self, layout: Layout, comm: Comm, stage: int):
-        self.comm, self.stage = comm, stage
+    def __init__(self, layout: Layout, comm: Comm):
+        self.comm = comm
         buckets, rank = layout.buckets, layout.rank
         self.first = []  # global slot id of each bucket's first slot
         self.params = [s.param for b in buckets for s in b.slots]  # by slot id
