@@ -201,11 +201,13 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
     out["nothing split"] = set_up_error(build(), mesh)  # a tp mesh, the model never parallelized
     out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
-    # Muon orthogonalises a whole matrix: on a tp shard it would orthogonalise a piece as if it were the matrix
-    hidden = [p for n, p in tp_model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in tp_model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
-    out["muon on tp shards"] = error_text(lambda: zerodp.initialize(
-        tp_model, [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)], config(2, 2), device_mesh=mesh))
+    # Muon steps each tp-sharded matrix whole, gathered over tp (test_tp_titan.py): a matrix whose tp shards are
+    # of unequal sizes (5 rows over 2 ranks) cannot be, and is refused rather than orthogonalised as pieces
+    uneven = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
+    parallelize_module(uneven, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    out["muon on uneven tp shards"] = error_text(lambda: zerodp.initialize(
+        uneven, [torch.optim.Muon([uneven[0].weight, uneven[1].weight], lr=LR),
+                 torch.optim.AdamW([uneven[0].bias, uneven[1].bias], lr=LR)], config(2, 2), device_mesh=mesh))
     return out
 
 
@@ -364,7 +366,16 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
             "mpu stage 0": error_text(init(ParallelState(dp_group, tp_group), stage=0)),
             "mpu hierarchical": error_text(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1})),
             "mpu nothing marked": error_text(lambda: zerodp.initialize(whole, optimizer(whole), config(2, 2),
-                                                                  mpu=ParallelState(dp_group, tp_group)))}
+                                                                  mpu=ParallelState(dp_group, tp_group))),
+            "mpu muon on shards of unknown axis": error_text(lambda: _muon_on(
+                split_by_hand(build(), tp_group, "model_parallel"), DeepSpeedMpu(dp_group, tp_group)))}
+
+
+def _muon_on(model: nn.Module, mpu) -> None:
+    """zerodp.initialize with Muon on the hidden matrices (DeepSpeed's marking: no partition_dim), AdamW on the rest."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
+    zerodp.initialize(model, [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)], config(2, 2), mpu=mpu)
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -481,8 +492,9 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         nothing = bad["nothing split"]
         assert "has 2 ranks, but no parameter of the model is split over it" in nothing, nothing
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
-        muon = bad["muon on tp shards"]
-        assert "optimizer Muon steps whole parameters" in muon and "'blocks.0.attn.q.weight' is a tensor-parallel shard" in muon, muon
+        muon = bad["muon on uneven tp shards"]  # a tp shard is never stepped as if it were the matrix
+        assert muon.startswith("ValueError: optimizer Muon steps whole parameters") and \
+            "'0.weight' is split over tp along dimension 0 of size 5, which is not divisible by the tp size 2" in muon, muon
 
 
 def test_mpu_setup_errors_on_every_rank_before_any_collective():
@@ -494,5 +506,8 @@ def test_mpu_setup_errors_on_every_rank_before_any_collective():
         assert "stage 0" in bad["mpu stage 0"], bad["mpu stage 0"]
         assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
         assert "the mpu's tensor-parallel group has 2 ranks, but no parameter" in bad["mpu nothing marked"], bad
+        muon = bad["mpu muon on shards of unknown axis"]  # whole matrices cannot be joined: refused, not pieces
+        assert muon.startswith("ValueError: optimizer Muon steps whole parameters") and \
+            "'blocks.0.attn.q.weight'" in muon and "partition_dim is None" in muon, muon
 
 
