@@ -110,11 +110,19 @@ def optimizer(model: nn.Module, sgd: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None) -> dict:
-    """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_; no update
-    at step `skip`."""
+def muon_and_adamw(model: nn.Module, muon=tp_titan.Fp32Muon) -> list[torch.optim.Optimizer]:
+    """A shape-aware optimizer on the blocks' matrices (Megatron shards: each stepped whole, gathered over tp
+    along its partition_dim) and AdamW on the rest, as a list of two."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
+    return [muon(hidden, lr=10 * LR), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
+
+
+def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None, muon: bool = False) -> dict:
+    """One process, the whole model, the whole batch: plain AdamW (or SGD, or muon_and_adamw) and
+    clip_grad_norm_; no update at step `skip`."""
     model = build(sometimes)
-    opt = optimizer(model, sgd)
+    opt = tp_titan.Together(muon_and_adamw(model)) if muon else optimizer(model, sgd)
     losses, norms = [], []
     for step in range(STEPS):
         model.use_sometimes = sometimes and step % 2 == 1
@@ -318,13 +326,14 @@ class DeepSpeedMpu:
         return self.tp
 
 
-def train_mpu(mesh: DeviceMesh, deepspeed: bool, **zero) -> dict:
+def train_mpu(mesh: DeviceMesh, deepspeed: bool, muon: bool = False, **zero) -> dict:
     """(dp 2, tp 2) at stage 2, the model split by hand and given with an mpu (DeepSpeed's spelling and
-    marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize)."""
+    marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize); AdamW, or
+    muon_and_adamw."""
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     marking = "model_parallel" if deepspeed else "tensor_model_parallel"
     model = split_by_hand(build(), tp_group, marking)
-    opt, cfg = optimizer(model), config(2, 2, **zero)
+    opt, cfg = muon_and_adamw(model) if muon else optimizer(model), config(2, 2, **zero)
     if deepspeed:
         engine, *_ = zds.initialize(model=model, optimizer=opt, config=cfg,
                                     mpu=DeepSpeedMpu(dp_group, tp_group))
@@ -372,10 +381,9 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
 
 
 def _muon_on(model: nn.Module, mpu) -> None:
-    """zerodp.initialize with Muon on the hidden matrices (DeepSpeed's marking: no partition_dim), AdamW on the rest."""
-    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
-    zerodp.initialize(model, [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)], config(2, 2), mpu=mpu)
+    """zerodp.initialize with torch's Muon on the hidden matrices (DeepSpeed's marking: no partition_dim), AdamW
+    on the rest."""
+    zerodp.initialize(model, muon_and_adamw(model, torch.optim.Muon), config(2, 2), mpu=mpu)
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -386,6 +394,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["gpt"] = tp_train.gpt_oracle(mesh)  # zerodp's GPT and its tp plan: test_train_tp.py
     out["mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=False)
     out["deepspeed mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=True)
+    out["reference muon"], out["mpu dp2 tp2 stage 2 muon"] = reference(muon=True), train_mpu(mesh, False, muon=True)
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
@@ -422,11 +431,11 @@ def _results() -> list[dict]:
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
         "dp2 tp2 stage 2 sgd", *tp_offload.RUNS, "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
         "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3",
-        "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"]
+        "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2", "mpu dp2 tp2 stage 2 muon"]
 
 
 def _reference(run: str) -> str:
-    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip") if run.endswith(k)), "reference")
+    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip", "muon") if run.endswith(k)), "reference")
 
 
 @pytest.mark.parametrize("run", RUNS)

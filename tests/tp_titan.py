@@ -190,7 +190,7 @@ def reference(steps: int = STEPS, vocab: int = VOCAB, optimizers=adamw) -> dict:
     """One process, the whole model, the whole batch: AdamW (or `optimizers`) and clip_grad_norm_."""
     model = build(vocab)
     opts = optimizers(model)
-    opt = opts if isinstance(opts, torch.optim.Optimizer) else _Both(opts)
+    opt = opts if isinstance(opts, torch.optim.Optimizer) else Together(opts)
     losses, norms = [], []
     for step in range(steps):
         x, y = data(step, vocab)
@@ -203,7 +203,7 @@ def reference(steps: int = STEPS, vocab: int = VOCAB, optimizers=adamw) -> dict:
     return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-class _Both:
+class Together:
     """The reference's list of optimizers stepped together."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
