@@ -110,11 +110,19 @@ def optimizer(model: nn.Module, sgd: bool = False) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None) -> dict:
-    """One process, the whole model, the whole batch: plain AdamW (or SGD) and clip_grad_norm_; no update
-    at step `skip`."""
+def muon_and_adamw(model: nn.Module, muon=tp_titan.Fp32Muon) -> list[torch.optim.Optimizer]:
+    """A shape-aware optimizer on the blocks' matrices (Megatron shards: each stepped whole, gathered over tp
+    along its partition_dim) and AdamW on the rest, as a list of two."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
+    return [muon(hidden, lr=10 * LR), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
+
+
+def reference(sgd: bool = False, sometimes: bool = False, skip: int | None = None, muon: bool = False) -> dict:
+    """One process, the whole model, the whole batch: plain AdamW (or SGD, or muon_and_adamw) and
+    clip_grad_norm_; no update at step `skip`."""
     model = build(sometimes)
-    opt = optimizer(model, sgd)
+    opt = tp_titan.Together(muon_and_adamw(model)) if muon else optimizer(model, sgd)
     losses, norms = [], []
     for step in range(STEPS):
         model.use_sometimes = sometimes and step % 2 == 1
@@ -201,11 +209,13 @@ def bad_inputs(mesh: DeviceMesh) -> dict:
     out["names"] = set_up_error(build(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tp")))
     out["nothing split"] = set_up_error(build(), mesh)  # a tp mesh, the model never parallelized
     out["stage 0"] = set_up_error(tp_model, mesh, stage=0)
-    # Muon orthogonalises a whole matrix: on a tp shard it would orthogonalise a piece as if it were the matrix
-    hidden = [p for n, p in tp_model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
-    rest = [p for n, p in tp_model.named_parameters() if not (p.dim() == 2 and n.startswith("blocks."))]
-    out["muon on tp shards"] = error_text(lambda: zerodp.initialize(
-        tp_model, [torch.optim.Muon(hidden, lr=LR), torch.optim.AdamW(rest, lr=LR)], config(2, 2), device_mesh=mesh))
+    # Muon steps each tp-sharded matrix whole, gathered over tp (test_tp_titan.py): a matrix whose tp shards are
+    # of unequal sizes (5 rows over 2 ranks) cannot be, and is refused rather than orthogonalised as pieces
+    uneven = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 4))
+    parallelize_module(uneven, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    out["muon on uneven tp shards"] = error_text(lambda: zerodp.initialize(
+        uneven, [torch.optim.Muon([uneven[0].weight, uneven[1].weight], lr=LR),
+                 torch.optim.AdamW([uneven[0].bias, uneven[1].bias], lr=LR)], config(2, 2), device_mesh=mesh))
     return out
 
 
@@ -316,13 +326,14 @@ class DeepSpeedMpu:
         return self.tp
 
 
-def train_mpu(mesh: DeviceMesh, deepspeed: bool, **zero) -> dict:
+def train_mpu(mesh: DeviceMesh, deepspeed: bool, muon: bool = False, **zero) -> dict:
     """(dp 2, tp 2) at stage 2, the model split by hand and given with an mpu (DeepSpeed's spelling and
-    marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize)."""
+    marking through zerodp.deepspeed.initialize, else Megatron's through zerodp.initialize); AdamW, or
+    muon_and_adamw."""
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     marking = "model_parallel" if deepspeed else "tensor_model_parallel"
     model = split_by_hand(build(), tp_group, marking)
-    opt, cfg = optimizer(model), config(2, 2, **zero)
+    opt, cfg = muon_and_adamw(model) if muon else optimizer(model), config(2, 2, **zero)
     if deepspeed:
         engine, *_ = zds.initialize(model=model, optimizer=opt, config=cfg,
                                     mpu=DeepSpeedMpu(dp_group, tp_group))
@@ -364,7 +375,15 @@ def bad_mpu(mesh: DeviceMesh) -> dict:
             "mpu stage 0": error_text(init(ParallelState(dp_group, tp_group), stage=0)),
             "mpu hierarchical": error_text(init(ParallelState(dp_group, tp_group), zero={"mics_shard_size": 1})),
             "mpu nothing marked": error_text(lambda: zerodp.initialize(whole, optimizer(whole), config(2, 2),
-                                                                  mpu=ParallelState(dp_group, tp_group)))}
+                                                                  mpu=ParallelState(dp_group, tp_group))),
+            "mpu muon on shards of unknown axis": error_text(lambda: _muon_on(
+                split_by_hand(build(), tp_group, "model_parallel"), DeepSpeedMpu(dp_group, tp_group)))}
+
+
+def _muon_on(model: nn.Module, mpu) -> None:
+    """zerodp.initialize with torch's Muon on the hidden matrices (DeepSpeed's marking: no partition_dim), AdamW
+    on the rest."""
+    zerodp.initialize(model, muon_and_adamw(model, torch.optim.Muon), config(2, 2), mpu=mpu)
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -375,6 +394,7 @@ def _ranks(rank: int, world: int) -> dict:
     out["gpt"] = tp_train.gpt_oracle(mesh)  # zerodp's GPT and its tp plan: test_train_tp.py
     out["mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=False)
     out["deepspeed mpu dp2 tp2 stage 2"] = train_mpu(mesh, deepspeed=True)
+    out["reference muon"], out["mpu dp2 tp2 stage 2 muon"] = reference(muon=True), train_mpu(mesh, False, muon=True)
     for stage in (1, 2, 3):
         out[f"dp2 tp2 stage {stage}"] = train(mesh, stage)
     out["dp2 tp2 stage 2 sgd"] = train(mesh, 2, sgd=True)
@@ -411,11 +431,11 @@ def _results() -> list[dict]:
 RUNS = ["dp2 tp2 stage 1", "dp2 tp2 stage 2", "dp2 tp2 stage 3", "dp4 tp1 stage 2", "dp1 tp4 stage 2",
         "dp2 tp2 stage 2 sgd", *tp_offload.RUNS, "dp2 tp2 stage 2 sometimes", "dp2 tp2 stage 2 skip",
         "dp_replicate2 dp_shard1 tp2 stage 2", "dp_replicate2 dp_shard2 stage 3",
-        "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2"]
+        "mpu dp2 tp2 stage 2", "deepspeed mpu dp2 tp2 stage 2", "mpu dp2 tp2 stage 2 muon"]
 
 
 def _reference(run: str) -> str:
-    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip") if run.endswith(k)), "reference")
+    return next((f"reference {k}" for k in ("sgd", "sometimes", "skip", "muon") if run.endswith(k)), "reference")
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -481,8 +501,9 @@ def test_tp_setup_errors_on_every_rank_before_any_collective():
         nothing = bad["nothing split"]
         assert "has 2 ranks, but no parameter of the model is split over it" in nothing, nothing
         assert "stage 0" in bad["stage 0"], bad["stage 0"]
-        muon = bad["muon on tp shards"]
-        assert "optimizer Muon steps whole parameters" in muon and "'blocks.0.attn.q.weight' is a tensor-parallel shard" in muon, muon
+        muon = bad["muon on uneven tp shards"]  # a tp shard is never stepped as if it were the matrix
+        assert muon.startswith("ValueError: optimizer Muon steps whole parameters") and \
+            "'0.weight' is split over tp along dimension 0 of size 5, which is not divisible by the tp size 2" in muon, muon
 
 
 def test_mpu_setup_errors_on_every_rank_before_any_collective():
@@ -494,5 +515,8 @@ def test_mpu_setup_errors_on_every_rank_before_any_collective():
         assert "stage 0" in bad["mpu stage 0"], bad["mpu stage 0"]
         assert "shard size 1 of 2" in bad["mpu hierarchical"], bad["mpu hierarchical"]
         assert "the mpu's tensor-parallel group has 2 ranks, but no parameter" in bad["mpu nothing marked"], bad
+        muon = bad["mpu muon on shards of unknown axis"]  # whole matrices cannot be joined: refused, not pieces
+        assert muon.startswith("ValueError: optimizer Muon steps whole parameters") and \
+            "'blocks.0.attn.q.weight'" in muon and "partition_dim is None" in muon, muon
 
 

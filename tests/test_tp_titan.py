@@ -132,3 +132,55 @@ def test_titan_checkpoint_consolidates_to_the_whole_weights_at_the_save():
     assert ties == {}
     worst = _assert_close(state, reference(SAVE_AT)["weights"], "titan consolidated")
     print(f"titan consolidated: {worst:.2e}")
+
+
+# torch's Muon orthogonalises in bfloat16 (test_engine.py's OPTIMIZER_ATOL, the same 2e-4): the tp ranks' partial
+# matmuls sum a gradient in another order than one process, and a gradient that rounds to another bf16 value
+# carries through the Newton-Schulz iteration into the update (measured 6.4e-5 at lr 2e-3; at (dp 4, tp 1), no
+# tp, 6e-8; both ~5e-4 at lr 1e-2). Fp32Muon, the same algorithm in fp32 at 10x the lr, shows the gather itself
+# is exact: 1e-6 (measured 2.4e-7). Each tp shard stepped as if it were the matrix ends 4.3e-3 (torch's Muon)
+# and 5.2e-2 (Fp32Muon) away.
+SHAPE_AWARE = {"titan dp2 tp2 stage 2 muon": ("reference muon", 2e-4),
+               "titan dp2 tp2 stage 2 fp32 muon": ("reference fp32 muon", 1e-6),
+               "titan dp2 tp2 stage 3 fp32 muon offload": ("reference fp32 muon", 1e-6)}
+
+
+@pytest.mark.parametrize("run", SHAPE_AWARE)
+def test_muon_on_tp_sharded_matrices_steps_each_whole_matrix_and_matches_one_process(run):
+    # Muon on the hidden matrices (q/k/v/w1/w3 Shard(0), o/w2 Shard(1)) and AdamW on the embedding, norms and
+    # head, as a list of two optimizers: each matrix's owner gathers it over tp for the step.
+    want, tol = SHAPE_AWARE[run]
+    for rank in range(4):
+        ref, got = _titan(rank)[want], _titan(rank)[run]
+        assert min(ref["norms"]) > CLIP  # clipping binds on every step
+        assert got["losses"] == pytest.approx(ref["losses"], abs=tol, rel=tol), (run, rank)
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5 if tol < 1e-5 else 1e-3), (run, rank)
+        for what, weights in (("weights", got["weights"]), ("export", got["export"])):
+            worst = max((weights[n] - w).abs().max().item() for n, w in ref["weights"].items())
+            for name, w in ref["weights"].items():
+                torch.testing.assert_close(weights[name], w, atol=tol, rtol=tol, msg=lambda m: f"{run} {what} {name}: {m}")
+            print(f"{run} rank {rank}: {what} {worst:.2e}")
+
+
+def test_muon_checkpoint_saves_each_tp_sharded_matrix_state_once_whole_under_its_name():
+    # The whole matrix's momentum, the same on both tp ranks of its owner: written once (tp rank 0), not per tp rank.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from test_tp_ckpt import _root
+    from zerodp.checkpoint import resolve
+
+    saved = FileSystemReader(resolve(os.path.join(_root(), "titan muon"))[0]).read_metadata().state_dict_metadata
+    momentum = {k.split("/", 2)[2]: tuple(md.size) for k, md in saved.items() if k.startswith("optim_param/momentum_buffer/")}
+    assert momentum == {f"layers.{i}.{m}.weight": shape for i in range(2) for m, shape in (
+        ("attention.wq", (16, 16)), ("attention.wk", (16, 16)), ("attention.wv", (16, 16)), ("attention.wo", (16, 16)),
+        ("feed_forward.w1", (32, 16)), ("feed_forward.w2", (16, 32)), ("feed_forward.w3", (32, 16)))}, momentum
+
+
+def test_muon_checkpoint_saved_at_dp2_tp2_resumes_without_tp_to_the_uninterrupted_weights():
+    # Saved at (dp 2, tp 2) after SAVE_AT steps, resumed at (dp 2) without tp: each matrix's whole state is its state.
+    ref = _titan(0)["reference fp32 muon"]["weights"]
+    for rank, result in enumerate(_resumed()):
+        worst = max((result["titan muon"][n] - w).abs().max().item() for n, w in ref.items())
+        for name, w in ref.items():
+            torch.testing.assert_close(result["titan muon"][name], w, atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+        print(f"titan muon resumed rank {rank}: {worst:.2e}")

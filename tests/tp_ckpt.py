@@ -207,4 +207,5 @@ def resumes(rank: int, world: int, root: str) -> dict:
     import tp_titan
 
     out["titan"] = tp_titan.resume(root)  # torchtitan's plan: saved at (dp 2, tp 2), resumed at (dp 1, tp 2)
+    out["titan muon"] = tp_titan.resume_muon(root)  # Muon's whole-matrix states: (dp 2, tp 2) into (dp 2, no tp)
     return out

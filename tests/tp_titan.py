@@ -145,10 +145,52 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def reference(steps: int = STEPS, vocab: int = VOCAB) -> dict:
-    """One process, the whole model, the whole batch: AdamW and clip_grad_norm_."""
+# ---- shape-aware optimizers on the tp-sharded matrices (issue 33) -------------------------------------
+class Fp32Muon(torch.optim.Optimizer):
+    """Muon as torch writes it (Nesterov momentum, quintic Newton-Schulz, the 'original' lr scale), but
+    orthogonalising in fp32: a user's own shape-aware optimizer whose runs can be compared to 1e-6 (torch's
+    Muon rounds to bf16, OPTIMIZER_ATOL). On a Shard(0) or Shard(1) piece of a matrix its update is another."""
+
+    def __init__(self, params, lr: float = LR, momentum: float = 0.95, weight_decay: float = 0.1):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                g = p.grad.lerp(buf, group["momentum"])
+                x = g.T if g.shape[0] > g.shape[1] else g
+                x = x / x.norm().clamp(min=1e-7)
+                for _ in range(5):
+                    gram = x @ x.T
+                    x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+                x = x.T if g.shape[0] > g.shape[1] else x
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(x, alpha=-group["lr"] * max(1, p.shape[0] / p.shape[1]) ** 0.5)
+
+
+def muon_and_adamw(model: nn.Module, muon=torch.optim.Muon, lr: float = LR) -> list[torch.optim.Optimizer]:
+    """Muon as people run it: the 2-D hidden matrices (attention q/k/v/o and the MLP's, tp-sharded Shard(0) and
+    Shard(1)); AdamW on the embedding, the norms and the head."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.startswith("layers.") and p.dim() == 2)]
+    return [muon(hidden, lr=lr), torch.optim.AdamW(rest, lr=LR, weight_decay=0.1)]
+
+
+def fp32_muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Fp32Muon at 10x the lr (larger steps: a sharper check of the gather) + AdamW."""
+    return muon_and_adamw(model, Fp32Muon, lr=10 * LR)
+
+
+def reference(steps: int = STEPS, vocab: int = VOCAB, optimizers=adamw) -> dict:
+    """One process, the whole model, the whole batch: AdamW (or `optimizers`) and clip_grad_norm_."""
     model = build(vocab)
-    opt = adamw(model)
+    opts = optimizers(model)
+    opt = opts if isinstance(opts, torch.optim.Optimizer) else Together(opts)
     losses, norms = [], []
     for step in range(steps):
         x, y = data(step, vocab)
@@ -159,6 +201,21 @@ def reference(steps: int = STEPS, vocab: int = VOCAB) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+class Together:
+    """The reference's list of optimizers stepped together."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
 
 
 def _config(stage: int, dp: int, bf16: bool = False, **zero) -> dict:
@@ -181,9 +238,9 @@ def _placements_seen(model: nn.Module) -> dict:
     return seen
 
 
-def steps(engine, mesh: DeviceMesh, lp: bool, run: range, vocab: int = VOCAB) -> tuple[list[float], list[float]]:
+def steps(engine, mesh: DeviceMesh | None, lp: bool, run: range, vocab: int = VOCAB) -> tuple[list[float], list[float]]:
     """Train the given steps of the oracle's run, each dp rank its rows of the batch; world-mean losses."""
-    dp, dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+    dp, dp_rank = (mesh["dp"].size(), mesh.get_local_rank("dp")) if mesh is not None else (dist.get_world_size(), dist.get_rank())
     rows = slice(dp_rank * (BATCH // dp), (dp_rank + 1) * (BATCH // dp))
     losses, norms = [], []
     for step in run:
@@ -200,7 +257,7 @@ def steps(engine, mesh: DeviceMesh, lp: bool, run: range, vocab: int = VOCAB) ->
 
 
 def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, weights: str | None = None,
-          vocab: int = VOCAB, **zero) -> dict:
+          vocab: int = VOCAB, optimizers=adamw, **zero) -> dict:
     """The titan-style model over (dp, tp): losses, norms, whole weights, the export, the gradient placements.
     With `weights` (a file of the whole model) it is built on meta and its values read from there."""
     if weights is not None:
@@ -208,8 +265,8 @@ def train(mesh: DeviceMesh, stage: int, lp: bool = False, bf16: bool = False, we
             model = apply_tp(Transformer(), mesh["tp"], lp)
     else:
         model = apply_tp(build(vocab), mesh["tp"], lp)
-    engine = zerodp.initialize(model, adamw(model), _config(stage, mesh["dp"].size(), bf16, **zero), device_mesh=mesh,
-                               weights=weights)
+    engine = zerodp.initialize(model, optimizers(model), _config(stage, mesh["dp"].size(), bf16, **zero),
+                               device_mesh=mesh, weights=weights)
     seen = _placements_seen(model)  # (after: a model built on meta has its parameters made by initialize)
     losses, norms = steps(engine, mesh, lp, range(STEPS), vocab)
     with engine.gathered_parameters():
@@ -242,7 +299,19 @@ def runs(mesh: DeviceMesh) -> dict:
     out["reference vocab 33"] = reference(vocab=33)
     out["titan dp2 tp2 stage 2 vocab 33"] = train(mesh, 2, vocab=33)
     out["mpu reference"], out["mpu sequence parallel"] = mpu_reference(), mpu_sequence_parallel(mesh)
+    out.update(shape_aware(mesh))
     return out
+
+
+def shape_aware(mesh: DeviceMesh) -> dict:
+    """Muon (torch's, and an fp32 one) on the tp-sharded hidden matrices + AdamW on the rest, at (dp 2, tp 2)
+    stage 2 (the fp32 one also at stage 3 with both offloads: host masters), and the one-process references with the same two optimizers (test_tp_titan.py's tolerances)."""
+    fp32 = fp32_muon_and_adamw
+    return {"reference muon": reference(optimizers=muon_and_adamw), "reference fp32 muon": reference(optimizers=fp32),
+            "titan dp2 tp2 stage 2 muon": train(mesh, 2, optimizers=muon_and_adamw),
+            "titan dp2 tp2 stage 2 fp32 muon": train(mesh, 2, optimizers=fp32),
+            "titan dp2 tp2 stage 3 fp32 muon offload": train(mesh, 3, optimizers=fp32, offload_optimizer={"device": "cpu"},
+                                                              offload_param={"device": "cpu"})}
 
 
 def hf_own_mesh(mesh: DeviceMesh) -> str:
@@ -281,11 +350,13 @@ SAVE_AT = 3
 
 
 def save(mesh: DeviceMesh, root: str) -> None:
-    """At (dp 2, tp 2), stage 2: SAVE_AT steps of the oracle's run, saved under root/titan."""
-    model = apply_tp(build(), mesh["tp"], False)
-    engine = zerodp.initialize(model, adamw(model), _config(2, mesh["dp"].size()), device_mesh=mesh)
-    steps(engine, mesh, False, range(SAVE_AT))
-    engine.save_checkpoint(os.path.join(root, "titan"))
+    """At (dp 2, tp 2), stage 2: SAVE_AT steps of the oracle's run, saved under root/titan; and of the fp32 Muon
+    run (shape_aware), under root/titan muon."""
+    for name, optimizers in (("titan", adamw), ("titan muon", fp32_muon_and_adamw)):
+        model = apply_tp(build(), mesh["tp"], False)
+        engine = zerodp.initialize(model, optimizers(model), _config(2, mesh["dp"].size()), device_mesh=mesh)
+        steps(engine, mesh, False, range(SAVE_AT))
+        engine.save_checkpoint(os.path.join(root, name))
 
 
 def resume(root: str) -> dict[str, torch.Tensor]:
@@ -299,6 +370,16 @@ def resume(root: str) -> dict[str, torch.Tensor]:
     steps(engine, mesh, False, range(SAVE_AT, STEPS))
     with engine.gathered_parameters():
         return whole(model)
+
+
+def resume_muon(root: str) -> dict[str, torch.Tensor]:
+    """At (dp 2) without tp (test_tp_ckpt.py's 2-rank launch): root/titan muon, saved at (dp 2, tp 2) with each
+    Muon matrix's state whole, resumed and trained to STEPS; whole weights."""
+    model = build()
+    engine = zerodp.initialize(model, fp32_muon_and_adamw(model), _config(2, dist.get_world_size()))
+    engine.load_checkpoint(os.path.join(root, "titan muon"))
+    steps(engine, None, False, range(SAVE_AT, STEPS))
+    return whole(model)
 
 
 # ---- Megatron-style sequence parallelism through an mpu -----------------------------------------------

@@ -174,15 +174,18 @@ def sharded_frozen(engine) -> dict[str, torch.Tensor]:
 
 
 def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
-    """(stored name, the tensor its optimizer steps) of each parameter this rank steps whole (a shape-aware
+    """(name, the tensor its optimizer steps) of each parameter this rank steps whole (a shape-aware
     optimizer's: optimizer_view.py); its state is saved whole, under `optim_param/{key}/{name}`, with
-    whatever shape it has (Adafactor's row and column factors are not the parameter's)."""
+    whatever shape it has (Adafactor's row and column factors are not the parameter's). A tensor-parallel
+    shard is stepped as its whole matrix (engine/whole_over_tp.py), its state the whole matrix's and the
+    same on every tp rank: saved once, by tp rank 0, under the parameter's own name, so that it resumes at
+    any tp size."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = []
     for b, stepped in zip(engine.layout.buckets, engine.stepped_tensors()):
         if b.whole:
             for t, (_, s, _, _) in zip(stepped, engine.layout.owned_slots(b)):
-                out.append((stored(names[id(s.param)], tp_shard(engine, s.param)), t))
+                out.append((names[id(s.param)], t))
     return out
 
 
@@ -214,7 +217,7 @@ def local_state(engine) -> dict[str, torch.Tensor]:
             for key, v in engine.optimizer.state.get(m, {}).items():
                 if torch.is_tensor(v) and v.shape == m.shape:
                     out[f"optim/{key}/{pc.stored}@{pc.start}"] = _cpu(v.detach()[pc.offset:pc.offset + pc.numel])
-        for name, t in whole_parameters(engine) if tp_rank(engine) == 0 else ():  # never a tp shard
+        for name, t in whole_parameters(engine) if tp_rank(engine) == 0 else ():  # the same on every tp rank
             for key, v in engine.optimizer.state.get(t, {}).items():
                 if torch.is_tensor(v):
                     out[f"optim_param/{key}/{name}"] = _cpu(v.detach())

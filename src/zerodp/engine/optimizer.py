@@ -32,6 +32,7 @@ from zerodp.engine.flat import ALIGN, Bucket
 from zerodp.engine.layout import Layout
 from zerodp.engine.offload import HostShards, use_fused_kernel
 from zerodp.engine.unused import UsedParameters
+from zerodp.engine.whole_over_tp import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
@@ -70,8 +71,11 @@ class PartitionedOptimizer(TimedGathers):
             # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
             self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
         self.set_gather_order(list(range(len(self.buckets))))
+        # Whole parameters that are tensor-parallel shards: stepped as the whole matrix, gathered over tp.
+        self.whole_over_tp = WholeOverTp(self.buckets, self.rank, comm, self.masters)
         # What the optimizer steps of each bucket: its master shard (flat, element-wise optimizers), or a
-        # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py).
+        # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py; a
+        # tp shard's whole matrix, whole_over_tp.py).
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
@@ -90,7 +94,8 @@ class PartitionedOptimizer(TimedGathers):
         if not b.whole:
             return [m]
         first = self.rank * b.shard_numel
-        return [m.detach()[lo - first:hi - first].view(s.shape) for _, s, lo, hi in b.owned_slots(self.rank)]
+        return [self.whole_over_tp.stepped(b.index, j, m.detach()[lo - first:hi - first].view(s.shape))
+                for j, (_, s, lo, hi) in enumerate(b.owned_slots(self.rank))]
 
     def _only_from_engine(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._stepping:
@@ -169,6 +174,7 @@ class PartitionedOptimizer(TimedGathers):
                 torch._foreach_mul_([m.grad for m in masters], coef)
             whole = [k for k in part if self.buckets[k].whole]
             for k in whole:
+                self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
                 self._whole_gradients(k)
             if self.used_only is None:
                 self.optimizer.step()  # parameters whose .grad is None are left alone
@@ -178,6 +184,7 @@ class PartitionedOptimizer(TimedGathers):
             for m in masters:
                 m.grad = None
             for k in whole:
+                self.whole_over_tp.put_back(k, self.masters[k])
                 for t in self.stepped[k]:
                     t.grad = None
 
@@ -189,7 +196,10 @@ class PartitionedOptimizer(TimedGathers):
         first = self.rank * b.shard_numel
         used = None if self.used_only is None else self.used_only.used_slots(k)
         for j, (t, (_, s, lo, hi)) in enumerate(zip(self.stepped[k], b.owned_slots(self.rank))):
-            t.grad = g[lo - first:hi - first].view(s.shape) if used is None or used[j] else None
+            if used is not None and not used[j]:
+                t.grad = None
+            elif not self.whole_over_tp.gathers(k, j):  # (a gathered matrix has its whole gradient already)
+                t.grad = g[lo - first:hi - first].view(s.shape)
 
     def sub_groups(self, numels: list[int], grad_dtype: torch.dtype) -> list[list[int]]:
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken

@@ -17,8 +17,7 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
-from zerodp.engine import tensor_parallel
-from zerodp.engine.flat import tp_duplicate
+from zerodp.engine import tensor_parallel, whole_over_tp
 from zerodp.engine.optimizer import OptimizerLike
 from zerodp.engine.optimizer_view import OptimizerView, Optimizers, probe_class, refusal, view_of
 from zerodp.engine.setup.fill import Filling, filling_for
@@ -115,7 +114,7 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     if trains:
         _check_model(module, groups)
     tensor_parallel.check(module, comm, source is not None)
-    views = _views(module, optimizer, groups)
+    views = _views(module, optimizer, groups, None if comm.tp is None else comm.tp.world_size)
     filling = filling_for(module, source, param_init_fn)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
     device = _device_of(module, comm)
@@ -134,9 +133,11 @@ def _combined(optimizers: list | tuple) -> Optimizers:
     return Optimizers(optimizers)
 
 
-def _views(module: nn.Module, optimizer: OptimizerLike, groups: list[list[nn.Parameter]]) -> tuple[OptimizerView, ...]:
+def _views(module: nn.Module, optimizer: OptimizerLike, groups: list[list[nn.Parameter]],
+           tp_size: int | None) -> tuple[OptimizerView, ...]:
     """Each param group's OptimizerView; an optimizer zerodp cannot step exactly is refused by name, as is a
-    shape-aware one on a tensor-parallel shard (it would see a piece of the matrix as the matrix)."""
+    shape-aware one on a tensor-parallel shard that cannot be gathered into its whole matrix for the step
+    (whole_over_tp.refusal: stepped as it is, it would treat a piece of the matrix as the matrix)."""
     if isinstance(optimizer, Optimizers):
         classes = [type(o) for o in optimizer.group_owners()]
     elif isinstance(optimizer, Optimizer):
@@ -150,13 +151,13 @@ def _views(module: nn.Module, optimizer: OptimizerLike, groups: list[list[nn.Par
     views = tuple(view_of(cls) for cls in classes)
     names = {id(p): n for n, p in module.named_parameters()}
     for cls, view, params in zip(classes, views, groups):
-        shard = next((p for p in params if not tp_duplicate(p)), None) if view is OptimizerView.WHOLE_PARAMETERS else None
-        if shard is not None:
-            raise ValueError(f"optimizer {cls.__name__} steps whole parameters (its update depends on a parameter's "
-                             f"shape), and '{names[id(shard)]}' is a tensor-parallel shard: stepped here it would "
-                             "treat one piece of the matrix as the matrix. Step tensor-parallel parameters with an "
-                             "element-wise optimizer (AdamW, ...), e.g. in a second optimizer of a list, or train "
-                             "without tensor parallelism")
+        for p in params if view is OptimizerView.WHOLE_PARAMETERS else ():
+            reason = whole_over_tp.refusal(names[id(p)], p, tp_size)
+            if reason is not None:
+                raise ValueError(f"optimizer {cls.__name__} steps whole parameters (its update depends on a "
+                                 f"parameter's shape), and a tensor-parallel shard is stepped as its whole matrix, "
+                                 f"gathered over tp; {reason}. Or step that parameter with an element-wise "
+                                 "optimizer (AdamW, ...), e.g. in a second optimizer of a list")
     return views
 
 
