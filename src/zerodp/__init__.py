@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
-    from zerodp.engine.optimizer import OptimizerLike
+    from zerodp.engine.optimizer_view import OptimizerLike
     from zerodp.engine.setup.source import ParameterSource
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not

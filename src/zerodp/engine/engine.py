@@ -216,8 +216,7 @@ class Engine:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
-        layout = Layout.build(groups, self.stage, self.units, comm, zero, frozen,
-                              [self.spec.whole_parameters(g) for g in range(len(groups))])
+        layout = Layout.build(groups, self.spec, comm, zero, frozen)
         fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device,
                                 self.spec.gathers_per_unit, self.offload_param,
                                 zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
@@ -236,13 +235,13 @@ class Engine:
                      fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
         zero = self.config.zero_optimization
         offload = zero.offload_optimizer
-        return PartitionedOptimizer(optimizer, layout, fp32_shards, self.comm, self.stage, offload.device == "cpu",
+        return PartitionedOptimizer(optimizer, layout, fp32_shards, self.comm, self.spec, offload.device == "cpu",
                                     offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
                                     self.used_only)
 
     def _forward_order(self) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
-        if self.config.zero_optimization.overlap_param_gather and self.spec.shards_optimizer and not self.spec.gathers_per_unit:
+        if self.config.zero_optimization.overlap_param_gather and self.spec.gathers_after_step:
             return ForwardOrder(self.module, self.partitioned_optimizer)
         return None
 

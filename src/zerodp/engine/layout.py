@@ -18,7 +18,7 @@ has no master: its working shard is its only copy. Below stage 3 frozen paramete
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from torch import nn
 from zerodp.config import ZeroConfig
 from zerodp.distributed.comm import Comm
 from zerodp.engine.flat import Bucket, FlatGroup, Slot, lay_out
-from zerodp.engine.units import Units
+from zerodp.engine.spec import EngineSpec
 from zerodp.engine.units import layout as stage3_layout
 
 
@@ -47,19 +47,18 @@ class Layout:
         object.__setattr__(self, "gathered", self.buckets + self.frozen_buckets)
 
     @classmethod
-    def build(cls, param_groups: list[list[nn.Parameter]], stage: int, units: Units | None, comm: Comm,
-              zero: ZeroConfig, frozen: list[nn.Parameter] | None = None,
-              whole: Sequence[bool] = ()) -> Layout:
+    def build(cls, param_groups: list[list[nn.Parameter]], spec: EngineSpec, comm: Comm, zero: ZeroConfig,
+              frozen: list[nn.Parameter] | None = None) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
         (units.layout), `frozen` (EngineSpec.shards_frozen) in a group of their own after the trained
-        ones. `whole`: per trained group, each parameter whole in one shard (optimizer_view.py); the
-        frozen group is never stepped, so never whole. Allocates nothing: setup/fill.py's fill() makes
-        the buffers."""
-        whole = tuple(whole)[:len(param_groups)]
-        if stage < 3:
-            groups = lay_out(param_groups, comm.shard_size if stage > 0 else 1, zero.reduce_bucket_size, whole=whole)
-            return cls(groups, comm.shard_rank if stage > 0 else 0)
-        groups = stage3_layout(param_groups + ([frozen] if frozen is not None else []), units,
+        ones. A group whose optimizer steps whole parameters (EngineSpec.whole_parameters) has each
+        parameter whole in one shard (optimizer_view.py); the frozen group is never stepped, so never
+        whole. Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        whole = tuple(spec.whole_parameters(g) for g in range(len(param_groups)))
+        if not spec.gathers_per_unit:
+            shards, rank = (comm.shard_size, comm.shard_rank) if spec.shards_optimizer else (1, 0)
+            return cls(lay_out(param_groups, shards, zero.reduce_bucket_size, whole=whole), rank)
+        groups = stage3_layout(param_groups + ([frozen] if frozen is not None else []), spec.units,
                                comm.shard_size, zero, whole)
         if frozen is None:
             return cls(groups, comm.shard_rank)

@@ -21,7 +21,6 @@ Adam/AdamW that chose no implementation steps with its fused CPU kernel.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
 
 import torch
 from torch.optim import Optimizer
@@ -31,19 +30,22 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.flat import ALIGN, Bucket
 from zerodp.engine.layout import Layout
 from zerodp.engine.offload import HostShards, use_fused_kernel
+from zerodp.engine.optimizer_view import OptimizerLike
+from zerodp.engine.spec import EngineSpec
 from zerodp.engine.unused import UsedParameters
 from zerodp.engine.whole_over_tp import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
-OptimizerLike = Optimizer | Callable[[list], Optimizer]
 
 
 class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
-                 comm: Comm, stage: int, offload: bool = False, pin_memory: bool = True,
+                 comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
                  used_only: UsedParameters | None = None):
-        self.comm, self.stage, self.offload = comm, stage, offload
+        self.comm, self.offload = comm, offload
+        self.sharded = spec.shards_optimizer  # False (stage 0): every rank steps every bucket whole
+        self.gathers_after_step = spec.gathers_after_step
         self.allgather_numel = allgather_bucket_size
         self.sub_group_numel = sub_group_size
         self.pending: deque = deque()  # (bucket index, work) of parameter gathers in flight
@@ -114,7 +116,7 @@ class PartitionedOptimizer(TimedGathers):
         if self.comm.replica_rank > 0:  # hierarchical: count each shard once, not once per copy
             local = torch.zeros_like(local)
         flags = local.new_zeros(0) if flags is None else flags.to(local.device)
-        if self.stage == 0:
+        if not self.sharded:
             if self.comm.world_size > 1 and flags.numel():
                 self.comm.all_reduce(flags)
             return local, flags
@@ -244,7 +246,7 @@ class PartitionedOptimizer(TimedGathers):
                 self.host.send_weights(k, b.owned)
             elif self.separate:
                 b.owned.copy_(m, non_blocking=True)
-            if 0 < self.stage < 3:
+            if self.gathers_after_step:
                 while self.pending and in_flight + b.numel > self.allgather_numel:
                     in_flight -= self.buckets[self.pending[0][0]].numel
                     self.pending.popleft()[1].wait()
@@ -284,7 +286,7 @@ class PartitionedOptimizer(TimedGathers):
 
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
-        if self.stage == 0:
+        if not self.sharded:
             return m.detach().clone()
         device = b.data.device
         full = torch.empty(b.numel, dtype=torch.float32, device=device)

@@ -33,6 +33,10 @@ ELEMENT_WISE: frozenset[type] = frozenset(getattr(torch.optim, n) for n in (
     "Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"))
 
 
+# What initialize takes: an optimizer, or a factory params -> optimizer (DeepSpeed's callable form).
+OptimizerLike = Optimizer | Callable[[list], Optimizer]
+
+
 class OptimizerView(Enum):
     """How the optimizer of one param group sees its parameters."""
 

@@ -18,8 +18,7 @@ from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
 from zerodp.engine import tensor_parallel, whole_over_tp
-from zerodp.engine.optimizer import OptimizerLike
-from zerodp.engine.optimizer_view import OptimizerView, Optimizers, probe_class, refusal, view_of
+from zerodp.engine.optimizer_view import OptimizerLike, OptimizerView, Optimizers, probe_class, refusal, view_of
 from zerodp.engine.setup.fill import Filling, filling_for
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
@@ -67,6 +66,12 @@ class EngineSpec:
     def gathers_per_unit(self) -> bool:
         """Stage 3: parameters are sharded, gathered per unit for its forward and backward."""
         return self.stage == 3
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1-2: each rank steps its shard, then the updated parameters are all-gathered to every
+        rank (stage 0 steps everything everywhere; stage 3 gathers per unit instead)."""
+        return self.shards_optimizer and not self.gathers_per_unit
 
     def whole_parameters(self, group: int) -> bool:
         """Whether param group `group`'s optimizer steps whole parameters (OptimizerView)."""
