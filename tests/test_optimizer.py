@@ -98,3 +98,18 @@ def test_adagrad_built_with_its_initial_state_is_rewired_with_that_state():
     states = [engine.optimizer.state[m] for m in engine.master_shards()]
     assert states and all(torch.equal(s["sum"], torch.full_like(s["sum"], 0.25)) for s in states)
     assert all(float(s["step"]) == 0 for s in states)
+
+
+def test_a_tp_shard_stepped_whole_counts_tp_times_in_each_ranks_share_of_the_states():
+    """memory_report's whole-parameter shares divide state bytes by the elements each rank steps: a tp shard
+    in a whole-parameter group is stepped as its whole matrix (whole_over_tp.py), tp times its local size."""
+    from zerodp.engine.flat import lay_out
+    from zerodp.engine.layout import Layout
+
+    shard, plain = torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(2, 8))
+    shard.tensor_model_parallel, shard.partition_dim = True, 0  # a Megatron column-parallel shard
+    layout = Layout(lay_out([[shard, plain]], 2, 1000, whole=[True]), rank=0)
+    assert sorted(layout.owned_numel()) == [16, 32]  # each rank one parameter whole
+    assert sorted(layout.owned_numel(tp_size=2)) == [16, 64]  # the shard's owner steps the 8x8 matrix
+    flat = Layout(lay_out([[shard, plain]], 2, 1000), rank=0)  # flat shards: never gathered over tp
+    assert flat.owned_numel(tp_size=2) == flat.owned_numel()

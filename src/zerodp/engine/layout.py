@@ -25,7 +25,7 @@ from torch import nn
 
 from zerodp.config import ZeroConfig
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup, Slot, lay_out
+from zerodp.engine.flat import Bucket, FlatGroup, Slot, lay_out, tp_duplicate
 from zerodp.engine.spec import EngineSpec
 from zerodp.engine.units import layout as stage3_layout
 
@@ -101,11 +101,14 @@ class Layout:
         """Where this rank's shard of bucket `b` starts, in bucket coordinates."""
         return self.rank * b.shard_numel
 
-    def owned_numel(self) -> list[int]:
+    def owned_numel(self, tp_size: int = 1) -> list[int]:
         """Elements of parameters each rank's shards hold (padding not counted): its share of the masters
-        and optimizer states. Whole parameters make the shares unequal (flat.lay_out's `_deal`)."""
+        and optimizer states. Whole parameters make the shares unequal (flat.lay_out's `_deal`). With
+        tensor parallelism (`tp_size` > 1) a tp shard stepped whole counts tp_size times: its owner steps
+        the whole matrix gathered over tp, its state in that shape (whole_over_tp.py)."""
         out = [0] * (self.buckets[0].partitions if self.buckets else 1)
         for b in self.buckets:
             for r in range(b.partitions):
-                out[r] += sum(hi - lo for _, _, lo, hi in b.owned_slots(r))
+                out[r] += sum((hi - lo) * (tp_size if b.whole and not tp_duplicate(s.param) else 1)
+                              for _, s, lo, hi in b.owned_slots(r))
         return out

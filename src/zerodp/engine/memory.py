@@ -78,7 +78,8 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     }
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     if any(b.whole for b in layout.buckets):
-        report.update(whole_parameter_shares(layout.owned_numel(), layout.rank,
+        tp = engine.comm.tp.world_size if engine.comm.tp is not None else 1
+        report.update(whole_parameter_shares(layout.owned_numel(tp), layout.rank,
                                              report["fp32_master"] + report["optimizer_states"]))
     host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
             "working_params": getattr(engine, "offload_param", False),  # stage 3's offload_param
