@@ -25,7 +25,7 @@ from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
 
-MICRO, GAS, STEPS, SAVE_AT = 2, 2, 4, 2  # 24 samples: 3 steps an epoch at 8 samples a step
+MICRO, GAS, STEPS, SAVE_AT = 2, 2, 3, 2  # 24 samples: 3 steps an epoch at 8 samples a step; resumed for 1
 STAGE3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                         "stage3_param_persistence_threshold": 0}}
 RUNS = {"stage1": {"zero_optimization": {"stage": 1}},
