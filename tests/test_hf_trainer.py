@@ -25,7 +25,7 @@ from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
 
-MICRO, GAS, STEPS, SAVE_AT = 2, 2, 4, 2  # 24 samples: 3 steps an epoch at 8 samples a step
+MICRO, GAS, STEPS, SAVE_AT = 2, 2, 3, 2  # 24 samples: 3 steps an epoch at 8 samples a step; resumed for 1
 STAGE3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                         "stage3_param_persistence_threshold": 0}}
 RUNS = {"stage1": {"zero_optimization": {"stage": 1}},
@@ -100,11 +100,16 @@ def oracle() -> tuple[list, dict[str, torch.Tensor], float]:
 
 
 def rank_runs(rank: int, world: int, out: str) -> dict:
-    """Every world-2 run, in one spawn: each stage, then a resume from the stage-3 run's checkpoint."""
+    """Every world-2 run, in one spawn: first a Trainer that accelerate sees as one process (no launcher's
+    environment yet), then each stage, then a resume from the stage-3 run's checkpoint."""
+    from accelerate.state import AcceleratorState
+    unseen = [None] * world
+    dist.all_gather_object(unseen, _trainer_without_launcher(rank, world))
+    AcceleratorState._reset_state(True)  # it saw one process: the runs below build their own (distributed) state
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")  # accelerate reads these
     from zerodp.integrations.hf import ZeroTrainer
-    results = {}
+    results = {"unseen": unseen}
     for name, config in RUNS.items():
         steps, weights, _ = train(ZeroTrainer, f"{out}/{name}", MICRO, save=name == "stage3", zero_config=config)
         results[name] = (steps, weights)
@@ -288,12 +293,7 @@ def _trainer_without_launcher(rank: int, world: int) -> tuple[str, str]:
 
 
 def test_a_world_the_trainer_does_not_see_is_named_before_the_batch_arithmetic():
-    from accelerate.state import AcceleratorState
-
-    from zerodp.integrations.hf import ZeroTrainer  # noqa: F401 - imported once here, not in each forked rank
-    AcceleratorState._reset_state(True)
-    for kind, message in run_ranks(_trainer_without_launcher, 2, timeout_s=60,
-                                   start_method="fork" if not dist.is_initialized() else "spawn"):
+    for kind, message in world2()["unseen"]:  # both ranks', run first in world2's launch
         assert kind == "ValueError" and "process group has 2 ranks but the Trainer (accelerate) sees 1" in message
 
 

@@ -141,7 +141,6 @@ def test_titan_checkpoint_consolidates_to_the_whole_weights_at_the_save():
 # is exact: 1e-6 (measured 2.4e-7). Each tp shard stepped as if it were the matrix ends 4.3e-3 (torch's Muon)
 # and 5.2e-2 (Fp32Muon) away.
 SHAPE_AWARE = {"titan dp2 tp2 stage 2 muon": ("reference muon", 2e-4),
-               "titan dp2 tp2 stage 2 fp32 muon": ("reference fp32 muon", 1e-6),
                "titan dp2 tp2 stage 3 fp32 muon offload": ("reference fp32 muon", 1e-6)}
 
 

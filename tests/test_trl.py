@@ -32,9 +32,12 @@ CASES = {
     "sft": ("sft", [], (Z2, Z3)),
     "dpo_sync": ("dpo", ["--sync_ref_model", "true", "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5"],
                  (Z2, Z3)),
+    # --use_peft and --precompute_ref_log_probs at ZeRO-3 only: what they change (an adapter trained, the
+    # reference's log-probs computed before training) runs above the engine, alike at any stage, and DPO at
+    # ZeRO-2 is dpo_sync's; ZeRO-3 is the stage where the reference model is itself sharded.
     "dpo_peft": ("dpo", ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
-                         "--lora_target_modules", "q_proj", "v_proj"], (Z2, Z3)),
-    "dpo_precompute": ("dpo", ["--precompute_ref_log_probs", "true"], (Z2, Z3)),
+                         "--lora_target_modules", "q_proj", "v_proj"], (Z3,)),
+    "dpo_precompute": ("dpo", ["--precompute_ref_log_probs", "true"], (Z3,)),
     "grpo": ("grpo", ["--reward_funcs", "test_trl.vowel_reward", "--num_generations", "4",
                       "--max_completion_length", "6", "--beta", "0.1"], (Z2, Z3)),
 }
