@@ -312,3 +312,24 @@ def test_a_forked_rank_never_takes_its_scripts_group_for_one_zerodp_created(monk
     dist.destroy_process_group()
     for rank in run_ranks(_script_group_taken_for_zerodps, 2, timeout_s=SPAWN_S):
         assert rank == {"owns": False, "timeout": SPAWN_S}
+
+
+def test_a_rank_that_sees_its_peer_close_the_connection_reads_where_the_peer_waited():
+    """Two ranks in mismatched collectives: the first to time out writes its place and closes its gloo
+    connections, so the later one may see "Connection closed by peer" rather than a timeout of its own (it
+    did under load). It still names where the peer waited, read from the store. (One process as rank 0 of
+    2 on the fake group, with a store of its own holding what the peer wrote.)"""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
+    from zerodp.distributed.comm import Comm
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+    store = dist.distributed_c10d._get_default_store()  # the group's view of it, as the ranks share it
+    comm = Comm(None)
+    peer = "all_gather for forward 3 of unit 1 ('0') in eval after step 0"
+    store.set(f"zerodp/waiting/{comm.group.group_name}/1", peer)
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5")
+    failure = comm.peer_failure(closed, "answering other ranks' gathers", "all_reduce")
+    assert str(failure).startswith("all_reduce answering other ranks' gathers failed: a peer rank died, or closed"), failure
+    assert f"rank 1 waits in {peer}" in str(failure), failure
+    assert store.get(f"zerodp/waiting/{comm.group.group_name}/0").decode() == "all_reduce answering other ranks' gathers"

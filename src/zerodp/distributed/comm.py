@@ -418,7 +418,11 @@ class Comm:
                                f"responding (stalled or dead) or went elsewhere: {peers}; {divergence}; the limit "
                                "is the config key 'comm_timeout_s' (--timeout in zerodp train)")
         if any(k in low for k in ("connection closed", "connection reset", "broken pipe")):
-            return PeerFailure(f"{op} {where} failed: a peer rank died ({text.splitlines()[0]})")
+            # A peer that timed out first closes its connections after writing its place: read it (the
+            # later rank of two in mismatched collectives may see the closed connection, not its own timeout).
+            peers = self._whereabouts(f"{op} {where}")
+            return PeerFailure(f"{op} {where} failed: a peer rank died, or closed its connection after a timeout of "
+                               f"its own ({text.splitlines()[0]}): {peers}; {divergence}")
         return None
 
     def _whereabouts(self, here: str) -> str:
