@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def corpus(tmp_path: Path) -> str:
     return str(path)
 
 
-def train(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+def train(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -46,26 +47,6 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_job_trains_on_two_gloo_ranks_it_starts_itself(tmp_path):
-    out = tmp_path / "run"
-    proc = train(*TINY, "--steps", "30", "--eval-every", "15", "--nproc", "2", "--data", corpus(tmp_path),
-                 "--out", str(out))
-    lines = metrics(out)
-    steps = [r["step"] for r in lines if r["kind"] == "train"]
-    assert steps == list(range(1, 31))
-    last = [r for r in lines if r["kind"] == "train"][-1]
-    assert {"loss", "lr", "tokens_per_s", "grad_norm", "loss_scale"} <= last.keys()
-    val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
-    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 15, 30]
-    assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
-    memory = [r for r in lines if r["kind"] == "memory"]
-    assert len(memory[-1]["ranks"]) == 2  # one memory report per rank
-    assert {"working_params", "gradients", "optimizer_states", "activations_estimate"} <= memory[-1]["ranks"][0].keys()
-    assert (out / "report.png").stat().st_size > 10_000
-    assert (out / "final.pt").exists()
-    assert "final validation loss" in proc.stdout
-
-
 def test_hugging_face_gpt2_trains_through_the_engine_unchanged(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "run"
@@ -78,31 +59,38 @@ def test_hugging_face_gpt2_trains_through_the_engine_unchanged(tmp_path):
     assert any(name.startswith("model.") for name in final)  # the HF model, held unchanged
 
 
-# --eval-every 0: no validation (these runs compare weights, and test_eval_every_0_means_no_validation
-# checks it on the reference run).
-_COMMON = ["--steps", "8", "--save-every", "3", "--eval-every", "0", "--nproc", "2", "--dtype", "fp32", "--warmup", "2"]
-
-
-def _run(tmp_path: Path, name: str, data: str, crash_after: int | None) -> Path:
-    """8 steps on 2 ranks, checkpoints every 3; with crash_after, SIGKILLed then resumed."""
-    out = tmp_path / name
-    common = [*TINY, *_COMMON, "--data", data, "--out", str(out)]
-    if crash_after is None:
-        (out.parent / f"{name}.stderr").write_text(train(*common).stderr)  # the progress bar's last state
-        return out
-    proc = train(*common, "--crash-after", str(crash_after), check=False)
-    assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
-    assert not (out / "final.pt").exists()
-    train(*common, "--resume")
-    return out
+# The main run, uninterrupted: 12 steps on 2 ranks, validated at 0, 6 and 12, a checkpoint every 3. It is also
+# the reference the killed-and-resumed runs below must end equal to (evaluation changes no weight: no dropout,
+# its own batches). --lr 3e-3 with a 2-step warmup: the validation loss falls by far more than 0.3 in 12 steps.
+_COMMON = ["--steps", "12", "--save-every", "3", "--nproc", "2", "--dtype", "fp32", "--warmup", "2", "--lr", "3e-3"]
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[str, Path]:
-    """(corpus, run dir) of the uninterrupted 8-step 2-rank run that resumed runs must end equal to."""
+def reference(tmp_path_factory) -> tuple[str, Path, subprocess.CompletedProcess]:
+    """(corpus, run dir, its process) of the uninterrupted 12-step 2-rank run."""
     tmp = tmp_path_factory.mktemp("reference")
     data = corpus(tmp)
-    return data, _run(tmp, "reference", data, crash_after=None)
+    out = tmp / "reference"
+    return data, out, train(*TINY, *_COMMON, "--eval-every", "6", "--data", data, "--out", str(out))
+
+
+def test_job_trains_on_two_gloo_ranks_it_starts_itself(reference):
+    _, out, proc = reference
+    lines = metrics(out)
+    steps = [r["step"] for r in lines if r["kind"] == "train"]
+    assert steps == list(range(1, STEPS + 1))
+    last = [r for r in lines if r["kind"] == "train"][-1]
+    assert {"loss", "lr", "tokens_per_s", "grad_norm", "loss_scale"} <= last.keys()
+    val = [r["val_loss"] for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in lines if r["kind"] == "eval"] == [0, 6, 12]
+    assert val[-1] < val[0] - 0.3, f"validation loss did not drop: {val}"
+    memory = [r for r in lines if r["kind"] == "memory"]
+    assert len(memory[-1]["ranks"]) == 2  # one memory report per rank
+    assert {"working_params", "gradients", "optimizer_states", "activations_estimate"} <= memory[-1]["ranks"][0].keys()
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "final.pt").exists()
+    assert "final validation loss" in proc.stdout
 
 
 def assert_same_weights(a_out: Path, b_out: Path, atol: float) -> None:
@@ -113,22 +101,53 @@ def assert_same_weights(a_out: Path, b_out: Path, atol: float) -> None:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
 
 
-def test_two_rank_run_killed_after_step_5_and_resumed_ends_with_the_same_weights(tmp_path, reference):
-    data, ref = reference
-    # Killed after step 5; its last checkpoint is step 3, so the resumed run redoes steps 4 and 5.
-    resumed = _run(tmp_path, "crashed", data, crash_after=5)
-    assert_same_weights(ref, resumed, atol=1e-6)
+# The killed run: the reference's settings without validation (--eval-every 0), a checkpoint every 2 steps
+# keeping the last 2, SIGKILLed after step 11. Two copies of it are resumed: on 2 ranks from the tag global_step8
+# (not the latest, step 10), and on 1 rank with --resume after its newest checkpoint (step 10) is truncated.
+_KILLED = [*TINY, *_COMMON, "--save-every", "2", "--keep-last", "2", "--eval-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, reference) -> tuple[Path, list]:
+    """(run dir, its checkpoints when killed) of the 2-rank run SIGKILLed after step 11."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    proc = train(*_KILLED, "--data", reference[0], "--out", str(out), "--crash-after", "11", check=False)
+    assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "final.pt").exists()
+    return out, sorted(os.listdir(out / "checkpoints"))
+
+
+def _copy_of(killed: tuple[Path, list], tmp_path_factory, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name) / "run"
+    shutil.copytree(killed[0], out, symlinks=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed_on_two_ranks(tmp_path_factory, reference, killed) -> tuple[Path, subprocess.CompletedProcess]:
+    out = _copy_of(killed, tmp_path_factory, "two_ranks")
+    return out, train(*_KILLED, "--data", reference[0], "--out", str(out), "--resume", "global_step8")
+
+
+def test_two_rank_run_killed_after_step_11_and_resumed_from_a_tag_ends_with_the_same_weights(
+        reference, resumed_on_two_ranks):
+    # Killed after step 11; resumed from its step-8 checkpoint (the latest is step 10), it redoes steps 9-11.
+    resumed, proc = resumed_on_two_ranks
+    assert "resumed at step 8" in proc.stdout
+    assert_same_weights(reference[1], resumed, atol=1e-6)
     train_steps = [r["step"] for r in metrics(resumed) if r["kind"] == "train"]
-    assert train_steps == list(range(1, 9))  # the crashed run's lost steps are not logged twice
-    assert [r["step"] for r in metrics(resumed) if r["kind"] == "resume"] == [3]  # report.png marks it
+    assert train_steps == list(range(1, STEPS + 1))  # the killed run's lost steps are not logged twice
+    assert [r["step"] for r in metrics(resumed) if r["kind"] == "resume"] == [8]  # report.png marks it
 
 
-def test_eval_every_0_means_no_validation(reference):
-    lines = metrics(reference[1])
-    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 9))
+def test_eval_every_0_means_no_validation(resumed_on_two_ranks):
+    out, proc = resumed_on_two_ranks
+    lines = metrics(out)
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, STEPS + 1))
     assert not [r for r in lines if r["kind"] == "eval"]
-    bar = (reference[1].parent / "reference.stderr").read_text()
-    assert "8/8" in bar and "tok/s" in bar and " val " not in bar  # the bar showed 'val nan' (issue 34)
+    assert "no validation (--eval-every 0)" in proc.stdout
+    bar = proc.stderr  # the progress bar's last state
+    assert f"{STEPS}/{STEPS}" in bar and "tok/s" in bar and " val " not in bar  # the bar showed 'val nan' (issue 34)
 
 
 def test_another_job_gets_its_own_default_folder_or_is_refused_the_one_it_would_replace(
@@ -136,7 +155,7 @@ def test_another_job_gets_its_own_default_folder_or_is_refused_the_one_it_would_
     from zerodp.train.options import parse_options
     from zerodp.train.resume import choose_resume
 
-    data, ref = reference
+    data, ref, _ = reference
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "tiny-zero2").symlink_to(ref)  # the main job's default folder, with its checkpoints
@@ -158,12 +177,12 @@ def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
     from zerodp.train.options import parse_options
     from zerodp.train.resume import choose_resume
 
-    data, ref = reference
+    data, ref, _ = reference
     opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume"])
     with pytest.raises(SystemExit) as e:
         choose_resume(opts, 2)
     assert e.value.code == 0
-    assert "is at step 8, and --steps is 8: nothing left to train; pass a larger --steps" in capsys.readouterr().err
+    assert "is at step 12, and --steps is 12: nothing left to train; pass a larger --steps" in capsys.readouterr().err
 
 
 def test_resume_with_no_checkpoint_trains_from_scratch_with_one_warning_naming_the_directory(tmp_path, capsys):
@@ -184,12 +203,12 @@ def test_resume_with_more_steps_continues_the_lr_schedule_without_a_jump(referen
     from zerodp.train.options import parse_options
     from zerodp.train.resume import choose_resume
 
-    data, ref = reference
+    data, ref, _ = reference
     saved = {r["step"]: r["lr"] for r in metrics(ref) if r["kind"] == "train"}
     opts = parse_options([*TINY, *_COMMON, "--data", data, "--out", str(ref), "--resume", "global_step3",
                           "--steps", "20"])
     choose_resume(opts, 2)
-    assert "--steps 8 -> 20: the lr schedule goes on from step 3's lr" in capsys.readouterr().err
+    assert "--steps 12 -> 20: the lr schedule goes on from step 3's lr" in capsys.readouterr().err
     model, _ = build_model("tiny", 256, None)
     optimizer, factory, _ = optimizer_and_schedule(model, opts)
     scheduler = factory(optimizer)
@@ -203,49 +222,42 @@ def test_resume_with_more_steps_continues_the_lr_schedule_without_a_jump(referen
 
 
 @pytest.fixture(scope="module")
-def resumed_on_one_rank(tmp_path_factory, reference) -> tuple[Path, list, subprocess.CompletedProcess]:
-    """2 ranks, a checkpoint every 2 steps keeping the last 2, SIGKILLed after step 7; the newest
-    checkpoint (step 6) is then truncated, and `--resume` continues on 1 rank."""
-    data, _ = reference
-    out = tmp_path_factory.mktemp("one_rank") / "run"
-    common = [*TINY, "--steps", "8", "--save-every", "2", "--keep-last", "2", "--eval-every", "100", "--data",
-              data, "--out", str(out), "--dtype", "fp32", "--warmup", "2"]
-    proc = train(*common, "--nproc", "2", "--crash-after", "7", check=False)
-    assert proc.returncode != 0 and f"exit code {-signal.SIGKILL}" in proc.stderr, proc.stderr[-3000:]
-    kept = sorted(os.listdir(out / "checkpoints"))
-    step6 = out / "checkpoints" / "global_step6" / "__0_0.distcp"
-    os.truncate(step6, step6.stat().st_size // 2)
-    return out, kept, train(*common, "--nproc", "1", "--resume")
+def resumed_on_one_rank(tmp_path_factory, reference, killed) -> tuple[Path, list, subprocess.CompletedProcess]:
+    """A copy of the killed run (checkpoints every 2 steps, the last 2 kept, SIGKILLed after step 11) whose
+    newest checkpoint (step 10) is truncated; `--resume` then continues on 1 rank."""
+    out = _copy_of(killed, tmp_path_factory, "one_rank")
+    step10 = out / "checkpoints" / "global_step10" / "__0_0.distcp"
+    os.truncate(step10, step10.stat().st_size // 2)
+    return out, killed[1], train(*_KILLED, "--data", reference[0], "--out", str(out), "--nproc", "1", "--resume")
 
 
 def test_report_title_names_the_run_and_what_a_resume_changed(reference, resumed_on_one_rank):
     from zerodp.train.report import run_title
 
     assert run_title(metrics(reference[1])) == "tiny, ZeRO stage 2, fp32, 2 rank(s)"
-    assert run_title(metrics(resumed_on_one_rank[0])) == "tiny, ZeRO stage 2, fp32, 2 rank(s); from step 4: 1 rank(s)"
+    assert run_title(metrics(resumed_on_one_rank[0])) == "tiny, ZeRO stage 2, fp32, 2 rank(s); from step 8: 1 rank(s)"
 
 
 def test_keep_last_leaves_the_newest_checkpoints_and_latest(resumed_on_one_rank):
     out, kept_when_killed, _ = resumed_on_one_rank
-    assert kept_when_killed == ["global_step4", "global_step6", "latest"]  # saved at 2, 4, 6
-    assert sorted(os.listdir(out / "checkpoints")) == ["global_step6", "global_step8", "latest"]
+    assert kept_when_killed == ["global_step10", "global_step8", "latest"]  # saved at 2, 4, 6, 8, 10
+    assert sorted(os.listdir(out / "checkpoints")) == ["global_step10", "global_step12", "latest"]
 
 
 def test_resume_falls_back_past_a_corrupt_latest_and_keeps_the_global_batch_on_fewer_ranks(
         resumed_on_one_rank, reference):
     out, _, proc = resumed_on_one_rank
-    assert "warning:" in proc.stderr and "global_step6" in proc.stderr and "truncated" in proc.stderr
-    assert "resuming from the newest intact checkpoint" in proc.stderr and "global_step4" in proc.stderr
+    assert "warning:" in proc.stderr and "global_step10" in proc.stderr and "truncated" in proc.stderr
+    assert "resuming from the newest intact checkpoint" in proc.stderr and "global_step8" in proc.stderr
     assert "--grad-accum 1 -> 2 keeps the checkpoint's global batch of 8 (2 rank(s)" in proc.stderr
-    assert "resumed at step 4" in proc.stdout and "1 rank(s)" in proc.stdout
+    assert "resumed at step 8" in proc.stdout and "1 rank(s)" in proc.stdout
     # The same data each step (StepBatches), so the same weights as the uninterrupted 2-rank run.
     assert_same_weights(reference[1], out, atol=1e-5)
 
 
-def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, reference):
+def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, resumed_on_two_ranks, reference):
     out, _, _ = resumed_on_one_rank
-    args = [*TINY, "--steps", "8", "--eval-every", "100", "--data", reference[0], "--out", str(out),
-            "--dtype", "fp32", "--warmup", "2", "--nproc", "1"]
+    args = [*_KILLED, "--data", reference[0], "--out", str(out), "--nproc", "1"]
     from zerodp.train.options import parse_options
     from zerodp.train.resume import choose_resume
 
@@ -254,16 +266,15 @@ def test_resume_tag_and_a_global_batch_that_cannot_be_kept(resumed_on_one_rank, 
             choose_resume(parse_options([*args, *extra]), 1)
         return str(stop.value)
 
-    # The latest checkpoint (step 8) is the one-rank run's: 8 = 1 rank x 2 accumulation x 4.
+    # The latest checkpoint (step 12) is the one-rank run's: 8 = 1 rank x 2 accumulation x 4.
     error = planned("--micro-batch", "3", "--resume")
     assert ("global batch is 8 (1 rank(s) x 2 accumulation x 4 micro-batch), which 1 rank(s) x --micro-batch 3 "
             "cannot split" in error and "--micro-batch 1, 2, 4, 8 would keep it" in error), error
     error = planned("--resume", "nope")
     assert "checkpoint tag 'nope' (given) does not exist" in error, error
-    os.remove(out / "final.pt")
-    proc = train(*args, "--resume", "global_step6")
-    assert "resumed at step 6" in proc.stdout
-    assert_same_weights(reference[1], out, atol=1e-5)
+    # `--resume global_step8` on the killed run, whose latest is step 10: the tag, not the latest, is resumed
+    # (and ends at the reference's weights: test_two_rank_run_killed_after_step_11_and_resumed_from_a_tag_...).
+    assert "resumed at step 8" in resumed_on_two_ranks[1].stdout
 
 
 def test_explicit_grad_accum_on_resume_wins_with_a_warning(capsys):
