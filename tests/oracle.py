@@ -7,7 +7,7 @@ concatenated batch, with the same optimizer, clipping via clip_grad_norm_, and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -198,15 +198,18 @@ OPTIMIZER_CASES["optim_row_norm_tied"] = Case(model={"tied": True}, optimizer=la
                                               steps=STEPS)
 # Muon's whole matrices and AdamW's flat shards beside a frozen parameter (stage 3's frozen group, never whole)
 OPTIMIZER_CASES["optim_Muon_frozen"] = Case(model={"frozen": True}, optimizer=muon_and_adamw, steps=STEPS)
-# "plain" over STEPS steps: the low-precision runs, whose tolerance (bf16 4e-3) must stay below the ~1e-3 a
-# step of AdamW moves a weight, times the steps (3 steps would let an untrained master pass).
-LONG_CASES = {"plain_long": Case(steps=STEPS)}
+# A case named with LONG after it trains STEPS steps: the low-precision runs, whose tolerance (bf16 4e-3) must
+# stay below the ~1e-3 a step of AdamW moves a weight, times the steps (3 steps would let an untrained master
+# pass).
+LONG = "_long"
 WHOLE_PARAMETER_CASES = {f"optim_{n}" for n in WHOLE_PARAMETER_OPTIMIZERS} | {
     "optim_row_norm", "optim_Adafactor_unused", "optim_row_norm_tied", "optim_Muon_frozen"}
 
 
 def case_named(name: str) -> Case:
-    return CASES.get(name) or LONG_CASES.get(name) or OPTIMIZER_CASES[name]
+    if name.endswith(LONG):
+        return replace(case_named(name.removesuffix(LONG)), steps=STEPS)
+    return CASES[name] if name in CASES else OPTIMIZER_CASES[name]
 
 
 def batches(world: int, gas: int, seed: int = 0, steps: int = STEPS):

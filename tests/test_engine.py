@@ -39,7 +39,7 @@ OFFLOAD_RUNS = [(name, stage, world) for world in WORLDS for name in cases_at(wo
                 for stage in OFFLOAD_STAGES]
 # Low precision: every (dtype, offload) at every stage on 1 and 2 ranks; on 4, each stage once and each
 # (dtype, offload) once (the rounding is per element: more ranks change only which rank rounds it).
-LOW_PRECISION = "plain_long"  # 5 steps: the bf16 tolerance must stay below what the steps move a weight
+LOW_PRECISION = "plain" + oracle.LONG  # 5 steps: the bf16 tolerance must stay below what the steps move a weight
 LOW_RUNS = ([(stage, dtype, offload, world) for world in (1, 2) for stage in STAGES for dtype in ("bf16", "fp16")
              for offload in (False, True)]
             + [(0, "bf16", False, 4), (1, "fp16", True, 4), (2, "bf16", True, 4), (3, "fp16", False, 4)])
