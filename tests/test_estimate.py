@@ -164,7 +164,10 @@ def test_meta_setup_on_fake_tensors_counts_what_the_same_run_on_real_tensors_hol
     model = PlanModel.parse("small")
     base = {"source": dataclasses.asdict(model), "micro_batch": 1, "seq": 64, "dtype": "bf16", "mode": "setup",
             "checkpointing": False, "reduce_bucket_size": 500_000, "setup": "meta", "world": 4}
-    runs = measure_peaks([{**base, "stage": s, "fake": f} for s in (2, 3) for f in (True, False)])
+    # Stage 3 only: its meta set-up goes through both work-arounds and takes views of a whole buffer; stage
+    # 2's (a flat working buffer allocated at once, the masters' shard) has nothing more for fake tensors to
+    # miscount, and test_setup_of_both_paths holds its fake count to the formula.
+    runs = measure_peaks([{**base, "stage": 3, "fake": f} for f in (True, False)])
     for fake, real in zip(runs[::2], runs[1::2]):
         assert abs(fake["peak"] - real["peak"]) < 64 * 1024, (fake["spec"]["stage"], fake["peak"], real["peak"])
         # (the real run also holds rank 0's CPU random state, 5 KB, which the fake run keeps real)

@@ -20,8 +20,13 @@ from zerodp.engine.reducer import POOL_BUFFERS
 # A GPT of about 3.3 million parameters.
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
 BUCKET = 2 ** 18  # elements
-RUNS = ([(world, stage, 1) for world in (8, 64) for stage in (1, 2, 3)] + [(8, 2, 2)]
-        + [(world, stage, 1, "offload") for world in (8, 64) for stage in (2, 3)]
+# Every stage at N = 8; N = 64 at stage 3 only, on the device and offloaded: the stage whose every part
+# (working parameters and buckets too) is 1/N, so the formula's scaling in N is checked where it reaches
+# most; stages 1 and 2 count the same 1/N shards through the same code (engine/memory.py's report).
+WORLD_STAGES = [(8, 1), (8, 2), (8, 3), (64, 3)]
+OFFLOAD_WORLD_STAGES = [(8, 2), (8, 3), (64, 3)]
+RUNS = ([(world, stage, 1) for world, stage in WORLD_STAGES] + [(8, 2, 2)]
+        + [(world, stage, 1, "offload") for world, stage in OFFLOAD_WORLD_STAGES]
         + [(8, 2, 1, "", optimizer) for optimizer in ("Muon", "Adafactor")])
 
 
@@ -62,8 +67,7 @@ def test_formula_rejects_unknown_names():
 
 
 # ---- measured as rank 0 of N --------------------------------------------------------------------
-@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("world,stage", WORLD_STAGES, ids=lambda v: str(v))
 def test_model_states_per_rank_match_the_formula_bf16_adam(stage, world):
     r = measured()[(world, stage, 1)]
     psi, rep = r["num_params"], r["report"]
@@ -123,8 +127,7 @@ def _padded(sizes: list[int], world: int) -> int:
     return align(end, 64 * world)
 
 
-@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("world,stage", OFFLOAD_WORLD_STAGES, ids=lambda v: str(v))
 def test_offload_leaves_only_working_params_and_gradients_on_the_device(stage, world):
     r = measured()[(world, stage, 1, "offload")]
     psi, rep = r["num_params"], r["report"]
@@ -135,8 +138,7 @@ def test_offload_leaves_only_working_params_and_gradients_on_the_device(stage, w
     assert rep["host_model_states"] == pytest.approx(18 * psi / world, rel=0.05)
 
 
-@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("world,stage", OFFLOAD_WORLD_STAGES, ids=lambda v: str(v))
 def test_placed_splits_device_and_host_memory_as_the_offloading_engine_does(stage, world):
     # estimate's host rows: memory.placed against what the engine holds where, rank 0 of N
     r = measured()[(world, stage, 1, "offload")]
@@ -149,8 +151,7 @@ def test_placed_splits_device_and_host_memory_as_the_offloading_engine_does(stag
     assert plain["model_states"] == pytest.approx(memory.placed(r["num_params"], world, stage)["device"], rel=0.05)
 
 
-@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
-@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"stage={s}")
+@pytest.mark.parametrize("world,stage", [ws for ws in WORLD_STAGES if ws[1] > 1], ids=lambda v: str(v))
 def test_bucket_estimate_bounds_the_reduce_pool_the_engine_held(stage, world):
     r = measured()[(world, stage, 1)]
     largest = PlanModel("gpt", "test", {**PlanModel.parse("tiny").fields, **MODEL}).largest_module()
@@ -178,7 +179,7 @@ def test_placed_counts_the_pinned_blocks_rounding_to_a_power_of_two(monkeypatch)
         memory.placed(1000, 10, 2, offload_param=True)
 
 
-@pytest.mark.parametrize("world", [8, 64], ids=lambda w: f"world={w}")
+@pytest.mark.parametrize("world", [8], ids=lambda w: f"world={w}")
 def test_stage2_keeps_a_bf16_gradient_shard_and_makes_an_fp32_copy_at_the_step(world):
     r = measured()[(world, 2, 1)]
     psi, rep = r["num_params"], r["report"]
