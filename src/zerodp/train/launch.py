@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
     choose_resume(opts, job_world(opts))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
-        # Imported here, not above: a launcher only starts ranks, and the loop's imports (DTensor, sympy)
-        # would cost it a second or two of CPU before any rank starts.
+        # Imported here, not above: a launcher only starts ranks, and the loop's imports (the engine,
+        # the models, pydantic's config models) would cost it CPU before any rank starts.
         from zerodp.train.loop import run_rank
 
         code = run_rank(opts)
