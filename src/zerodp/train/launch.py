@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ import uuid
 from pathlib import Path
 
 # options.py is torch-free: `--help` answers before torch is imported (loop/resume import it on use).
-from zerodp.train.options import parse_options
+from zerodp.train.options import EXIT_NON_FINITE, parse_options
 
 PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
 # A rank that stopped because a peer stalled or died (zerodp.PeerFailure) exits with this: the
@@ -37,17 +38,24 @@ def main(argv: list[str] | None = None) -> None:
 
     require("zerodp train", "tqdm", "matplotlib", *(["transformers"] if opts.model.startswith("hf-") else []))
     from zerodp.train.ds_sections import job_world
-    from zerodp.train.loop import run_rank
     from zerodp.train.resume import choose_resume
 
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
     choose_resume(opts, job_world(opts))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
+        # Imported here, not above: a launcher only starts ranks, and the loop's imports (the engine,
+        # the models, pydantic's config models) would cost it CPU before any rank starts.
+        from zerodp.train.loop import run_rank
+
         code = run_rank(opts)
         if code:
             raise SystemExit(code)  # stopped by a signal, checkpoint written: 128 + the signal number
+        quick_exit()
     else:
-        launch(opts)
+        try:
+            launch(opts)
+        finally:
+            quick_exit()
 
 
 _SETUP_STOPPED = "zerodp train: stopped by {} during set-up, before any step of this run; no checkpoint written"
@@ -70,13 +78,11 @@ def launch(opts: argparse.Namespace) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from zerodp.train.loop import EXIT_NON_FINITE
-
     # A SIGTERM/SIGINT to this process is forwarded to the ranks (torch's launcher does that), which
     # finish their step, checkpoint and exit; shutdown_timeout bounds the wait before it SIGKILLs them.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.5, shutdown_timeout=max(10, math.ceil(opts.timeout)))
+                          monitor_interval=0.1, shutdown_timeout=max(10, math.ceil(opts.timeout)))
     # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
     # Its shutdown warnings too ("Received 15 death signal"): the job says what happened in one line.
     for name in list(logging.root.manager.loggerDict):
@@ -193,3 +199,19 @@ def _launched_rank(opts: argparse.Namespace) -> None:
         os._exit(128 + stopped)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
+    quick_exit()
+
+
+def quick_exit() -> None:
+    """Spare this process's exit the garbage collector's passes over every object torch and its imports
+    (sympy, DTensor) made: in a rank or a launcher they cost 1.5-2 s of CPU at each exit, after the job's
+    last line, and free nothing that matters (the interpreter still clears its modules, runs every exit
+    hook). zerodp's process groups are freed first (teardown.release_at_exit: their gloo threads must
+    not live into the interpreter's finalization), and what is garbage now is collected; only what is
+    still alive is frozen."""
+    if "torch.distributed" in sys.modules:
+        from zerodp.distributed import teardown
+
+        teardown.release_at_exit()  # runs again at exit, with nothing left to free
+    gc.collect()
+    gc.freeze()

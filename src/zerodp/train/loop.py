@@ -33,7 +33,7 @@ from zerodp.models.gpt import GPTConfig, parallelize
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
-from zerodp.train.options import ds_config
+from zerodp.train.options import EXIT_NON_FINITE, ds_config
 from zerodp.train.report import (
     Metrics,
     bar_text,
@@ -41,10 +41,6 @@ from zerodp.train.report import (
     make_report,
     progress_bar,
 )
-
-# A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
-# passes the code on.
-EXIT_NON_FINITE = 3
 
 
 def run_rank(opts: argparse.Namespace) -> int:

@@ -19,6 +19,10 @@ from zerodp.models.hf_folder import is_model_folder  # torch-free
 # zerodp.config are imported inside parse_options, after argparse has run).
 from zerodp.models.sizes import HF_MODELS, SIZES
 
+# A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
+# passes the code on (defined here, torch-free: the launcher does not import the training loop).
+EXIT_NON_FINITE = 3
+
 # Built-in defaults, the lowest layer: --ds-config, then --config, then flags override them.
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
 DEFAULTS: dict[str, Any] = dict(
