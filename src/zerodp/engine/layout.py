@@ -71,9 +71,7 @@ class Layout:
 
     def frozen_slots(self) -> Iterator[tuple[Bucket, Slot]]:
         """Every sharded frozen parameter's slot with its bucket, in bucket order."""
-        for b in self.frozen_buckets:
-            for s in b.slots:
-                yield b, s
+        return _slots_of(self.frozen_buckets)
 
     def by_frozen_param(self) -> dict[int, tuple[Bucket, Slot]]:
         """id(parameter) -> its bucket and slot, for every sharded frozen parameter."""
@@ -81,9 +79,7 @@ class Layout:
 
     def slots(self) -> Iterator[tuple[Bucket, Slot]]:
         """Every trained parameter's slot with its bucket, in bucket order."""
-        for b in self.buckets:
-            for s in b.slots:
-                yield b, s
+        return _slots_of(self.buckets)
 
     def by_param(self) -> dict[int, tuple[Bucket, Slot]]:
         """id(parameter) -> its bucket and slot, for every trained parameter."""
@@ -112,3 +108,8 @@ class Layout:
                 out[r] += sum((hi - lo) * (tp_size if b.whole and not tp_duplicate(s.param) else 1)
                               for _, s, lo, hi in b.owned_slots(r))
         return out
+
+
+def _slots_of(buckets: list[Bucket]) -> Iterator[tuple[Bucket, Slot]]:
+    """Each slot of `buckets` with its bucket, in bucket order."""
+    return ((b, s) for b in buckets for s in b.slots)
