@@ -217,9 +217,8 @@ def runs() -> list[dict]:
 
 
 # ---- one process ------------------------------------------------------------------------------------
-@functools.cache
-def lora_reference() -> dict:
-    model = lora_model()
+def _trained_on_one_process(model: torch.nn.Module) -> dict:
+    """The PEFT model trained on the whole batch of each step by one process: losses and final state."""
     opt = torch.optim.AdamW(trainable(model), lr=1e-2)
     losses = []
     for ids in batches():
@@ -229,6 +228,11 @@ def lora_reference() -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@functools.cache
+def lora_reference() -> dict:
+    return _trained_on_one_process(lora_model())
 
 
 def _close(ours: dict, theirs: dict) -> None:
@@ -302,16 +306,7 @@ def test_trl_style_deepspeed_initialize_without_optimizer_gives_a_sharded_refere
 # ---- the big-model path: the base on meta, read from its folder ------------------------------------
 @functools.cache
 def meta_reference() -> dict:
-    model = whole_lora(base_folder())
-    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
-    losses = []
-    for ids in batches():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return _trained_on_one_process(whole_lora(base_folder()))
 
 
 def test_peft_model_on_meta_with_the_base_folder_as_weights_trains_on_2_ranks_as_from_pretrained_on_one():
