@@ -37,7 +37,6 @@ from zerodp.engine.whole_over_tp import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 
-
 class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
