@@ -94,10 +94,11 @@ def launch(opts: argparse.Namespace, method: str) -> None:
     with tempfile.TemporaryDirectory() as pids, FirstExit(pids) as first:
         try:
             elastic_launch(config, _launched_rank)(opts)
+            return
         except SignalException as e:  # the ranks were told and have stopped; rank 0 said how
             if not Path(pids, "0").exists():  # unless it was still starting (no handler of its own yet)
                 print(_SETUP_STOPPED.format(signal.Signals(int(e.sigval)).name), flush=True)
-            raise SystemExit(128 + int(e.sigval))
+            stopped = 128 + int(e.sigval)
         except ChildFailedError as e:
             codes = {f.exitcode for f in e.failures.values()}
             # Every rank stopped together, and rank 0 said why: on a signal, or on non-finite steps.
@@ -105,6 +106,12 @@ def launch(opts: argparse.Namespace, method: str) -> None:
                 raise SystemExit(max(codes))
             found = first.rank_and_code or min((r, f.exitcode) for r, f in e.failures.items())
             raise SystemExit(f"zerodp train: {describe_exit(*found, world=opts.nproc)}")
+    # On a signal torch leaves its rendezvous open (launcher/api.py), and the keep-alive thread running: an
+    # interpreter exit can free the rendezvous on that thread, whose finalizer then fails to join itself
+    # ("cannot join current thread", a traceback after the job's one line). Nothing is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(stopped)
 
 
 def start_method(opts: argparse.Namespace) -> str:
@@ -204,8 +211,8 @@ def _launched_rank(opts: argparse.Namespace) -> None:
     stop_during_setup()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a forked rank inherits the launcher's FirstExit handler
     # A forked rank's collections skip the launcher's objects (~300k, its imports): walked, they cost the rank
-    # seconds. Frozen here, not in the launcher: there a frozen heap makes full collections frequent, and one
-    # run on the rendezvous keep-alive thread finalizes its timer there ("cannot join current thread").
+    # seconds. Frozen here (a constant-time move of the collector's lists), the launcher's own collections as
+    # they were.
     gc.freeze()
     if PID_DIR in os.environ:  # for FirstExit
         Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
