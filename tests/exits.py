@@ -41,7 +41,7 @@ import zerodp.engine.summary  # noqa: F401
 gc.freeze()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +52,8 @@ def _print_threads() -> None:
     print("threads at exit:", sorted(names), flush=True)
 
 
-def _rank(rank: int, world: int, port: int, log: str, script: str, args: list[str], threads: bool) -> None:
+def become_rank(rank: int, world: int, port: int, log: str, script: str, args: list[str], threads: bool = False,
+                ) -> None:
     """In the forked child: become one rank of the job, run the script, end as its process would."""
     if threads:
         atexit.register(_print_threads)
@@ -91,17 +92,17 @@ def run_jobs(script: str, args: list[str], jobs: int, world: int, batch: int, ti
     """`jobs` jobs of `world` ranks each, `batch` jobs at a time; [[code, output tail] per rank] per job.
     Runs in this process: the caller (a parent that must stay free of groups) forks the ranks."""
     results: list[list] = []
-    # No `with` or `finally` around the forks: a rank unwinding out of _rank would run it too.
+    # No `with` or `finally` around the forks: a rank unwinding out of become_rank would run it too.
     tmp = tempfile.mkdtemp()
     for first in range(0, jobs, batch):
         pids, logs = {}, {}
         for job in range(first, min(first + batch, jobs)):
-            port = _free_port()
+            port = free_port()
             for rank in range(world):
                 logs[job, rank] = os.path.join(tmp, f"{job}.{rank}.log")
                 pid = os.fork()
                 if pid == 0:
-                    _rank(rank, world, port, logs[job, rank], script, args, threads)
+                    become_rank(rank, world, port, logs[job, rank], script, args, threads)
                     sys.exit(0)  # leaves through the interpreter's exit, as a script does
                 pids[pid] = (job, rank)
         codes = _reap(pids, time.monotonic() + timeout_s)
