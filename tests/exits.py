@@ -1,6 +1,7 @@
 """Run a script as the ranks of many small jobs and say how each process ended (exit code or signal).
 
     python tests/exits.py --jobs 40 --world 2 --batch 4 [--threads] SCRIPT [ARGS...]
+    python tests/exits.py [--threads] --runs '[{"script": S, "jobs": 3, "world": 2, "batch": 3}, ...]'
 
 Each rank starts as torchrun starts one (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in its
 environment, SCRIPT run as __main__) and ends as a script's process ends: through the interpreter's own
@@ -119,9 +120,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="jobs run at once")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a batch may take")
     parser.add_argument("--threads", action="store_true", help="print each rank's threads as it exits")
-    parser.add_argument("script")
+    parser.add_argument("--runs", help="instead of SCRIPT: a JSON list of {script, jobs, world, batch[, args]}, "
+                        "run one after another from this one process (one import of torch for all); "
+                        "prints a list of their results")
+    parser.add_argument("script", nargs="?")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
+    if opts.runs:
+        print(json.dumps([run_jobs(r["script"], r.get("args", []), r["jobs"], r["world"], r["batch"], opts.timeout,
+                                   opts.threads) for r in json.loads(opts.runs)]))
+        return
     print(json.dumps(run_jobs(opts.script, opts.args, opts.jobs, opts.world, opts.batch, opts.timeout,
                               opts.threads)))
 
