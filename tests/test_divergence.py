@@ -231,7 +231,7 @@ def _cases(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cases(launched):
+def cases(launched):  # the scripts start first, and wait out their comm_timeout_s while these run
     pytest.importorskip("transformers")
     return run_ranks(_cases, 2, timeout_s=SPAWN_S)
 
