@@ -1,6 +1,7 @@
 """Run a script as the ranks of many small jobs and say how each process ended (exit code or signal).
 
     python tests/exits.py --jobs 40 --world 2 --batch 4 [--threads] SCRIPT [ARGS...]
+    python tests/exits.py [--threads] --runs '[{"script": S, "jobs": 3, "world": 2, "batch": 3}, ...]'
 
 Each rank starts as torchrun starts one (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in its
 environment, SCRIPT run as __main__) and ends as a script's process ends: through the interpreter's own
@@ -41,7 +42,7 @@ import zerodp.engine.summary  # noqa: F401
 gc.freeze()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -52,7 +53,8 @@ def _print_threads() -> None:
     print("threads at exit:", sorted(names), flush=True)
 
 
-def _rank(rank: int, world: int, port: int, log: str, script: str, args: list[str], threads: bool) -> None:
+def become_rank(rank: int, world: int, port: int, log: str, script: str, args: list[str], threads: bool = False,
+                ) -> None:
     """In the forked child: become one rank of the job, run the script, end as its process would."""
     if threads:
         atexit.register(_print_threads)
@@ -91,17 +93,17 @@ def run_jobs(script: str, args: list[str], jobs: int, world: int, batch: int, ti
     """`jobs` jobs of `world` ranks each, `batch` jobs at a time; [[code, output tail] per rank] per job.
     Runs in this process: the caller (a parent that must stay free of groups) forks the ranks."""
     results: list[list] = []
-    # No `with` or `finally` around the forks: a rank unwinding out of _rank would run it too.
+    # No `with` or `finally` around the forks: a rank unwinding out of become_rank would run it too.
     tmp = tempfile.mkdtemp()
     for first in range(0, jobs, batch):
         pids, logs = {}, {}
         for job in range(first, min(first + batch, jobs)):
-            port = _free_port()
+            port = free_port()
             for rank in range(world):
                 logs[job, rank] = os.path.join(tmp, f"{job}.{rank}.log")
                 pid = os.fork()
                 if pid == 0:
-                    _rank(rank, world, port, logs[job, rank], script, args, threads)
+                    become_rank(rank, world, port, logs[job, rank], script, args, threads)
                     sys.exit(0)  # leaves through the interpreter's exit, as a script does
                 pids[pid] = (job, rank)
         codes = _reap(pids, time.monotonic() + timeout_s)
@@ -118,9 +120,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="jobs run at once")
     parser.add_argument("--timeout", type=float, default=120, help="seconds a batch may take")
     parser.add_argument("--threads", action="store_true", help="print each rank's threads as it exits")
-    parser.add_argument("script")
+    parser.add_argument("--runs", help="instead of SCRIPT: a JSON list of {script, jobs, world, batch[, args]}, "
+                        "run one after another from this one process (one import of torch for all); "
+                        "prints a list of their results")
+    parser.add_argument("script", nargs="?")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
+    if opts.runs:
+        print(json.dumps([run_jobs(r["script"], r.get("args", []), r["jobs"], r["world"], r["batch"], opts.timeout,
+                                   opts.threads) for r in json.loads(opts.runs)]))
+        return
     print(json.dumps(run_jobs(opts.script, opts.args, opts.jobs, opts.world, opts.batch, opts.timeout,
                               opts.threads)))
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -27,53 +29,38 @@ from spawn import run_ranks
 from zerodp.distributed.comm import group_timeout_s
 
 TESTS = Path(__file__).resolve().parent
-SCRIPT = TESTS / "scripts" / "diverge_stage3.py"
 TIMEOUT_S = 10    # the issue's comm_timeout_s in its scripts
 SPAWN_S = 120     # the timeout of the group spawn.py creates: the script's own group here
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0}  # tiny units gathered, not kept whole
 
 
 # ---- the issue's two scripts, as real processes under torchrun's environment ---------------------------------
-def _rank(rank: int, port: int, mode: str, stop: Path) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), mode, str(stop)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Both scripts at once (2 x 2 processes, tests/diverge_jobs.py: forked from one process that imported torch
+    once, each ending through the interpreter's exit). Started before `cases`, which runs while they wait
+    out their comm_timeout_s (the two launches overlap instead of taking their sum)."""
+    out = tmp_path_factory.mktemp("diverge")
+    with open(out / "launcher.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(TESTS / "diverge_jobs.py"), str(out)], stdout=log, stderr=log,
+                                start_new_session=True)  # its ranks in its process group: killed with it
+    yield out, proc
+    if proc.poll() is None:  # its test was not run (deselected) or failed before waiting for it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_both(tmp_path: Path) -> dict[str, list[tuple[int, str, float]]]:
-    """Both scripts at once (2 x 2 processes); {mode: [(exit code, output, time.time() it ended)] per rank}.
-    "work"'s rank 1 works on until its rank 0 has ended; any process still running after 300 s is killed."""
-    procs = {}
-    for mode in ("barrier", "work"):
-        port = _free_port()
-        procs[mode] = [_rank(r, port, mode, tmp_path / f"stop-{mode}") for r in range(2)]
-    ended: dict[tuple[str, int], float] = {}
-    deadline = time.monotonic() + 300
-    while len(ended) < 4 and time.monotonic() < deadline:
-        for mode, ranks in procs.items():
-            for r, p in enumerate(ranks):
-                if (mode, r) not in ended and p.poll() is not None:
-                    ended[mode, r] = time.time()
-        if ("work", 0) in ended:
-            (tmp_path / "stop-work").touch()
-        time.sleep(0.05)
-    out = {}
-    for mode, ranks in procs.items():
-        out[mode] = []
-        for r, p in enumerate(ranks):
-            if p.poll() is None:
-                p.kill()
-            stdout, stderr = p.communicate()
-            out[mode].append((p.returncode, stdout + stderr, ended.get((mode, r), float("inf"))))
-    return out
+@pytest.fixture(scope="module")
+def script_runs(launched, request) -> dict[str, list[tuple[int, str, float]]]:
+    """{mode: [(exit code, output, time.time() it ended)] per rank}; `cases` first, run while these wait."""
+    try:
+        request.getfixturevalue("cases")
+    except pytest.skip.Exception:  # no transformers: the scripts do not need it
+        pass
+    out, proc = launched
+    proc.wait(timeout=400)  # the launcher kills what still runs after 300 s
+    assert proc.returncode == 0, (out / "launcher.log").read_text()[-3000:]
+    return {mode: [tuple(r) for r in ranks] for mode, ranks in json.loads((out / "runs.json").read_text()).items()}
 
 
 def _stamp(text: str, what: str) -> float:
@@ -82,10 +69,10 @@ def _stamp(text: str, what: str) -> float:
     return float(found.group(1))
 
 
-def test_divergent_eval_forwards_on_the_scripts_own_group_end_within_comm_timeout_naming_the_divergence(tmp_path):
+def test_divergent_eval_forwards_on_the_scripts_own_group_end_within_comm_timeout_naming_the_divergence(script_runs):
     """The script creates its group (gloo's 30-minute timeout); comm_timeout_s 10. Rank 0 runs a third eval
     forward that rank 1 never runs: rank 1 then waits in a dist.barrier() of its own, or works on."""
-    runs = _run_both(tmp_path)
+    runs = script_runs
     for mode, ((code0, out0, end0), (code1, out1, end1)) in runs.items():
         assert end0 != float("inf") and end1 != float("inf"), f"{mode}: a process was left running\n{out0[-3000:]}"
         waiting = _stamp(out0, "waiting since")
@@ -244,7 +231,7 @@ def _cases(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cases():
+def cases(launched):  # the issue's scripts start first, and wait out their comm_timeout_s while these run
     pytest.importorskip("transformers")
     return run_ranks(_cases, 2, timeout_s=SPAWN_S)
 

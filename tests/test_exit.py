@@ -20,17 +20,31 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 DOCS = TESTS.parent / "docs"
 
 
-def run_jobs(script: Path, jobs: int, world: int, batch: int) -> list[list]:
-    """[[exit code, output tail] per rank] per job, each rank's output ending with its threads at exit."""
-    proc = subprocess.run([sys.executable, str(TESTS / "exits.py"), "--jobs", str(jobs), "--world", str(world),
-                           "--batch", str(batch), "--timeout", "300", "--threads", str(script)],
-                          capture_output=True, text=True, timeout=900)
+def run_jobs(runs: list[dict]) -> list[list[list]]:
+    """Per run ({script, jobs, world, batch}): [[exit code, output tail] per rank] per job, each rank's output
+    ending with its threads at exit. All runs from one tests/exits.py process: one import of torch for all."""
+    proc = subprocess.run([sys.executable, str(TESTS / "exits.py"), "--timeout", "300", "--threads",
+                           "--runs", json.dumps(runs)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def exits(tmp_path_factory) -> dict[str, list[list]]:
+    """The two tests' jobs in one tests/exits.py launch (its torch import, ~4 s of CPU, paid once, not twice)."""
+    config_error = usage_script_with_a_batch_that_does_not_divide(tmp_path_factory.mktemp("usage"))
+    # stage 2: 3 jobs (6 rank exits); config error: 2 jobs of 3 ranks (6 rank exits). What is checked (no gloo
+    # thread left as finalization begins) is the abort's cause, not the race, so it holds or fails on every
+    # rank exit; 6 rank exits see it as surely as 12.
+    stage2, config = run_jobs([{"script": str(TESTS / "scripts" / "exit_stage2.py"), "jobs": 3, "world": 2, "batch": 3},
+                               {"script": str(config_error), "jobs": 2, "world": 3, "batch": 2}])
+    return {"stage2": stage2, "config error": config}
 
 
 def gloo_threads_at_exit(output: str) -> list[str]:
@@ -44,11 +58,9 @@ def summary(results: list[list]) -> Counter:
     return Counter(code for job in results for code, _ in job)
 
 
-def test_finished_stage2_job_then_destroy_process_group_exits_0_with_no_gloo_thread_left():
+def test_finished_stage2_job_then_destroy_process_group_exits_0_with_no_gloo_thread_left(exits):
     """The issue's script: 2 ranks, ZeRO-2, a few steps, destroy_process_group(), exit (2 of 16 aborted)."""
-    # 3 jobs: what is checked (no gloo thread left as finalization begins) is the abort's cause, not the race,
-    # so it holds or fails on every rank exit; 6 rank exits see it as surely as 12.
-    results = run_jobs(TESTS / "scripts" / "exit_stage2.py", jobs=3, world=2, batch=3)
+    results = exits["stage2"]
     assert summary(results) == {0: 6}, [job for job in results if any(code for code, _ in job)][:2]
     for job in results:
         for rank, (_, out) in enumerate(job):
@@ -66,11 +78,10 @@ def usage_script_with_a_batch_that_does_not_divide(tmp_path: Path) -> Path:
     return script
 
 
-def test_config_error_under_torchrun_ends_every_rank_with_exit_1_and_the_error_and_no_gloo_thread(tmp_path):
+def test_config_error_under_torchrun_ends_every_rank_with_exit_1_and_the_error_and_no_gloo_thread(exits):
     """torchrun --nproc-per-node 3 train.py with a train_batch_size that does not divide (1 run in 3
     aborted: torchrun's "Root Cause" named signal 6, not the ConfigError)."""
-    # 2 jobs (6 rank exits): the cause, checked on every rank, not the race (as above)
-    results = run_jobs(usage_script_with_a_batch_that_does_not_divide(tmp_path), jobs=2, world=3, batch=2)
+    results = exits["config error"]
     assert summary(results) == {1: 6}, [job for job in results if any(code != 1 for code, _ in job)][:2]
     for job in results:
         for rank, (_, out) in enumerate(job):

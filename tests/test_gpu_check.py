@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import weakref
@@ -33,17 +34,45 @@ def _load(name: str, path: Path):
     return module
 
 
-def _check(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _start(tmp_path: Path, **env) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env})
-    lines = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
-    return proc, lines
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(["bash", str(CHECK)], stdout=stdout, stderr=stderr, start_new_session=True,
+                                env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env})
+    return proc, tmp_path
+
+
+def _finish(started: tuple[subprocess.Popen, Path]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    proc, tmp_path = started
+    proc.wait(timeout=300)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / "stdout").read_text(),
+                                       (tmp_path / "stderr").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "out" / "summary.jsonl").read_text().splitlines()]
+    return done, lines
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """The three runs of check.sh below, started at once: each is a chain of one-threaded Python processes
+    (one core), so on 2 cores they overlap instead of taking their sum; each keeps its own OUT, and its
+    limits (per-piece caps of 120-150 s, a 420 s deadline) stay far from what a tiny CPU run takes."""
+    started = {"deadline": _start(tmp_path_factory.mktemp("deadline"), DEADLINE_S="0")}
+    shim = tmp_path_factory.mktemp("no-pydantic")
+    (shim / "shim" / "pydantic").mkdir(parents=True)
+    (shim / "shim" / "pydantic" / "__init__.py").write_text("raise ImportError('No module named pydantic (shim)')\n")
+    started["no pydantic"] = _start(shim, PYTHONPATH=str(shim / "shim"), SITE=str(shim / "site"))
+    if not torch.cuda.is_available():  # on a CUDA machine the check runs the GPU pieces (minutes): not started
+        started["cpu"] = _start(tmp_path_factory.mktemp("cpu"))
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:  # a test that failed (or was deselected) before waiting for it
+            os.killpg(proc.pid, signal.SIGKILL)  # the check and its pieces (a session of their own)
+            proc.wait()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the check runs the GPU pieces (minutes)")
-def test_check_on_a_cpu_runs_the_cpu_pieces_and_marks_the_gpu_ones(tmp_path):
-    proc, lines = _check(tmp_path)
+def test_check_on_a_cpu_runs_the_cpu_pieces_and_marks_the_gpu_ones(checks):
+    proc, lines = _finish(checks["cpu"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_piece = {r["piece"]: r for r in lines}
     assert by_piece["environment"]["status"] == "ok" and by_piece["environment"]["zerodp"] == "imports"
@@ -58,8 +87,8 @@ def test_check_on_a_cpu_runs_the_cpu_pieces_and_marks_the_gpu_ones(tmp_path):
     assert f"{len(lines)} lines: {len(lines) - len(GPU_PIECES)} ok, 0 failed, {len(GPU_PIECES)} skipped" in table
 
 
-def test_check_past_its_deadline_says_why_each_piece_did_not_run(tmp_path):
-    proc, lines = _check(tmp_path, DEADLINE_S="0")
+def test_check_past_its_deadline_says_why_each_piece_did_not_run(checks):
+    proc, lines = _finish(checks["deadline"])
     assert proc.returncode == 1 and "nothing was checked: zerodp did not import here" in proc.stdout
     assert [r["piece"] for r in lines] == ["environment", "GPU-only tests", "correctness", *GPU_PIECES[1:]]
     assert re.fullmatch(r"not run: -?\d+ s left of the 0 s deadline", lines[0]["result"]), lines[0]
@@ -67,11 +96,8 @@ def test_check_past_its_deadline_says_why_each_piece_did_not_run(tmp_path):
     assert "8 lines: 0 ok, 0 failed, 8 skipped" in proc.stdout
 
 
-def test_check_without_pydantic_says_so_and_checks_nothing(tmp_path):
-    shim = tmp_path / "shim" / "pydantic"
-    shim.mkdir(parents=True)
-    (shim / "__init__.py").write_text("raise ImportError('No module named pydantic (shim)')\n")
-    proc, lines = _check(tmp_path, PYTHONPATH=str(shim.parent), SITE=str(tmp_path / "site"))
+def test_check_without_pydantic_says_so_and_checks_nothing(checks):
+    proc, lines = _finish(checks["no pydantic"])
     assert proc.returncode == 1
     assert "pydantic is missing: zerodp cannot import. Make the wheels where pip works " \
            "(bash benchmarks/gpu/wheels.sh) and carry .whl to this machine." in proc.stdout
