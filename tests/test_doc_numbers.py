@@ -5,7 +5,10 @@ quote had lost its --seq 2048).
 
 One measured run (the step and both set-up paths on fake tensors: 23 s of CPU on the project's 2-core
 machine; a 1.3B model costs nearly as much, 17 s) and one formula run (`--measure none`, 0.1 s) serve
-every quote.
+every quote. The measuring runs in this process (in_process.py: the same function on the same JSON as the
+command's child, less a fresh interpreter's imports, ~4 s). Their cost is per operation, not per byte: 82,000
+ops on fake tensors go through FakeTensorMode and PyTorch's MemTracker at 0.2-0.4 ms each (a profile found
+nothing done twice); 40 layers take them, so a shallower model would be cheaper, not a narrower one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 from pathlib import Path
 
 import pytest
+from in_process import children_here
 
 from zerodp.plan import estimate
 
@@ -46,7 +50,8 @@ def _run(*args: str) -> str:
 @pytest.fixture(scope="module")
 def printed() -> dict[str, str]:
     """The values the quotes hold, as the command prints them today."""
-    measured = _run(*COMMAND.split()[2:])
+    with children_here():
+        measured = _run(*COMMAND.split()[2:])
     formula = _run(*COMMAND.split()[2:], "--measure", "none")
     m, f = SETUP_ROW.search(measured), SETUP_ROW.search(formula)
     assert m is not None and f is not None and m[2] == m[4] == "fake" and f[2] == f[4] == "formula", measured + formula

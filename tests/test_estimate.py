@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from in_process import children_here
 
 from zerodp.plan import estimate
 
@@ -52,7 +53,8 @@ def test_a_factory_module_is_counted_and_refused_by_fit(tmp_path, monkeypatch, c
     psi = 100 * 300 + 300 + 300 * 10 + 10
     assert model.num_params() == psi
     assert PlanModel.parse(str(tmp_path / "mymodels.py") + ":make").num_params() == psi
-    estimate.main(["--model", "mymodels:make", "--world", "8", "--stage", "2", "3"])
+    with children_here():  # the set-up's child in this process (in_process.py); as a subprocess: the next test
+        estimate.main(["--model", "mymodels:make", "--world", "8", "--stage", "2", "3"])
     out = capsys.readouterr().out
     assert size(memory.formula(psi, 8, 2)) in out and "no inputs: not measured" in out
     with pytest.raises(SystemExit):
@@ -66,6 +68,8 @@ def test_a_model_on_meta_that_nothing_initialises_gets_the_formula_for_its_set_u
     (tmp_path / "bare.py").write_text(
         "import torch\nclass Bare(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
         "        self.w = torch.nn.Parameter(torch.ones(300, 300))\ndef make():\n    return Bare()\n")
+    # The command as a user runs it, its fake-tensor measuring child a subprocess (plan/peak.py's __main__):
+    # the one test that keeps it (the others run the child's function here, in_process.py).
     estimate.main(["--model", str(tmp_path / "bare.py") + ":make", "--world", "8", "--stage", "3"])
     row = _rows(capsys.readouterr().out, 1)[0]
     assert row[4] == "(formula)" and row[7] == "(fake)", row  # meta: no reset_parameters; whole: measured
@@ -74,7 +78,8 @@ def test_a_model_on_meta_that_nothing_initialises_gets_the_formula_for_its_set_u
 def test_a_hugging_face_model_on_meta_is_initialised_by_its_own_init_weights_in_the_set_up(tmp_path, capsys):
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))  # RMSNorm and rotary tables: no reset_parameters
-    estimate.main(["--model", str(tmp_path), "--world", "8", "--stage", "3", "--seq", "32"])
+    with children_here():  # no second import of transformers in a child (in_process.py)
+        estimate.main(["--model", str(tmp_path), "--world", "8", "--stage", "3", "--seq", "32"])
     row = _rows(capsys.readouterr().out, 1)[0]
     assert row[4] == "(fake)" and row[7] == "(fake)", row
 
@@ -145,7 +150,8 @@ def test_setup_of_both_paths_is_measured_on_fake_tensors_as_the_formula_says():
     psi = model.num_params()
     args = estimate.build_parser().parse_args(["--model", "small", "--dtype", "fp32"])
     args.seq = 64
-    got = setup.measure(args, model, [(4, 2), (4, 3)], Console(quiet=True))
+    with children_here():
+        got = setup.measure(args, model, [(4, 2), (4, 3)], Console(quiet=True))
     with torch.device("meta"):  # the initialisers' CPU stand-ins, one module at a time: host memory on a GPU
         stand_in = 4 * max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.build()[0].modules())
     for stage in (2, 3):
@@ -167,7 +173,8 @@ def test_meta_setup_on_fake_tensors_counts_what_the_same_run_on_real_tensors_hol
     # Stage 3 only: its meta set-up goes through both work-arounds and takes views of a whole buffer; stage
     # 2's (a flat working buffer allocated at once, the masters' shard) has nothing more for fake tensors to
     # miscount, and test_setup_of_both_paths holds its fake count to the formula.
-    runs = measure_peaks([{**base, "stage": 3, "fake": f} for f in (True, False)])
+    with children_here():
+        runs = measure_peaks([{**base, "stage": 3, "fake": f} for f in (True, False)])
     for fake, real in zip(runs[::2], runs[1::2]):
         assert abs(fake["peak"] - real["peak"]) < 64 * 1024, (fake["spec"]["stage"], fake["peak"], real["peak"])
         # (the real run also holds rank 0's CPU random state, 5 KB, which the fake run keeps real)

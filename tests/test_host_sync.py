@@ -26,9 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import multiprocessing
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import logs
 import oracle
 import zerodp
+from in_process import fake_group, one_thread
 from spawn import run_ranks
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.monitor.step import StepMonitor
@@ -49,18 +47,24 @@ FAKE_WORLD = 4
 STAGES = [0, 1, 2, 3]
 
 
-def _fake_world_steps(out_path: str) -> None:
+@contextlib.contextmanager
+def _uninitialised_memory_is_nan():
+    """torch's deterministic mode fills every uninitialised tensor with nan (torch.empty gives nan), for the
+    block only: the test process's later tests run as before."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty gives nan
-    torch.save({stage: _fake_world_step(stage) for stage in STAGES}, out_path)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
 
 
 def _fake_world_step(stage: int) -> dict:
     """Rank 0 of FAKE_WORLD on the fake group: its gradient shard after one backward, the plain
     PyTorch gradient of the same batch and parameters laid out the same way, and what the step did."""
-    from zerodp.distributed.comm import init_fake
-
-    init_fake(FAKE_WORLD)
     case = oracle.CASES["plain"]
     model = oracle.build(case)
     plain = copy.deepcopy(model)
@@ -86,22 +90,21 @@ def _fake_world_step(stage: int) -> dict:
     engine.step()
     out = {"grads": grads, "expected": expected, "skipped": engine.skipped_steps,
            "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.partitioned_optimizer.masters)}
-    torch.distributed.destroy_process_group()
     return out
 
 
 @functools.cache
 def fake_world() -> dict:
-    """Every stage's run, in one forked process (it holds the fake process group, one at a time)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.pt")
-        # A fresh interpreter, not a fork: forked after other tests in this process (gloo's and OpenMP's
-        # threads are not copied) the child hung in 1 of 2 runs of a few test files together.
-        child = multiprocessing.get_context("spawn").Process(target=_fake_world_steps, args=(path,))
-        child.start()
-        child.join(300)
-        assert child.exitcode == 0, f"the fake-world child failed (exit code {child.exitcode})"
-        return torch.load(path)
+    """Every stage's run, in this process (a fake process group each, destroyed after it): no child to fork,
+    whose copy of this process's gloo and OpenMP threads once hung it, nor a fresh interpreter to spawn, whose
+    imports cost ~5 s of CPU (what a fresh one adds, no earlier test's state, deterministic mode gives here:
+    every uninitialised tensor is nan, so a gradient the fake collective failed to write shows)."""
+    out = {}
+    with _uninitialised_memory_is_nan():
+        for stage in STAGES:
+            with fake_group(FAKE_WORLD):
+                out[stage] = _fake_world_step(stage)
+    return out
 
 
 @pytest.mark.parametrize("stage", STAGES, ids=lambda s: f"stage={s}")
@@ -181,7 +184,8 @@ READ_JOBS = {1: [(stage, dtype, read_back) for stage in STAGES for dtype in ("fp
 def reads(world: int) -> list[dict]:
     if world == 1:
         try:
-            return [_reads_jobs(0, 1, READ_JOBS[1])]
+            with one_thread():  # its bf16 runs: a second thread's OpenMP spin-wait only burns CPU (in_process.py)
+                return [_reads_jobs(0, 1, READ_JOBS[1])]
         finally:
             torch.distributed.destroy_process_group()
     return [ranks["reads"] for ranks in world2()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from in_process import children_here
 
 from zerodp.plan import estimate
 
@@ -31,15 +32,20 @@ RUNS = ([(world, stage, 1) for world, stage in WORLD_STAGES] + [(8, 2, 2)]
 
 
 def spec(world: int, stage: int, gas: int, offload: str = "", optimizer: str = "AdamW") -> dict:
-    return {"world": world, "stage": stage, "gas": gas, "model": MODEL, "micro_batch": 2, "seq": 32,
+    # One sequence of 8 tokens (was 2 of 32: 7.6 -> 3.4 s of CPU for the runs, their bf16 matmuls slow on this
+    # CPU): the report counts the engine's model states and buckets, which no batch size changes; the
+    # activations' bytes are test_fake_tensor_peak_adds_activations'.
+    return {"world": world, "stage": stage, "gas": gas, "model": MODEL, "micro_batch": 1, "seq": 8,
             "dtype": "bf16", "checkpointing": False, "reduce_bucket_size": BUCKET,
             "offload": offload == "offload", "optimizer": optimizer}
 
 
 @functools.cache
 def measured() -> dict:
-    # One subprocess for all runs (a fresh fake process group each): the CLI test covers one per run.
-    return dict(zip(RUNS, measure.measure_many([spec(*r) for r in RUNS], timeout=300)))
+    # Every run in this process (a fresh fake process group each; in_process.py): the CLI test below runs
+    # the measuring subprocess as `--measure real` does, one per run.
+    with children_here():
+        return dict(zip(RUNS, measure.measure_many([spec(*r) for r in RUNS], timeout=300)))
 
 
 # ---- formula ------------------------------------------------------------------------------------
@@ -202,6 +208,8 @@ def test_stage2_accumulates_in_fp32_with_more_than_one_micro_step():
 
 # ---- the CLI ------------------------------------------------------------------------------------
 def test_estimate_prints_formula_and_measured_table(capsys):
+    # The command as a user runs it, its measuring child a subprocess (plan/measure.py's __main__, the
+    # process's own peak RSS): the one test that keeps it (the others run the child's function here).
     from zerodp.cli import main
     main(["estimate", "--model", "tiny", "--world", "4", "--stage", "2", "--seq", "16", "--measure", "real"])
     out = capsys.readouterr().out
@@ -252,7 +260,8 @@ PEAK_RUNS[("real", 2)] = {**PEAK_RUNS[("zerodp", 2)], "fake": False}  # real CPU
 @functools.cache
 def peaks() -> dict:
     from zerodp.plan.peak import measure_peaks
-    return dict(zip(PEAK_RUNS, measure_peaks(list(PEAK_RUNS.values()), timeout=300)))
+    with children_here():  # in this process (in_process.py): test_estimate.py keeps one run of the child
+        return dict(zip(PEAK_RUNS, measure_peaks(list(PEAK_RUNS.values()), timeout=300)))
 
 
 def test_fake_tensors_count_the_same_bytes_as_real_ones():
@@ -309,7 +318,8 @@ def test_plain_pytorch_on_fake_tensors_holds_fp32_params_and_adamw_states():
 
 
 def test_estimate_fake_tensors_prints_the_peak_and_its_parts(capsys):
-    estimate.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fsdp2", "--plain", "--seq", "16"])
+    with children_here():
+        estimate.main(["--model", "tiny", "--world", "8", "--stage", "2", "--fsdp2", "--plain", "--seq", "16"])
     out = capsys.readouterr().out
     assert "zerodp 2" in out and "FSDP2 no reshard" in out and "PyTorch AMP" in out and "optim " in out
     psi = PlanModel.parse("tiny").num_params()
