@@ -8,6 +8,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_configure(config):
+    """In-process tests run torch on one thread: their models are tiny, and a second thread's OpenMP spin-wait
+    only takes a core from the ranks and children the suite runs (12 in-process files: 52-58 s on one
+    thread, 61-65 s on two). Tests that need another count set it and restore it."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session):
     """The test modules' imports (torch, transformers, Lightning, TRL: ~500k objects) live as long as this
     process: frozen, the garbage collector's full passes (~0.5 s each) no longer walk them."""
