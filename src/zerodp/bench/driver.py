@@ -81,6 +81,14 @@ def _fresh(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int |
     return proc.returncode, proc.stderr or proc.stdout
 
 
+# What the fork server imports once, for every mode forked from it: torch, the worker, the engine, FSDP2, DDP,
+# dynamo (activation checkpointing imports it), the elastic launcher and the fake process group. Each import left
+# to the modes is paid again by each (a fresh interpreter's share of them: ~5 CPU s).
+FORK_PRELOAD = ("zerodp.bench.driver", "zerodp.bench.worker", "zerodp.activations", "zerodp.engine.engine",
+                "zerodp.engine.summary", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel",
+                "torch.distributed.launcher.api", "torch.testing._internal.distributed.fake_pg")
+
+
 def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int | None, str]:
     """--fork: the mode in a fork of multiprocessing's fork server, a process started once that imported
     torch and the worker (FORK_PRELOAD) and has computed nothing: a fork of this process could hang in its
@@ -103,11 +111,6 @@ def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int 
         return None, ""
     with open(log) as f:
         return proc.exitcode, f.read()
-
-
-# What the fork server imports once, for every mode forked from it (each one's own imports cost ~5 CPU s).
-FORK_PRELOAD = ("zerodp.bench.driver", "zerodp.bench.worker", "zerodp.activations", "zerodp.engine.engine", "zerodp.engine.summary", "torch._dynamo", "torch.distributed.fsdp",
-                "torch.nn.parallel", "torch.distributed.launcher.api", "torch.testing._internal.distributed.fake_pg")
 
 
 def _forked_mode(argv: list[str], ranks: int, log: str, environ: dict[str, str], cwd: str) -> None:
