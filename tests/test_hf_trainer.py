@@ -22,6 +22,7 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 import logs  # noqa: E402
+from heap import frozen_heap  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
@@ -91,20 +92,6 @@ def world_of_one():
         torch.set_num_threads(threads)
         if owned:
             dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """gc.freeze(): what is alive now (torch, transformers, TRL: ~450k objects) is left out of every later
-    collection, and undone after. accelerate's free_memory() runs gc.collect() at each Trainer's set-up and
-    end: ~0.5 CPU s each over that heap, ~1 ms without it (the TRL runs on 2 ranks: 19 -> 9 s). What the
-    tests make is collected as before; only cycles already garbage now wait for unfreeze."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @pytest.fixture(scope="module", autouse=True)
