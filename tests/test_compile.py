@@ -112,8 +112,21 @@ JOBS = {1: [Job(0), Job(1), Job(2)] + [Job(2, w) for w in WAYS[1:]] + [Job(2, "m
 
 
 @functools.cache
+def _warm_up() -> None:
+    """One compile here, before any rank forks: dynamo's and AOTAutograd's first compile in a process costs
+    ~6 CPU s of imports and set-up (sympy, trace rules), which each of the 3 forked ranks paid again before;
+    and the engine's modules, which zerodp.initialize imports on first use. Nothing of it is compiled code the
+    ranks reuse: each job starts with torch._dynamo.reset()."""
+    import zerodp.engine.engine  # noqa: F401
+    block = Block(4)
+    torch.compile(block, backend="aot_eager")(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+
+
+@functools.cache
 def runs(world: int) -> dict:
-    """Every compiled run of one world size, in one set of spawned ranks (spawning is the slow part)."""
+    """Every compiled run of one world size, in one set of forked ranks (starting ranks is the slow part)."""
+    _warm_up()
     return run_ranks(_run_jobs, world, JOBS[world])[0]
 
 

@@ -1,7 +1,8 @@
 """`zerodp bench`: one GPT and one batch under every data-parallel mode, side by side.
 
 The driver: it runs each mode in a fresh process (`python -m zerodp.bench --worker MODE`, under
-torchrun for more than one rank; worker.py is what runs there), goes round the modes --repeats times,
+torchrun for more than one rank; worker.py is what runs there), or with --fork on a CPU in a fork of
+one server process that imported all that once, goes round the modes --repeats times,
 keeps each mode's median, adds every mode's ratio to plain PyTorch of the same invocation, and prints
 and writes the table.
 """
@@ -9,12 +10,14 @@ and writes the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+import uuid
 from dataclasses import asdict
 
 # torch and the worker are imported on use: `zerodp bench --help` answers before torch loads.
@@ -41,7 +44,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0) -> Result:
-    """Run one mode in a fresh process (torchrun for world > 1 or DeepSpeed) and read its row."""
+    """Run one mode in processes of its own (a launcher's ranks for world > 1 or DeepSpeed) and read its row."""
     from zerodp.bench.worker import skip_reason
     from zerodp.distributed.device import local
 
@@ -51,21 +54,86 @@ def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = _worker_argv(args) + ["--worker", mode, "--result", out, "--fake-world", str(fake_world)]
-        if (world > 1 or mode.startswith("deepspeed")) and not fake_world:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={world}", "-m", "zerodp.bench", *argv]
-        else:
-            cmd = [sys.executable, "-m", "zerodp.bench", *argv]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        except subprocess.TimeoutExpired:
+        ranks = world if (world > 1 or mode.startswith("deepspeed")) and not fake_world else 0  # 0: no launcher
+        code, output = (_forked if args.fork else _fresh)(argv, ranks, args.timeout, tmp)
+        if code is None:
             return Result(mode, "failed", world, f"timed out after {args.timeout} s")
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return Result(mode, "failed", world, f"exit {proc.returncode}: " + " | ".join(tail))
+        if code != 0 or not os.path.exists(out):
+            tail = output.strip().splitlines()[-3:]
+            return Result(mode, "failed", world, f"exit {code}: " + " | ".join(tail))
         with open(out) as f:
             return Result(**json.load(f))
+
+
+def _fresh(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int | None, str]:
+    """The mode in a fresh interpreter: the worker, or torchrun starting `ranks` of them. Returns the exit
+    code (None: timed out) and what it printed (stderr, else stdout)."""
+    if ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "zerodp.bench", *argv]
+    else:
+        cmd = [sys.executable, "-m", "zerodp.bench", *argv]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return proc.returncode, proc.stderr or proc.stdout
+
+
+# What the fork server imports once, for every mode forked from it: torch, the worker, the engine, FSDP2, DDP,
+# dynamo (activation checkpointing imports it), the elastic launcher and the fake process group. Each import left
+# to the modes is paid again by each (a fresh interpreter's share of them: ~5 CPU s).
+FORK_PRELOAD = ("zerodp.bench.driver", "zerodp.bench.worker", "zerodp.activations", "zerodp.engine.engine",
+                "zerodp.engine.summary", "torch._dynamo", "torch.distributed.fsdp", "torch.nn.parallel",
+                "torch.distributed.launcher.api", "torch.testing._internal.distributed.fake_pg")
+
+
+def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int | None, str]:
+    """--fork: the mode in a fork of multiprocessing's fork server, a process started once that imported
+    torch and the worker (FORK_PRELOAD) and has computed nothing: a fork of this process could hang in its
+    first multi-threaded op when this one has used OpenMP threads (a Python session, a test). As _fresh
+    returns."""
+    import multiprocessing
+    import signal
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(FORK_PRELOAD))  # read when the server starts, the first time
+    log = os.path.join(tmp, "output.log")
+    proc = context.Process(target=_forked_mode, args=(argv, ranks, log, dict(os.environ), os.getcwd()))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:  # the mode and every rank it forked: one session (_forked_mode)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.join()
+        return None, ""
+    with open(log) as f:
+        return proc.exitcode, f.read()
+
+
+def _forked_mode(argv: list[str], ranks: int, log: str, environ: dict[str, str], cwd: str) -> None:
+    """In the fork: this driver's environment and directory (not the server's, from when it started),
+    output to `log`; the worker, or torch's elastic launcher (what torchrun runs) forking `ranks` of them."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    if not ranks:
+        main(argv)
+        return
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="fork")
+    elastic_launch(config, main)(argv)
 
 
 def median_result(runs: list[Result]) -> Result:
@@ -174,6 +242,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1,
                    help="run every mode this many times, interleaved, and report the median")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before it counts as failed")
+    p.add_argument("--fork", action="store_true",
+                   help="CPU only: start each mode as a fork of one server process that imported torch and the "
+                        "worker once (~5 CPU s less per mode and rank), not as a fresh interpreter (the default); "
+                        "each mode still runs in processes of its own, which ran no other mode")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -228,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--model: {e}") from None
     if args.world < 1 or args.repeats < 1:
         raise SystemExit(f"--world and --repeats must be at least 1, got {args.world} and {args.repeats}")
+    if args.fork and accelerator_type() is not None:
+        raise SystemExit("--fork is for CPU runs (checked there): on an accelerator each mode runs in a fresh "
+                         "interpreter, so that none inherits a device context; run without --fork")
     modes = modes_to_run(args.modes)
     # Repeats go round all the modes in turn, so a drift in the machine's load hits every mode alike.
     rounds = [[launch(m, 1 if m == "plain" else args.world, args) for m in modes]
