@@ -53,8 +53,8 @@ def _print_threads() -> None:
     print("threads at exit:", sorted(names), flush=True)
 
 
-def become_rank(rank: int, world: int, port: int, log: str, script: str, args: list[str], threads: bool = False,
-                ) -> None:
+def become_rank(rank: int, world: int, port: int, log: str, script: str, args: list[str],
+                threads: bool = False) -> None:
     """In the forked child: become one rank of the job, run the script, end as its process would."""
     if threads:
         atexit.register(_print_threads)
