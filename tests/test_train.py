@@ -289,25 +289,6 @@ def test_explicit_grad_accum_on_resume_wins_with_a_warning(capsys):
            "(1 rank(s) x 1 accumulation x 4 micro-batch)" in capsys.readouterr().err
 
 
-def test_a_cpu_launcher_forks_its_ranks_after_dropping_to_one_thread():
-    """The ranks fork from the launcher (its imports inherited), which from then on computes on one thread: a
-    fork of a process whose OpenMP threads have run hangs in its first parallel op, and a rank of a job on
-    more cores than ranks runs parallel ops. The launcher's own thread count is what is checked here."""
-    from zerodp.distributed.device import accelerator_type
-    from zerodp.train.launch import start_method
-    from zerodp.train.options import parse_options
-
-    if accelerator_type() is not None:
-        pytest.skip("on an accelerator the ranks are spawned")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert start_method(parse_options([*TINY, "--nproc", "2"])) == "fork"
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_step_data_is_the_same_for_any_world_size_at_a_fixed_global_batch():
     from zerodp.train.loop import StepBatches
 

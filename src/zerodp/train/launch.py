@@ -40,11 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     from zerodp.train.ds_sections import job_world
     from zerodp.train.resume import choose_resume
 
-    one_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1  # this one
-    method = None if one_rank else start_method(opts)  # before any tensor op (start_method says why)
     # Which checkpoint, and the batch it keeps: settled here, so a misfit stops before any rank starts.
     choose_resume(opts, job_world(opts))
-    if one_rank:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or opts.nproc == 1:  # one rank: this one
         # Imported here, not above: a launcher only starts ranks, and the loop's imports (the engine,
         # the models, pydantic's config models) would cost it CPU before any rank starts.
         from zerodp.train.loop import run_rank
@@ -55,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         quick_exit()
     else:
         try:
-            launch(opts, method)
+            launch(opts)
         finally:
             quick_exit()
 
@@ -74,7 +72,7 @@ def stop_during_setup() -> None:
         signal.signal(sig, stop)
 
 
-def launch(opts: argparse.Namespace, method: str) -> None:
+def launch(opts: argparse.Namespace) -> None:
     """Start opts.nproc ranks on this machine, as `torchrun --standalone --nproc-per-node N` does."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -84,8 +82,10 @@ def launch(opts: argparse.Namespace, method: str) -> None:
     # finish their step, checkpoint and exit; shutdown_timeout bounds the wait before it SIGKILLs them.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=opts.nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1, shutdown_timeout=max(10, math.ceil(opts.timeout)),
-                          start_method=method)
+                          monitor_interval=0.1, shutdown_timeout=max(10, math.ceil(opts.timeout)))
+    # The ranks are spawned (torch's default), not forked from here: a SIGTERM that lands while os.fork() runs
+    # its at-fork hooks raises in logging's _releaseLock, which then stays held, and the launcher hangs at its
+    # next log call (seen: `zerodp train` stopped 4 s into set-up never exited).
     # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
     # Its shutdown warnings too ("Received 15 death signal"): the job says what happened in one line.
     for name in list(logging.root.manager.loggerDict):
@@ -112,33 +112,6 @@ def launch(opts: argparse.Namespace, method: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(stopped)
-
-
-def start_method(opts: argparse.Namespace) -> str:
-    """"fork" on a CPU: the ranks inherit the launcher's imports. Imported once here, torch, DTensor,
-    the engine, the models and the report's plotting cost ~6 CPU s, paid otherwise by every rank (two
-    ranks on two cores: ~3 s of a tiny job's wall time, ~8 s with four). "spawn" with an accelerator: a
-    forked rank could inherit a device context it cannot use.
-
-    Called before the launcher computes anything: from here on it computes on one thread. A fork of a
-    process whose OpenMP threads have run hangs in its first parallel op (GNU OpenMP); each rank sets its
-    own thread count (loop.run_rank)."""
-    import torch
-
-    from zerodp.distributed.device import accelerator_type
-
-    if accelerator_type() is not None:
-        return "spawn"
-    torch.set_num_threads(1)
-    # What a rank imports on use, so that no rank imports it again:
-    import matplotlib.figure  # noqa: F401  (the report)
-    import tqdm  # noqa: F401  (the progress bar)
-
-    import zerodp.checkpoint.save  # noqa: F401
-    import zerodp.train.loop  # noqa: F401
-    if opts.model.startswith("hf-"):
-        import transformers  # noqa: F401
-    return "fork"
 
 
 class FirstExit:
@@ -209,11 +182,6 @@ def describe_exit(rank: int, code: int, world: int | None = None) -> str:
 def _launched_rank(opts: argparse.Namespace) -> None:
     """A rank that this job started: its error is printed once, plainly, then the rank exits."""
     stop_during_setup()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a forked rank inherits the launcher's FirstExit handler
-    # A forked rank's collections skip the launcher's objects (~300k, its imports): walked, they cost the rank
-    # seconds. Frozen here (a constant-time move of the collector's lists), the launcher's own collections as
-    # they were.
-    gc.freeze()
     if PID_DIR in os.environ:  # for FirstExit
         Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     import zerodp
