@@ -84,8 +84,8 @@ def launch(opts: argparse.Namespace) -> None:
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, shutdown_timeout=max(10, math.ceil(opts.timeout)))
     # The ranks are spawned (torch's default), not forked from here: a SIGTERM that lands while os.fork() runs
-    # its at-fork hooks raises in logging's _releaseLock, which then stays held, and the launcher hangs at its
-    # next log call (seen: `zerodp train` stopped 4 s into set-up never exited).
+    # its at-fork hooks raises in one of them (seen: logging's _releaseLock), where Python prints and drops it;
+    # the stop is lost, or the lock left held, and the job never ends (`zerodp train` stopped 4 s into set-up).
     # A failing rank prints its own traceback; the launcher's copy of it would only repeat it.
     # Its shutdown warnings too ("Received 15 death signal"): the job says what happened in one line.
     for name in list(logging.root.manager.loggerDict):
