@@ -23,23 +23,11 @@ from zerodp.distributed.comm import init_fake
 from zerodp.plan import measure
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread: a tiny model's ops gain nothing from a second, whose OpenMP spin-wait burns
-    a core (test_comm_volume's in-process runs: 2.3 s of CPU on one thread, 19 s on two, machine shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _run_here(module_argv: list[str], what: str, timeout: float | None) -> Any:
     """run_child's answer without the child: module_argv is [module, the specs' JSON]."""
     module = importlib.import_module(module_argv[0])
     # The child's warnings (slow bf16, fake tensors' data_ptr) went to its stderr, unread on success.
-    with one_thread(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = [module._measure_here(spec) for spec in json.loads(module_argv[1])]
     return json.loads(json.dumps(results))  # as the child's stdout parses: tuples lists, keys strings
@@ -59,10 +47,9 @@ def children_here() -> Iterator[None]:
 @contextmanager
 def fake_group(world: int) -> Iterator[None]:
     """This process as rank 0 of `world` ranks on torch's fake process group (zerodp.distributed.comm.
-    init_fake), on one thread; the group is destroyed at the end."""
-    with one_thread():
-        init_fake(world)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    init_fake); the group is destroyed at the end."""
+    init_fake(world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

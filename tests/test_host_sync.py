@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import logs
 import oracle
 import zerodp
-from in_process import fake_group, one_thread
+from in_process import fake_group
 from spawn import run_ranks
 from zerodp.distributed.device import accelerator_type, current
 from zerodp.monitor.step import StepMonitor
@@ -184,8 +184,7 @@ READ_JOBS = {1: [(stage, dtype, read_back) for stage in STAGES for dtype in ("fp
 def reads(world: int) -> list[dict]:
     if world == 1:
         try:
-            with one_thread():  # its bf16 runs: a second thread's OpenMP spin-wait only burns CPU (in_process.py)
-                return [_reads_jobs(0, 1, READ_JOBS[1])]
+            return [_reads_jobs(0, 1, READ_JOBS[1])]  # on one thread, as every in-process test (conftest.py)
         finally:
             torch.distributed.destroy_process_group()
     return [ranks["reads"] for ranks in world2()]
