@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-from exits import free_port, become_rank  # imports torch and zerodp (once, for every rank) and freezes gc
+from exits import become_rank, free_port, reap  # imports torch and zerodp (once, for every rank) and freezes gc
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "diverge_stage3.py"
 MODES = ("barrier", "work")
@@ -34,22 +33,11 @@ def main(out: Path) -> None:
                 become_rank(rank, 2, port, log, str(SCRIPT), args)
                 sys.exit(0)  # leaves through the interpreter's exit, as the script does
             pids[pid] = (mode, rank)
-    codes, ended = {}, {}
-    deadline = time.monotonic() + 300
-    while len(codes) < len(pids):
-        for pid, key in pids.items():
-            if key in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[key], ended[key] = os.waitstatus_to_exitcode(status), time.time()
-            elif time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                codes[key], ended[key] = -signal.SIGKILL, float("inf")
+    def stop_work_once_its_rank_0_ended(codes: dict) -> None:
         if ("work", 0) in codes:
             (out / "stop-work").touch()
-        time.sleep(0.05)
+
+    codes, ended = reap(pids, time.monotonic() + 300, between=stop_work_once_its_rank_0_ended)
     runs = {mode: [[codes[mode, r], (out / f"{mode}.{r}.log").read_text(), ended[mode, r]] for r in range(2)]
             for mode in MODES}
     (out / "runs.json").write_text(json.dumps(runs))

@@ -70,22 +70,26 @@ def become_rank(rank: int, world: int, port: int, log: str, script: str, args: l
     # through the interpreter's exit, as `python script.py` ends.
 
 
-def _reap(pids: dict[int, tuple[int, int]], deadline: float) -> dict[tuple[int, int], int]:
-    """{(job, rank): exit code} of the forked ranks; one still running at `deadline` is killed (-9)."""
-    codes: dict[tuple[int, int], int] = {}
+def reap(pids: dict[int, tuple], deadline: float, between=None) -> tuple[dict[tuple, int], dict[tuple, float]]:
+    """({key: exit code}, {key: time.time() it ended}) of the forked processes pids maps to their keys; one still
+    running at `deadline` is killed (-9, ended inf). between(codes), if given, runs after each pass."""
+    codes: dict[tuple, int] = {}
+    ended: dict[tuple, float] = {}
     while len(codes) < len(pids):
         for pid, key in pids.items():
             if key in codes:
                 continue
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                codes[key] = os.waitstatus_to_exitcode(status)
+                codes[key], ended[key] = os.waitstatus_to_exitcode(status), time.time()
             elif time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                codes[key] = -signal.SIGKILL
+                codes[key], ended[key] = -signal.SIGKILL, float("inf")
+        if between is not None:
+            between(codes)
         time.sleep(0.02)
-    return codes
+    return codes, ended
 
 
 def run_jobs(script: str, args: list[str], jobs: int, world: int, batch: int, timeout_s: float,
@@ -106,7 +110,7 @@ def run_jobs(script: str, args: list[str], jobs: int, world: int, batch: int, ti
                     become_rank(rank, world, port, logs[job, rank], script, args, threads)
                     sys.exit(0)  # leaves through the interpreter's exit, as a script does
                 pids[pid] = (job, rank)
-        codes = _reap(pids, time.monotonic() + timeout_s)
+        codes = reap(pids, time.monotonic() + timeout_s)[0]
         for job in sorted({j for j, _ in pids.values()}):
             results.append([[codes[job, r], open(logs[job, r]).read()[-2000:]] for r in range(world)])
     shutil.rmtree(tmp)
