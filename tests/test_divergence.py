@@ -272,7 +272,13 @@ def test_ranks_waiting_in_collectives_that_do_not_match_name_where_the_other_wai
     mine, other = cases[0]["both"], cases[1]["both"]
     forward = "all_gather for forward 3 of unit 1 ('0') in eval after step 0"
     answering = "all_reduce answering other ranks' gathers at the end of engine.uneven_forwards() after step 0"
-    assert mine.startswith(forward + " timed out after 3 s") and other.startswith(answering), (mine, other)
+    # Whichever rank times out first closes its connections: the other may see that before its own timeout
+    # (rank 1 entered its collective first, and under load reached 3 s first in CI once).
+    assert mine.startswith(forward) and other.startswith(answering), (mine, other)
+    timed_out = [" timed out after 3 s: " in line for line in (mine, other)]
+    closed = [" failed: a peer rank died, or closed its connection after a timeout of its own" in line
+              for line in (mine, other)]
+    assert any(timed_out) and all(t or c for t, c in zip(timed_out, closed)), (mine, other)
     # A rank that times out waits up to 2 s for the others' places: the later of the two always sees the
     # earlier's (written before it raised); the earlier sees the later's unless load parts them more.
     named = [f"rank 1 waits in {answering}" in mine, f"rank 0 waits in {forward}" in other]
