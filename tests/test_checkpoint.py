@@ -172,15 +172,13 @@ def ckpt(name: str) -> str:
 @contextlib.contextmanager
 def world_of_one():
     """A one-rank process group in this process: no spawn needed for world = 1."""
-    threads, owned = torch.get_num_threads(), not dist.is_initialized()
+    owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert dist.get_world_size() == 1  # else another test of this session left a bigger group up
-    torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
         if owned:
             dist.destroy_process_group()
 

@@ -80,8 +80,6 @@ def train(trainer_cls, out: str, per_device: int, save: bool = False, resume: st
 def world_of_one():
     """A one-rank process group and a fresh accelerate state in this process, both undone after."""
     from accelerate.state import AcceleratorState
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend on a shared CPU
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -89,7 +87,6 @@ def world_of_one():
         yield
     finally:
         AcceleratorState._reset_state(True)
-        torch.set_num_threads(threads)
         if owned:
             dist.destroy_process_group()
 

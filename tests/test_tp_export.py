@@ -79,12 +79,7 @@ def test_deepspeed_stage3_save_16bit_model_writes_whole_tensors_of_a_megatron_mo
 
 @functools.lru_cache(maxsize=1)
 def _llama_reference() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads than cores only wait on each other
-    try:
-        return tp_export.reference_llama()
-    finally:
-        torch.set_num_threads(threads)
+    return tp_export.reference_llama()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

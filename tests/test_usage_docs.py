@@ -53,13 +53,11 @@ def _one_process(workdir: Path, script: str, monkeypatch) -> str:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(workdir)
-    threads, printed = torch.get_num_threads(), io.StringIO()
-    torch.set_num_threads(1)  # OMP_NUM_THREADS=1, as the launch's processes run
+    printed = io.StringIO()  # one torch thread (conftest.py), as the launch's processes run with OMP_NUM_THREADS=1
     try:
         with contextlib.redirect_stdout(printed):
             exec(compile(script, "docs/ACCELERATE.md", "exec"), {"__name__": "__main__"})
     finally:
-        torch.set_num_threads(threads)
         AcceleratorState._reset_state(True)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
