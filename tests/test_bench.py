@@ -7,8 +7,16 @@ same run, the same model and batch everywhere (identical fp32 losses), JSON that
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -169,6 +177,47 @@ def test_fork_is_refused_on_an_accelerator(monkeypatch):
     monkeypatch.setattr(device, "accelerator_type", lambda: "cuda")
     with pytest.raises(SystemExit, match="--fork is for CPU runs"):
         bench.main(TINY + ["--fork"])
+
+
+def _marked(mark: str) -> list[int]:
+    """The processes started with `mark` in their environment (a fork keeps its parent's at exec)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and mark.encode() in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_fork_run_leaves_no_mode_running(tmp_path, sig):
+    """--fork's mode runs in a session of its own, which the signal a terminal (Ctrl-C: SIGINT) or `timeout`
+    (SIGTERM) sends the driver's process group does not reach: the driver ends it as it stops."""
+    mark = f"ZERODP_TEST_MARK={uuid.uuid4()}"
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    driver = subprocess.Popen([sys.executable, "-m", "zerodp.bench", *TINY, "--modes", "plain", "--steps", "100000",
+                               "--fork"], env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not [pid for pid in _marked(mark) if pid != driver.pid and os.getsid(pid) == pid]:  # the mode
+            assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.killpg(driver.pid, sig)
+        _, stderr = driver.communicate(timeout=60)
+        deadline = time.monotonic() + 10  # the fork server ends once the driver is gone
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert driver.returncode != 0 and not _marked(mark), (driver.returncode, _marked(mark), stderr[-3000:])
+        if sig == signal.SIGINT:
+            assert stderr.strip().splitlines()[-1] == "zerodp bench: stopped by Ctrl-C while mode plain ran", stderr
+    finally:
+        for pid in _marked(mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
 
 
 def test_overhead_benchmark_runs_every_mode_and_profiles_zerodp():

@@ -55,7 +55,10 @@ def launch(mode: str, world: int, args: argparse.Namespace, fake_world: int = 0)
         out = os.path.join(tmp, "result.json")
         argv = _worker_argv(args) + ["--worker", mode, "--result", out, "--fake-world", str(fake_world)]
         ranks = world if (world > 1 or mode.startswith("deepspeed")) and not fake_world else 0  # 0: no launcher
-        code, output = (_forked if args.fork else _fresh)(argv, ranks, args.timeout, tmp)
+        try:
+            code, output = (_forked if args.fork else _fresh)(argv, ranks, args.timeout, tmp)
+        except KeyboardInterrupt:  # the mode is stopped (by _forked, or the terminal's signal reached it)
+            raise SystemExit(f"zerodp bench: stopped by Ctrl-C while mode {mode} ran") from None
         if code is None:
             return Result(mode, "failed", world, f"timed out after {args.timeout} s")
         if code != 0 or not os.path.exists(out):
@@ -102,15 +105,42 @@ def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int 
     log = os.path.join(tmp, "output.log")
     proc = context.Process(target=_forked_mode, args=(argv, ranks, log, dict(os.environ), os.getcwd()))
     proc.start()
-    proc.join(timeout)
-    if proc.exitcode is None:  # the mode and every rank it forked: one session (_forked_mode)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.kill()
-        proc.join()
+    # The mode is a session of its own (_forked_mode): the Ctrl-C or SIGTERM a terminal or `timeout` sends this
+    # driver's group does not reach it, so the driver ends it, as it does one that ran past `timeout`.
+    try:
+        with _sigterm_raises():
+            proc.join(timeout)
+        timed_out = proc.exitcode is None
+    finally:
+        if proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            proc.join()
+    if timed_out:
         return None, ""
     with open(log) as f:
         return proc.exitcode, f.read()
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises SystemExit(143) in here, so that the finally blocks around it run (in the main thread,
+    the only one where Python can take a signal; elsewhere nothing changes)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _forked_mode(argv: list[str], ranks: int, log: str, environ: dict[str, str], cwd: str) -> None:
