@@ -109,9 +109,7 @@ def launch(opts: argparse.Namespace) -> None:
     # On a signal torch leaves its rendezvous open (launcher/api.py), and the keep-alive thread running: an
     # interpreter exit can free the rendezvous on that thread, whose finalizer then fails to join itself
     # ("cannot join current thread", a traceback after the job's one line). Nothing is left to clean up.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(stopped)
+    exit_now(stopped)
 
 
 class FirstExit:
@@ -190,26 +188,29 @@ def _launched_rank(opts: argparse.Namespace) -> None:
     try:
         code = run_rank(opts)
     except zerodp.PeerFailure as e:  # one line says it all: which collective, and why
-        print(f"zerodp train: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILURE)
+        print(f"zerodp train: rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr)
+        exit_now(EXIT_PEER_FAILURE)
     except Exception:
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # no interpreter teardown: the other ranks may be waiting in a collective
+        exit_now(1)  # no interpreter teardown: the other ranks may be waiting in a collective
     if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # as on an error: an interpreter teardown here can stall for seconds
+        exit_now(code)  # as on an error: an interpreter teardown here can stall for seconds
     # Trained. A signal that came after the last step (torch's launcher stopping the job while rank 0
     # wrote the final weights) only set the loop's StopSignal flag; returning now would leave the
     # launcher waiting its whole shutdown_timeout for this process. So end it, and on a later signal too.
     stopped = getattr(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), "signum", 0)
     if stopped:
-        sys.stdout.flush()
-        os._exit(128 + stopped)
+        exit_now(128 + stopped)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     quick_exit()
+
+
+def exit_now(code: int) -> None:
+    """End this process at once with `code`, what it printed flushed: no exit hooks, no interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quick_exit() -> None:
