@@ -33,6 +33,7 @@ def main(out: Path) -> None:
                 become_rank(rank, 2, port, log, str(SCRIPT), args)
                 sys.exit(0)  # leaves through the interpreter's exit, as the script does
             pids[pid] = (mode, rank)
+
     def stop_work_once_its_rank_0_ended(codes: dict) -> None:
         if ("work", 0) in codes:
             (out / "stop-work").touch()

@@ -14,9 +14,11 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import asdict
 
@@ -98,7 +100,6 @@ def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int 
     first multi-threaded op when this one has used OpenMP threads (a Python session, a test). As _fresh
     returns."""
     import multiprocessing
-    import signal
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(FORK_PRELOAD))  # read when the server starts, the first time
@@ -127,9 +128,6 @@ def _forked(argv: list[str], ranks: int, timeout: float, tmp: str) -> tuple[int 
 def _sigterm_raises():
     """SIGTERM raises SystemExit(143) in here, so that the finally blocks around it run (in the main thread,
     the only one where Python can take a signal; elsewhere nothing changes)."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
