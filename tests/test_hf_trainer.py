@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import tempfile
 
@@ -20,9 +19,9 @@ import torch.distributed as dist
 
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # accelerate collects at every set-up (conftest.py)
 
 import logs  # noqa: E402
-from heap import frozen_heap  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
@@ -91,12 +90,6 @@ def world_of_one():
             dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    with frozen_heap():  # the forked ranks (world2) inherit it
-        yield
-
-
 @functools.cache
 def oracle() -> tuple[list, dict[str, torch.Tensor], float]:
     """The plain Trainer, one process, the whole batch (2 ranks x MICRO) per step."""
@@ -108,7 +101,6 @@ def rank_runs(rank: int, world: int, out: str) -> dict:
     """Every world-2 run, in one spawn: first a Trainer that accelerate sees as one process (no launcher's
     environment yet), then each stage, then a resume from the stage-3 run's checkpoint."""
     from accelerate.state import AcceleratorState
-    gc.freeze()  # what the tests before the fork left alive too (frozen_heap); this fork ends with the runs
     unseen = [None] * world
     dist.all_gather_object(unseen, _trainer_without_launcher(rank, world))
     AcceleratorState._reset_state(True)  # it saw one process: the runs below build their own (distributed) state

@@ -20,17 +20,11 @@ import torch
 from torch import nn
 
 L = pytest.importorskip("lightning")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # Lightning's loops collect often (conftest.py)
 
-from heap import frozen_heap  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 N, DIM, BATCH, ACC, STEPS, CLIP = 32, 8, 4, 2, 4, 0.5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    with frozen_heap():  # Lightning's loops collect often: ~1.5 CPU s of this process's collections without it
-        yield
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # ~20 gc.collect() a rank (conftest.py)
 
-from heap import frozen_heap  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 from test_hf_trainer import world_of_one  # noqa: E402
 
@@ -46,12 +46,6 @@ CASES = {
 # GRPO samples its completions on each rank from that rank's random stream, so one process cannot draw the same
 # ones: its oracle is TRL's own run on the same 2 ranks (DDP), generating from the same seeds.
 DDP_ORACLE = {"grpo"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    with frozen_heap():  # ~20 gc.collect() a rank, ~0.5 CPU s each without it
-        yield
 
 
 def vowel_reward(completions: list[str], **kwargs) -> list[float]:
@@ -127,12 +121,9 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
     """Every world-2 run, in one fork; rank 0 reads what each wrote (the files are whole)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    import gc
     import logging
 
     from zerodp.integrations.trl import ZeroTRLMixin
-
-    gc.freeze()  # what the plain runs left alive too (frozen_heap); this fork ends with the runs
 
     built: list[tuple[str, int]] = []  # (class, stage) of every engine a trainer built: the swap took
     ref_bytes: list[tuple[int, int]] = []  # (whole, held by this rank) for each reference model
