@@ -229,4 +229,4 @@ def test_overhead_benchmark_runs_every_mode_and_profiles_zerodp():
     assert [(r["layers"], r["mode"]) for r in out["rows"]] == [(n, m) for n in (2, 3) for m in runs]
     assert all(r["cpu_ms"] > 0 for r in out["rows"])
     assert "| 1 | 3 (12) | zerodp3 |" in out["table"] and "x for 1.5x params" in out["table"]
-    assert "zerodp stage 3, world 1, 3 layers" in out["profile"] and "zerodp/engine/reducer.py" in out["profile"]
+    assert "zerodp stage 3, world 1, 3 layers" in out["profile"] and "zerodp/engine/stepping/reducer.py" in out["profile"]

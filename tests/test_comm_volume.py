@@ -18,10 +18,10 @@ import torch
 
 import zerodp
 from in_process import fake_group
-from zerodp.plan import communication as comm_plan
-from zerodp.engine.flat import ALIGN
-from zerodp.engine.stage3 import planned_gathers
+from zerodp.engine.layout.flat import ALIGN
+from zerodp.engine.sharding.gather import planned_gathers
 from zerodp.models.gpt import GPT, gpt_config
+from zerodp.plan import communication as comm_plan
 
 STEPS, MICRO, SEQ = 3, 2, 16
 NORM_BYTES = 24  # the fp64 squared norm and the two non-finite-loss flags (non_finite.py)

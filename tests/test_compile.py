@@ -3,7 +3,7 @@ once. The model is compiled the ways a user does it: `model.compile()` (in place
 (a wrapper) before `zerodp.initialize`, `model.compile()` after it, or every block on its own (what
 `zerodp bench --compile` does). "aot_eager" runs dynamo, AOTAutograd and zerodp's hooks without code
 generation; one inductor run checks the generated kernels too. Stage 3's gather hooks stay out of the
-graph (torch.compiler.disable in stage3.py), so its forward is compiled in pieces between modules.
+graph (torch.compiler.disable in sharding/gather.py), so its forward is compiled in pieces between modules.
 """
 
 from __future__ import annotations

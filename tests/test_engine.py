@@ -9,7 +9,7 @@ import torch
 
 import oracle
 from spawn import run_ranks
-from zerodp.engine.flat import ALIGN
+from zerodp.engine.layout.flat import ALIGN
 
 WORLDS = [1, 2, 4]
 STAGES = [0, 1, 2, 3]

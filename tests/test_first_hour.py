@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.engine import cpu_bf16
+from zerodp.engine.stepping import cpu_bf16
 
 COMMANDS = (["train"], ["estimate"], ["consolidate"], ["bench"])
 

@@ -5,7 +5,7 @@ name taken through a package's __init__.py (its face) from outside the package, 
 
 Every import counts: at module level, inside functions (a late import that dodges a circle at run time
 is still one), and under `if TYPE_CHECKING:` (a module that names another's class in its types depends
-on it: engine/weights.py typed its argument `Engine` while engine.py imported weights.py, issue 34). A
+on it: engine/sharding/weights.py typed its argument `Engine` while engine.py imported weights.py, issue 34). A
 lazy PEP 562 name map is not an import by itself, but `from package import name` counts as an import of
 the module the package's `_LAZY` map names for it. The package of a file is its top-level entry in
 src/zerodp (`engine`, `cli`, ...), and zerodp/__init__.py is the package "zerodp".
@@ -95,7 +95,7 @@ def import_graph(src: Path, root: str = "zerodp") -> dict[str, set[str]]:
 
 
 def package_graph(graph: dict[str, set[str]], root: str = "zerodp") -> dict[str, set[str]]:
-    """The same graph between top-level entries: `zerodp.engine.flat` -> `engine`, `zerodp` -> `zerodp`."""
+    """The same graph between top-level entries: `zerodp.engine.layout.flat` -> `engine`, `zerodp` -> `zerodp`."""
     def top(module: str) -> str:
         parts = module.split(".")
         return parts[1] if len(parts) > 1 else root
@@ -248,7 +248,7 @@ def private_reexports(src: Path, root: str = "zerodp") -> list[str]:
 
 
 # The engine's parts: engine.py builds and drives them; everything else reads the engine's public methods
-# and `engine.layout` (engine/layout.py), so that the parts can change without their readers.
+# and `engine.layout` (engine/layout/layout.py), so that the parts can change without their readers.
 ENGINE_PARTS = {"partitioned_optimizer", "reducer", "gatherer", "used_only", "gathered_state", "forward_order",
                 "buffer_sync"}
 ENGINE_OWNER = "engine/engine.py"
@@ -274,7 +274,7 @@ def engine_part_chains(src: Path, root: str = "zerodp", owner: str = ENGINE_OWNE
 
 
 # The engine's internals, by module: the names a package above the engine may import from each.
-ENGINE_INTERNALS = {"engine.reducer": set(), "engine.optimizer": {"OptimizerLike"}}
+ENGINE_INTERNALS = {"engine.stepping.reducer": set(), "engine.stepping.optimizer": {"OptimizerLike"}}
 
 
 def internals_imported_from_above(src: Path, root: str = "zerodp", above: set[str] | None = None) -> list[str]:
@@ -463,20 +463,21 @@ def test_checker_reports_a_chain_into_the_engines_parts(tmp_path):
 
 def test_checker_reports_an_engine_internal_imported_from_above(tmp_path):
     _write(tmp_path, {
-        "pkg/__init__.py": "from pkg.engine.optimizer import OptimizerLike\n",
+        "pkg/__init__.py": "from pkg.engine.stepping.optimizer import OptimizerLike\n",
         "pkg/engine/__init__.py": "",
-        "pkg/engine/memory.py": "from pkg.engine.reducer import POOL_BUFFERS\n",  # inside the engine: its own
-        "pkg/engine/optimizer.py": "OptimizerLike = object\nclass PartitionedOptimizer: ...\n",
-        "pkg/engine/reducer.py": "POOL_BUFFERS = 3\n",
+        "pkg/engine/stepping/__init__.py": "",
+        "pkg/engine/memory.py": "from pkg.engine.stepping.reducer import POOL_BUFFERS\n",  # inside the engine: its own
+        "pkg/engine/stepping/optimizer.py": "OptimizerLike = object\nclass PartitionedOptimizer: ...\n",
+        "pkg/engine/stepping/reducer.py": "POOL_BUFFERS = 3\n",
         "pkg/plan/__init__.py": "",
-        "pkg/plan/peak.py": "from pkg.engine.reducer import POOL_BUFFERS\nfrom pkg.engine import optimizer\n",
+        "pkg/plan/peak.py": "from pkg.engine.stepping.reducer import POOL_BUFFERS\nfrom pkg.engine.stepping import optimizer\n",
         "pkg/checkpoint/__init__.py": "",
-        "pkg/checkpoint/apply.py": "def f():\n    from pkg.engine.optimizer import OptimizerLike, PartitionedOptimizer\n",
+        "pkg/checkpoint/apply.py": "def f():\n    from pkg.engine.stepping.optimizer import OptimizerLike, PartitionedOptimizer\n",
     })
     found = internals_imported_from_above(tmp_path, "pkg", {"pkg", "plan", "checkpoint"})
-    assert sorted(found) == ["pkg/checkpoint/apply.py:2 pkg.engine.optimizer.PartitionedOptimizer",
-                             "pkg/plan/peak.py:1 pkg.engine.reducer.POOL_BUFFERS",
-                             "pkg/plan/peak.py:2 pkg.engine.optimizer.*"]
+    assert sorted(found) == ["pkg/checkpoint/apply.py:2 pkg.engine.stepping.optimizer.PartitionedOptimizer",
+                             "pkg/plan/peak.py:1 pkg.engine.stepping.reducer.POOL_BUFFERS",
+                             "pkg/plan/peak.py:2 pkg.engine.stepping.optimizer.*"]
 
 
 @pytest.mark.parametrize("rule", ["circle", "long", "face"])

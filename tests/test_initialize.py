@@ -182,7 +182,7 @@ def _same_rng_states(a: tuple, b: tuple) -> bool:
 
 def _set_up_leaves_rng(rank: int, world: int) -> dict[str, bool]:
     """Every RNG as initialize() found it, for each working precision, and the bf16 probe itself."""
-    from zerodp.engine.cpu_bf16 import bf16_slowdown
+    from zerodp.engine.stepping.cpu_bf16 import bf16_slowdown
     out = {}
     for dtype in ("fp32", "bf16", "fp16"):
         torch.manual_seed(1234)

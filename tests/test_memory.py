@@ -14,9 +14,9 @@ from zerodp.plan import measure
 from zerodp.plan import units
 
 from zerodp.engine import memory
-from zerodp.plan.tables import size
+from zerodp.engine.stepping.reducer import POOL_BUFFERS
 from zerodp.plan.models import PlanModel
-from zerodp.engine.reducer import POOL_BUFFERS
+from zerodp.plan.tables import size
 
 # A GPT of about 3.3 million parameters.
 MODEL = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=512, block_size=64)
@@ -112,9 +112,9 @@ def test_stage3_holds_a_shard_of_the_working_params_and_only_small_buckets_whole
 
 
 def _units():
-    """Each stage-3 unit's parameters (engine/units.py's default: the blocks, the model for the rest)."""
+    """Each stage-3 unit's parameters (engine/layout/units.py's default: the blocks, the model for the rest)."""
     import torch
-    from zerodp.engine.units import find_units
+    from zerodp.engine.layout.units import find_units
     from zerodp.models.gpt import GPT, GPTConfig
     with torch.device("meta"):
         model = GPT(GPTConfig(**MODEL))

@@ -85,8 +85,8 @@ def test_wall_clock_breakdown_times_every_phase_of_the_last_step(stage, caplog):
 
 
 def test_the_optimizer_and_stage3_gatherer_share_one_gather_timing_protocol():
-    from zerodp.engine.optimizer import PartitionedOptimizer
-    from zerodp.engine.stage3 import Gatherer
+    from zerodp.engine.stepping.optimizer import PartitionedOptimizer
+    from zerodp.engine.sharding.gather import Gatherer
     from zerodp.monitor.timers import TimedGathers
 
     for cls in (PartitionedOptimizer, Gatherer):

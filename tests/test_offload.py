@@ -1,4 +1,4 @@
-"""ZeRO-Offload's host side (engine/offload.py): the fused CPU kernel for an optimizer that chose no
+"""ZeRO-Offload's host side (engine/stepping/offload.py): the fused CPU kernel for an optimizer that chose no
 implementation, copies that cross devices in one dtype, and the host bytes memory_report counts
 (world of one, in-process; the oracle in test_engine.py covers offload's results across ranks)."""
 
@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerodp
 from oracle import D_IN, D_OUT, Toy
-from zerodp.engine.offload import pinned_bytes, use_fused_kernel
+from zerodp.engine.stepping.offload import pinned_bytes, use_fused_kernel
 
 
 def _engine(optimizer, offload: bool = True, dtype: str = "fp32"):

@@ -75,7 +75,7 @@ def test_step_in_sub_groups_is_the_same_step_with_a_smaller_fp32_copy():
 
 def test_element_wise_optimizers_step_flat_shards_and_every_other_one_whole_parameters():
     from zerodp.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-    from zerodp.engine.optimizer_view import OptimizerView, view_of
+    from zerodp.engine.stepping.optimizer_view import OptimizerView, view_of
 
     flat = [getattr(torch.optim, n) for n in ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "RMSprop", "Adamax",
                                               "NAdam", "RAdam", "ASGD", "Rprop")] + [FusedAdam, DeepSpeedCPUAdam]
@@ -102,9 +102,9 @@ def test_adagrad_built_with_its_initial_state_is_rewired_with_that_state():
 
 def test_a_tp_shard_stepped_whole_counts_tp_times_in_each_ranks_share_of_the_states():
     """memory_report's whole-parameter shares divide state bytes by the elements each rank steps: a tp shard
-    in a whole-parameter group is stepped as its whole matrix (whole_over_tp.py), tp times its local size."""
-    from zerodp.engine.flat import lay_out
-    from zerodp.engine.layout import Layout
+    in a whole-parameter group is stepped as its whole matrix (tensor_parallel/whole.py), tp times its local size."""
+    from zerodp.engine.layout.flat import lay_out
+    from zerodp.engine.layout.layout import Layout
 
     shard, plain = torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(2, 8))
     shard.tensor_model_parallel, shard.partition_dim = True, 0  # a Megatron column-parallel shard

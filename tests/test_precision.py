@@ -8,7 +8,7 @@ DeepSpeed 0.19.8) gives for the same overflow pattern and settings, one update_s
 import pytest
 
 from zerodp.config import load_config
-from zerodp.engine.precision import LossScaler
+from zerodp.engine.stepping.precision import LossScaler
 
 PATTERN = [1, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0]  # 1: the step overflowed
 

@@ -1,4 +1,4 @@
-"""Stage 3's units (engine/units.py): blocks by default, per module or by a rule on request; the oracle
+"""Stage 3's units (engine/layout/units.py): blocks by default, per module or by a rule on request; the oracle
 holds for each, and a step costs at most three collectives per unit (a gather in the forward, one in
 the backward, a reduce-scatter) plus the norm."""
 
@@ -15,8 +15,8 @@ from torch import nn
 import zerodp
 from zerodp.activations import checkpoint_blocks
 from zerodp.config import ConfigError
-from zerodp.engine.stage3 import BucketState, planned_gathers
-from zerodp.engine.units import find_units
+from zerodp.engine.layout.units import find_units
+from zerodp.engine.sharding.gather import BucketState, planned_gathers
 from zerodp.models.gpt import GPT, Block, GPTConfig, gpt_config
 
 # zero_optimization keys of each way of choosing units ("blocks", the default, runs in test_engine.py).

@@ -12,7 +12,7 @@ import torch
 from test_tensor_parallel import RUNS, TOL, _reference, _results, build
 
 import tp_export
-from zerodp.engine.tensor_parallel import shard_dim
+from zerodp.engine.tensor_parallel.placements import shard_dim
 
 # Every (dp, tp) run of the oracle but those marked the DeepSpeed way, whose export is refused.
 EXPORTED = [r for r in RUNS if not r.startswith("deepspeed mpu")]  # DeepSpeed marks no partition_dim

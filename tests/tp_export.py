@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zerodp
 import zerodp.deepspeed as zds
 from zerodp.checkpoint.export_engine import save_hf, save_weights
-from zerodp.engine.weights import engine_weights
+from zerodp.engine.sharding.weights import engine_weights
 from zerodp.models.hf_folder import description
 
 def checks(mesh: DeviceMesh) -> dict:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import zerodp
 from zerodp.checkpoint.whole import its_shard
-from zerodp.engine.flat import join_tp, place_tp_shard, tp_parts
+from zerodp.engine.layout.flat import join_tp, place_tp_shard, tp_parts
 from zerodp.models.gpt import GPT, GPTConfig, parallelize
 
 # 4 heads of 4 channels: 2 heads per tp rank. Tiny vocabulary and context: the launch's budget.

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
-    from zerodp.engine.optimizer_view import OptimizerLike
+    from zerodp.engine.stepping.optimizer_view import OptimizerLike
     from zerodp.engine.setup.source import ParameterSource
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
@@ -28,8 +28,8 @@ _LAZY = {
     "init_distributed": "distributed.comm",
     "Config": "config", "ConfigError": "config", "load_config": "config",
     "Engine": "engine.engine",
-    "NonFiniteError": "engine.non_finite",
-    "OptimizerLike": "engine.optimizer",
+    "NonFiniteError": "engine.stepping.non_finite",
+    "OptimizerLike": "engine.stepping.optimizer",
 }
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name

@@ -12,7 +12,7 @@ import torch
 
 from zerodp.checkpoint.pieces import owned_frozen_pieces, untrained, whole_parameters
 from zerodp.distributed.device import seed_everything, set_rng_state
-from zerodp.engine.flat import local
+from zerodp.engine.layout.flat import local
 
 
 @dataclass(frozen=True)

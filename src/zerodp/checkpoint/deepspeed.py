@@ -36,7 +36,7 @@ from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
 from zerodp.checkpoint.pieces import owned_pieces, sharded_frozen, signature, tp_size, untrained
-from zerodp.engine.weights import Weights
+from zerodp.engine.sharding.weights import Weights
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # Optimizer state that is not Adam's would be loaded under the wrong names: refuse it.

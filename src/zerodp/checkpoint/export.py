@@ -16,7 +16,7 @@ import torch
 from zerodp.checkpoint import deepspeed, whole
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.read import read_metadata, resolve
-from zerodp.engine.weights import Weights
+from zerodp.engine.sharding.weights import Weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerodp.engine.weights import Weights, engine_weights
+from zerodp.engine.sharding.weights import Weights, engine_weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import TorchSaveFile, write_all
 

@@ -37,7 +37,7 @@ from zerodp.checkpoint.pieces import (
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
 from zerodp.checkpoint.whole import its_shard, plan
-from zerodp.engine.flat import local
+from zerodp.engine.layout.flat import local
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_states: bool = True,

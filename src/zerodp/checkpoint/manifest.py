@@ -91,7 +91,7 @@ class CheckpointMeta(_Strict):
     files: dict[str, FileRecord]
     # Each parameter's own optimizer step count, when some were not stepped at every step (unused.py).
     step_counts: dict[str, Count] | None = None
-    # Per param group, how its optimizer saw the parameters (engine/optimizer_view.py): "flat shards" keep
+    # Per param group, how its optimizer saw the parameters (engine/stepping/optimizer_view.py): "flat shards" keep
     # their state in pieces (optim/), "whole parameters" each parameter's state whole (optim_param/).
     optimizer_views: list[Literal["flat shards", "whole parameters"]] | None = None
 

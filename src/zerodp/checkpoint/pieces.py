@@ -5,7 +5,7 @@ the bucket size. A piece is named by the parameter and the element it starts at,
 written on one layout is read on any other: on load each rank works out which elements of which
 parameter its shards now own and reads exactly the saved pieces that overlap them.
 
-Tensor parallelism (engine/tensor_parallel.py): a parameter that the tp ranks hold alike (flat.tp_duplicate)
+Tensor parallelism (engine/tensor_parallel/placements.py): a parameter that the tp ranks hold alike (flat.tp_duplicate)
 is saved once, by tp rank 0, like any other. A tp shard (a Shard DTensor's local tensor, or a plain
 parameter marked the Megatron way) is saved in the coordinates of the shard each tp rank holds, under
 `{name}@tp{r}` (`stored`): its pieces `master/{name}@tp{r}@{start}` are elements of tp rank r's local
@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerodp.distributed.device import is_accelerator, rng_state
-from zerodp.engine.flat import local, tp_duplicate, tp_parts
+from zerodp.engine.layout.flat import local, tp_duplicate, tp_parts
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
     """(name, the tensor its optimizer steps) of each parameter this rank steps whole (a shape-aware
     optimizer's: optimizer_view.py); its state is saved whole, under `optim_param/{key}/{name}`, with
     whatever shape it has (Adafactor's row and column factors are not the parameter's). A tensor-parallel
-    shard is stepped as its whole matrix (engine/whole_over_tp.py), its state the whole matrix's and the
+    shard is stepped as its whole matrix (engine/tensor_parallel/whole.py), its state the whole matrix's and the
     same on every tp rank: saved once, by tp rank 0, under the parameter's own name, so that it resumes at
     any tp size."""
     names = {id(p): n for n, p in engine.module.named_parameters()}

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.pieces import saved_pieces, stored, tp_dim
 from zerodp.checkpoint.read import iter_tensors
-from zerodp.engine.flat import place_tp_shard, tp_parts
+from zerodp.engine.layout.flat import place_tp_shard, tp_parts
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from zerodp.config.base import _AUTO, ConfigError, _Section, _unknown_key
 
 # torch.optim's classes a config may name (the engine steps the element-wise ones on flat shards, Adafactor and
-# Muon on whole parameters: engine/optimizer_view.py). "Muon" is DeepSpeed's Muon: torch's Muon on the hidden
+# Muon on whole parameters: engine/stepping/optimizer_view.py). "Muon" is DeepSpeed's Muon: torch's Muon on the hidden
 # matrices and AdamW on the rest (for_model).
 TORCH_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta",
                     "ASGD", "Rprop", "Adafactor", "Muon")

@@ -56,7 +56,7 @@ class NonFiniteConfig(_Section):
     (DeepSpeed has none). Such a step is always skipped on every rank; `policy` "raise" then raises
     zerodp.NonFiniteError once `max_consecutive_skips` steps in a row were skipped, "skip" goes on.
     fp16 overflows while dynamic loss scaling can still lower the scale do not count (engine docs).
-    `read_back`: when the host learns of a skip (engine/non_finite.py): "same_step" reads the decision
+    `read_back`: when the host learns of a skip (engine/stepping/non_finite.py): "same_step" reads the decision
     in step() (a device sync per step), "next_step" skips on the device and reads it a step later,
     "auto" is next_step on an accelerator where possible."""
 

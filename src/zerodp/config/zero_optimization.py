@@ -76,7 +76,7 @@ class ZeroConfig(_Section):
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     stage3_prefetch_bucket_size: NonNegativeInt = 50_000_000
     stage3_param_persistence_threshold: NonNegativeInt = 100_000
-    # zerodp's own key: what stage 3 gathers, releases and reduces as one unit (engine/units.py):
+    # zerodp's own key: what stage 3 gathers, releases and reduces as one unit (engine/layout/units.py):
     # "blocks" (the model's repeated children, and the model for the rest), "module" (every module
     # that registers parameters), or a list of module class names or module names.
     stage3_unit: Literal["blocks", "module"] | Annotated[list[str], Field(min_length=1)] = "blocks"

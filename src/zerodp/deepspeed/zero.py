@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
-from zerodp.engine.flat import Bucket
-from zerodp.engine.gathered_state import LoneCall
-from zerodp.engine.stage3 import BucketState
+from zerodp.engine.layout.flat import Bucket
+from zerodp.engine.sharding.gather import BucketState
+from zerodp.engine.sharding.gathered_state import LoneCall
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
 

@@ -20,15 +20,23 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
-from zerodp.engine.buffers import BufferSync
-from zerodp.engine.cpu_bf16 import warn_if_slow_bf16
-from zerodp.engine.flat import Bucket, local, set_local
-from zerodp.engine.forward_order import ForwardOrder
-from zerodp.engine.gathered_state import GatheredStateDict, LoneCall
-from zerodp.engine.grad_placement import GradPlacements, names_of
-from zerodp.engine.layout import Layout
+from zerodp.engine.decide import frozen_params, local_check
+from zerodp.engine.layout.flat import Bucket, local, set_local
+from zerodp.engine.layout.layout import Layout
+from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.layout.units import UnitRule, Units
 from zerodp.engine.memory import memory_report
-from zerodp.engine.non_finite import (
+from zerodp.engine.setup import fill
+from zerodp.engine.setup.fill import Filling
+from zerodp.engine.setup.initialisers import ParamInitFn
+from zerodp.engine.setup.source import ParameterSource
+from zerodp.engine.sharding.buffers import BufferSync
+from zerodp.engine.sharding.gather import BucketState, Gatherer
+from zerodp.engine.sharding.gathered_state import GatheredStateDict, LoneCall
+from zerodp.engine.sharding.weights import engine_weights
+from zerodp.engine.stepping.cpu_bf16 import warn_if_slow_bf16
+from zerodp.engine.stepping.forward_order import ForwardOrder
+from zerodp.engine.stepping.non_finite import (
     NonFiniteError,
     NonFinitePolicy,
     PendingStep,
@@ -38,22 +46,15 @@ from zerodp.engine.non_finite import (
     step_flags,
     step_is_finite,
 )
-from zerodp.engine.optimizer import (
+from zerodp.engine.stepping.optimizer import (
     OptimizerLike,
     PartitionedOptimizer,
     clip_coefficient,
 )
-from zerodp.engine.precision import LossScaler, cast_floating
-from zerodp.engine.reducer import Reducer
-from zerodp.engine.setup import fill
-from zerodp.engine.setup.fill import Filling
-from zerodp.engine.setup.initialisers import ParamInitFn
-from zerodp.engine.setup.source import ParameterSource
-from zerodp.engine.spec import EngineSpec, frozen_params, local_check
-from zerodp.engine.stage3 import BucketState, Gatherer
-from zerodp.engine.units import UnitRule, Units
-from zerodp.engine.unused import UsedParameters
-from zerodp.engine.weights import engine_weights
+from zerodp.engine.stepping.precision import LossScaler, cast_floating
+from zerodp.engine.stepping.reducer import Reducer
+from zerodp.engine.stepping.unused import UsedParameters
+from zerodp.engine.tensor_parallel.grads import GradPlacements, names_of
 from zerodp.monitor.step import StepMonitor
 
 
@@ -94,14 +95,14 @@ class Engine:
         self.comm = comm  # the engine's process group: every collective of the engine goes through it
         self.module = module  # the user's model: its trained parameters become views into flat buckets
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load methods
-        spec, optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn, stage3_unit)
+        spec, filling, optimizer, groups = self._agreed_set_up(optimizer, source, param_init_fn, stage3_unit)
         self.spec: EngineSpec = spec  # stage, batch, shard size, dtype, device, units: decided once, read after
         frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
-        self._cast_and_sync_untrained(groups, frozen or [])
+        self._cast_and_sync_untrained(groups, frozen or [], filling)
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
-        layout, fp32_shards = self._flat_buffers(groups, frozen)
+        layout, fp32_shards = self._flat_buffers(groups, frozen, filling)
         self.layout: Layout = layout  # the buckets the trained parameters are views into, this rank's shard
         self.used_only = self._used_parameters(layout)  # the parameters a step updates (unused.py); None: all
         # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
@@ -138,13 +139,13 @@ class Engine:
     # ---- set-up, in the order __init__ runs it ---------------------------------------------------
     def _agreed_set_up(self, optimizer: OptimizerLike | None, source: ParameterSource | None,
                        param_init_fn: ParamInitFn | None, stage3_unit: UnitRule | None
-                       ) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
-        """The local check (spec.local_check) and the module moved to its device, then the first
+                       ) -> tuple[EngineSpec, Filling, OptimizerLike, list[list[nn.Parameter]]]:
+        """The local check (decide.local_check) and the module moved to its device, then the first
         collective: a set-up error on any rank raises on every rank (zerodp.initialize meets this
         agreement directly when its config failed to load)."""
-        error = spec = None
+        error = spec = filling = None
         try:
-            spec, optimizer, groups = local_check(self.config, self.comm, self.module, optimizer, source,
+            spec, filling, optimizer, groups = local_check(self.config, self.comm, self.module, optimizer, source,
                                                   param_init_fn, stage3_unit)
             if any(t.device != spec.device and not t.is_meta
                    for t in itertools.chain(self.module.parameters(), self.module.buffers())):
@@ -153,13 +154,13 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
             error = e
         self.comm.agree(error, "zerodp.initialize")
-        self._check_same_everywhere(spec.filling)
+        self._check_same_everywhere(filling)
         self._bound_collectives()
         warn_if_slow_bf16(spec.device, spec.dtype, self.comm.rank)
         self.comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
         in_buffers = groups + ([frozen_params(self.module, groups)] if spec.shards_frozen else [])
-        fill.start(spec.filling, self.comm, spec.device, {id(p) for g in in_buffers for p in g})
-        return spec, optimizer, groups
+        fill.start(filling, self.comm, spec.device, {id(p) for g in in_buffers for p in g})
+        return spec, filling, optimizer, groups
 
     def _check_same_everywhere(self, filling: Filling) -> None:
         """Every rank must wrap the same model with the same config, or collectives would mismatch."""
@@ -197,12 +198,13 @@ class Engine:
                       f"as long as that group's own timeout: create it with timeout=datetime.timedelta(seconds="
                       f"{seconds:g}) instead", file=sys.stderr, flush=True)
 
-    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter]) -> None:
+    def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter],
+                                 filling: Filling) -> None:
         """Frozen parameters kept whole (stages 0-2) and floating buffers: working precision, rank 0's
         values (frozen parameters read from weights are every rank's already: fill.start read them).
         The `sharded` frozen parameters (stage 3) are the flat buffers', filled like the trained ones."""
         trained = {id(p) for g in groups + [sharded] for p in g}
-        read = {id(p) for p in self.module.parameters()} if self.spec.filling.from_files else set()
+        read = {id(p) for p in self.module.parameters()} if filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
                 continue
@@ -211,13 +213,13 @@ class Engine:
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[nn.Parameter] | None
+    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[nn.Parameter] | None, filling: Filling
                       ) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm = self.config.zero_optimization, self.comm
         layout = Layout.build(groups, self.spec, comm, zero, frozen)
-        fp32_shards = fill.fill(layout.groups, self.spec.filling, comm, layout.rank, self.dtype, self.device,
+        fp32_shards = fill.fill(layout.groups, filling, comm, layout.rank, self.dtype, self.device,
                                 self.spec.gathers_per_unit, self.offload_param,
                                 zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values

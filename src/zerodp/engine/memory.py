@@ -27,9 +27,9 @@ import torch
 from zerodp.activations import attached
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
-from zerodp.engine.offload import pinned_bytes
-from zerodp.engine.optimizer import PartitionedOptimizer
-from zerodp.engine.reducer import POOL_BUFFERS, Reducer
+from zerodp.engine.stepping.offload import pinned_bytes
+from zerodp.engine.stepping.optimizer import PartitionedOptimizer
+from zerodp.engine.stepping.reducer import POOL_BUFFERS, Reducer
 
 GiB = 1024 ** 3
 # Optimizer state bytes per parameter (fp32): Adam/AdamW keep m and v; the others one buffer.

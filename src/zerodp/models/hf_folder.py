@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import numpy as np
     from torch import nn
 
-    from zerodp.engine.weights import Weights
+    from zerodp.engine.sharding.weights import Weights
 
 CONFIG = "config.json"
 WEIGHTS, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -195,7 +195,7 @@ def write_folder(out: str | os.PathLike, weights: Weights | Mapping[str, Any], d
     stream, which for an engine's weights is a collective: call it on every rank then."""
     from transformers.utils import logging
 
-    from zerodp.engine.weights import Weights
+    from zerodp.engine.sharding.weights import Weights
 
     if not isinstance(weights, Weights):
         weights = Weights.of(dict(weights))

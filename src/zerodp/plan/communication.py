@@ -9,7 +9,7 @@ all_reduce twice that), so the plan and a run agree byte for byte (tests/test_hi
               hierarchical sharding (S < N) all_reduce of its 1/S shard across the replica group
               (N/S ranks); once per step in stage 1, every micro-step in stages 2-3;
   stages 1-2  all_gather of the updated parameters inside the shard group, once per step;
-  stage 3     all_gather of each bucket of units (blocks by default, engine/units.py) before its
+  stage 3     all_gather of each bucket of units (blocks by default, engine/layout/units.py) before its
               forward and once in the backward, every micro-step, except the buckets of the model's
               own unit and of the last one, which stay gathered into the backward (units under
               stage3_param_persistence_threshold stay gathered);
@@ -193,7 +193,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size: int, bucket_numel: int,
              gas: int, per_node: int, persistence: int = 100_000) -> Job:
     """The plan's Job for a model (on any device, meta included) laid out as the engine would.
-    Stage 3: the engine's default units and buckets (engine/units.py), the last unit taken to be the
+    Stage 3: the engine's default units and buckets (engine/layout/units.py), the last unit taken to be the
     last one registered (a transformer's last block)."""
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
     params = sum(1 for p in model.parameters() if p.requires_grad)  # tied weights once, as parameters() gives
@@ -203,8 +203,8 @@ def jobs_for(model: nn.Module, world: int, stage: int, shard: int, element_size:
     from zerodp.config import (
         ZeroConfig,  # late: `zerodp estimate --help` stays torch-free
     )
-    from zerodp.engine.stage3 import kept_last, planned_gathers, unit_buckets
-    from zerodp.engine.units import find_units, layout
+    from zerodp.engine.sharding.gather import kept_last, planned_gathers, unit_buckets
+    from zerodp.engine.layout.units import find_units, layout
 
     zero = ZeroConfig(stage=3, stage3_param_persistence_threshold=persistence)
     units = find_units(model, zero.stage3_unit)

@@ -99,11 +99,11 @@ class PlanModel:
         return one + (self.fields[depth] - 1) * (two - one)
 
     def largest_module(self) -> int:
-        """Elements of the largest stage-3 unit (engine/units.py's default: a block, or the model's own
+        """Elements of the largest stage-3 unit (engine/layout/units.py's default: a block, or the model's own
         parameters), which a stage-3 bucket never splits (tied weights once)."""
         import torch
 
-        from zerodp.engine.units import find_units
+        from zerodp.engine.layout.units import find_units
         with torch.device("meta"):
             model, _ = self.build()
         units = find_units(model, "blocks")

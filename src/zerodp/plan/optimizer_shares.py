@@ -1,5 +1,5 @@
 """`zerodp estimate --optimizer muon|adafactor`: each rank's share of the optimizer states when a
-shape-aware optimizer steps whole parameters (engine/optimizer_view.py).
+shape-aware optimizer steps whole parameters (engine/stepping/optimizer_view.py).
 
 An element-wise optimizer (AdamW) steps flat shards: every rank holds exactly 1/N. Muon (on the hidden
 matrices, AdamW on the rest: config type "Muon") and Adafactor step whole parameters, each owned by one
@@ -37,7 +37,7 @@ def shares(model, optimizer: str, world: int, bucket_numel: int, dtype: str = "b
     """Per rank, the fp32 master + optimizer state bytes of its shards; the padding bytes whole-parameter
     buckets add to each rank's working buffer; the whole-stepped parameters larger than 1/N of their group."""
     from zerodp.config.optimizer import muon_params
-    from zerodp.engine.flat import lay_out
+    from zerodp.engine.layout.flat import lay_out
 
     trained = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "muon":

@@ -26,7 +26,7 @@ Everything that reads or writes weight files (this package reads through a sourc
                                         .safetensors file, a zerodp or a DeepSpeed checkpoint;
           zerodp/models/hf_folder.py    `model_from_config` (the model a folder describes, built for
                                         `weights=folder`) and `init_fn` (HF's initialiser on meta).
-  write   zerodp/engine/weights.py      `engine_weights`: a trained engine's values as a stream, one
+  write   zerodp/engine/sharding/weights.py      `engine_weights`: a trained engine's values as a stream, one
                                         bucket at a time;
           zerodp/models/weight_files.py `SafetensorsFile`, `TorchSaveFile`: files written a tensor at a
                                         time as the stream arrives;

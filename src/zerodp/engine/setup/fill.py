@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import swap_tensors
 
-from zerodp.distributed.device import return_freed_host_memory
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup, local, set_local
+from zerodp.distributed.device import return_freed_host_memory
+from zerodp.engine.layout.flat import Bucket, FlatGroup, local, set_local
 from zerodp.engine.setup.initialisers import (
     ModuleInit,
     ParamInitFn,

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import swap_tensors
 
 from zerodp.distributed.device import return_freed_host_memory
-from zerodp.engine.flat import local
+from zerodp.engine.layout.flat import local
 
 ParamInitFn = Callable[[nn.Module], None]
 

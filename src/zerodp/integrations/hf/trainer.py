@@ -33,8 +33,8 @@ from transformers.trainer_utils import has_length
 from zerodp import initialize
 from zerodp.config import ConfigError
 from zerodp.engine.engine import Engine
+from zerodp.engine.sharding.weights import engine_weights
 from zerodp.engine.summary import no_stage_chosen, set_up_line
-from zerodp.engine.weights import engine_weights
 from zerodp.integrations.hf.auto import fill_from_training_args
 from zerodp.models import hf_folder
 

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket
-from zerodp.engine.stage3 import Gatherer
+from zerodp.engine.layout.flat import Bucket
+from zerodp.engine.sharding.gather import Gatherer
 
 _NUMBER = itertools.count()  # engines of this process, numbered alike on every rank (they build them alike)
 _FIRST_WAIT_S = 10.0  # then one line says what the call waits for, before comm_timeout_s runs out

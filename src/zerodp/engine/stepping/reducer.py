@@ -46,10 +46,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, local
-from zerodp.engine.grad_placement import GradPlacements
-from zerodp.engine.layout import Layout
-from zerodp.engine.spec import EngineSpec
+from zerodp.engine.layout.flat import Bucket, local
+from zerodp.engine.layout.layout import Layout
+from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.tensor_parallel.grads import GradPlacements
 
 # Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
 # one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With

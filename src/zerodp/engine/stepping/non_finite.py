@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from zerodp.config import Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import HostCopy, is_accelerator
-from zerodp.engine.precision import LossScaler
+from zerodp.engine.stepping.precision import LossScaler
 
 logger = logging.getLogger("zerodp")
 

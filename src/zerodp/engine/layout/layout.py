@@ -25,9 +25,9 @@ from torch import nn
 
 from zerodp.config import ZeroConfig
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, FlatGroup, Slot, lay_out, tp_duplicate
-from zerodp.engine.spec import EngineSpec
-from zerodp.engine.units import layout as stage3_layout
+from zerodp.engine.layout.flat import Bucket, FlatGroup, Slot, lay_out, tp_duplicate
+from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.layout.units import layout as stage3_layout
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin
-from zerodp.engine.layout import Layout
+from zerodp.engine.layout.layout import Layout
 
 
 class UsedParameters:

@@ -42,9 +42,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import DIVERGENCE, Comm
-from zerodp.engine.flat import Bucket, local_setter
-from zerodp.engine.layout import Layout
-from zerodp.engine.units import Units
+from zerodp.engine.layout.flat import Bucket, local_setter
+from zerodp.engine.layout.layout import Layout
+from zerodp.engine.layout.units import Units
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from zerodp.config import ConfigError, ZeroConfig
-from zerodp.engine.flat import FlatGroup, lay_out
+from zerodp.engine.layout.flat import FlatGroup, lay_out
 
 UnitRule = str | Sequence[type | str] | Callable[[nn.Module], bool]
 

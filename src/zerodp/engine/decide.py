@@ -1,14 +1,13 @@
-"""The engine's derived facts, made once by one local check: the ZeRO stage, the batch sizes, the shard
-size, the working precision, the device, where the parameters' values come from and stage 3's units.
+"""The engine's facts decided once, by one local check: the ZeRO stage, the batch sizes, the shard size,
+the working precision, the device, where the parameters' values come from and stage 3's units.
 
 `local_check` runs on each rank alone, before any collective: whatever it raises, the engine's set-up
 agreement (Comm.agree) makes every rank raise, so no rank is left waiting in a collective. What it
-returns is frozen: the rest of the engine reads these facts and never derives them again.
+returns is frozen (layout/spec.py's EngineSpec): the rest of the engine reads these facts and never
+derives them again.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,71 +16,21 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
-from zerodp.engine import tensor_parallel, whole_over_tp
-from zerodp.engine.optimizer_view import OptimizerLike, OptimizerView, Optimizers, probe_class, refusal, view_of
+from zerodp.engine.layout.spec import EngineSpec, OptimizerView
+from zerodp.engine.layout.units import UnitRule, find_units, unit_rule
 from zerodp.engine.setup.fill import Filling, filling_for
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
-from zerodp.engine.units import UnitRule, Units, find_units, unit_rule
+from zerodp.engine.stepping.optimizer_view import OptimizerLike, Optimizers, probe_class, refusal, view_of
+from zerodp.engine.tensor_parallel import placements as tensor_parallel
+from zerodp.engine.tensor_parallel import whole as whole_over_tp
 from zerodp.monitor.writers import check_available
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine is, decided before it builds anything."""
-
-    stage: int  # ZeRO stage 0-3: what is sharded (nothing, optimizer states, + gradients, + parameters)
-    batch: BatchSizes  # micro batch, gradient accumulation steps and global batch at this world size
-    shard_size: int  # ranks one copy of the model states is sharded over (< world: hierarchical, MiCS)
-    dtype: torch.dtype  # working precision of parameters and gradients (the masters are fp32)
-    device: torch.device  # this rank's device: the module's, or the backend's accelerator
-    filling: Filling  # where the parameters' values come from: rank 0's module, initialisers or files
-    units: Units | None  # stage 3's units, gathered and released together; None below stage 3
-    offload_param: bool  # stage 3's offload_param: this rank's parameter shards live in host memory
-    # per optimizer param group: its optimizer steps flat shards (element-wise) or whole parameters
-    views: tuple[OptimizerView, ...] = ()
-    # Stage 3: frozen parameters are partitioned and gathered like trained ones (Layout.frozen), with no
-    # gradient, master or optimizer state. False: stages 0-2, which keep every parameter whole.
-    shards_frozen: bool = False
-    # Something to train. False: a frozen-only engine (a DPO reference model, a distillation teacher),
-    # built without any optimizer for a model with no trainable parameter: forward only.
-    trains: bool = True
-
-    @property
-    def gas(self) -> int:
-        """Gradient accumulation steps: backward() calls per optimizer step."""
-        return self.batch.gradient_accumulation_steps
-
-    @property
-    def shards_optimizer(self) -> bool:
-        """Stages 1-3: each rank keeps (and steps) only its shard of the masters and optimizer states."""
-        return self.stage > 0
-
-    @property
-    def keeps_gradient_shard(self) -> bool:
-        """Stages 2-3: a rank keeps only its shard of each reduced gradient bucket, not the whole bucket."""
-        return self.stage >= 2
-
-    @property
-    def gathers_per_unit(self) -> bool:
-        """Stage 3: parameters are sharded, gathered per unit for its forward and backward."""
-        return self.stage == 3
-
-    @property
-    def gathers_after_step(self) -> bool:
-        """Stages 1-2: each rank steps its shard, then the updated parameters are all-gathered to every
-        rank (stage 0 steps everything everywhere; stage 3 gathers per unit instead)."""
-        return self.shards_optimizer and not self.gathers_per_unit
-
-    def whole_parameters(self, group: int) -> bool:
-        """Whether param group `group`'s optimizer steps whole parameters (OptimizerView)."""
-        return bool(self.views) and self.views[group] is OptimizerView.WHOLE_PARAMETERS
 
 
 def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: OptimizerLike | None,
                 source: ParameterSource | None, param_init_fn: ParamInitFn | None,
-                stage3_unit: UnitRule | None) -> tuple[EngineSpec, OptimizerLike, list[list[nn.Parameter]]]:
-    """Everything about the set-up that this rank can check alone: the spec, the optimizer (the config's
+                stage3_unit: UnitRule | None) -> tuple[EngineSpec, Filling, OptimizerLike, list[list[nn.Parameter]]]:
+    """Everything about the set-up that this rank can check alone: the spec, where the values come from, the optimizer (the config's
     when none is given; for a frozen-only engine one over no parameter) and the trained parameters of
     each optimizer param group. No collective."""
     zero = config.zero_optimization
@@ -125,9 +74,9 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     device = _device_of(module, comm)
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
     # config/zero_optimization.py resets offload_param below stage 3.
-    spec = EngineSpec(stage, batch, shard_size, config.dtype, device, filling, units,
+    spec = EngineSpec(stage, batch, shard_size, config.dtype, device, units,
                       zero.offload_param.device == "cpu", views, shards_frozen=stage == 3, trains=trains)
-    return spec, optimizer, groups
+    return spec, filling, optimizer, groups
 
 
 def _combined(optimizers: list | tuple) -> Optimizers:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict, defaultdict
-from enum import Enum
 from typing import Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
+
+from zerodp.engine.layout.spec import OptimizerView
 
 # torch.optim's classes whose update is element by element (their foreach and fused forms included).
 ELEMENT_WISE: frozenset[type] = frozenset(getattr(torch.optim, n) for n in (
@@ -35,13 +36,6 @@ ELEMENT_WISE: frozenset[type] = frozenset(getattr(torch.optim, n) for n in (
 
 # What initialize takes: an optimizer, or a factory params -> optimizer (DeepSpeed's callable form).
 OptimizerLike = Optimizer | Callable[[list], Optimizer]
-
-
-class OptimizerView(Enum):
-    """How the optimizer of one param group sees its parameters."""
-
-    FLAT_SHARDS = "flat shards"            # element-wise: 1/N of every bucket, parameters cut anywhere
-    WHOLE_PARAMETERS = "whole parameters"  # shape-aware: each parameter whole, on the one rank that owns it
 
 
 def view_of(optimizer_class: type) -> OptimizerView:

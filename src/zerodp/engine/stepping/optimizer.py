@@ -27,13 +27,13 @@ from torch.optim import Optimizer
 
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin
-from zerodp.engine.flat import ALIGN, Bucket
-from zerodp.engine.layout import Layout
-from zerodp.engine.offload import HostShards, use_fused_kernel
-from zerodp.engine.optimizer_view import OptimizerLike
-from zerodp.engine.spec import EngineSpec
-from zerodp.engine.unused import UsedParameters
-from zerodp.engine.whole_over_tp import WholeOverTp
+from zerodp.engine.layout.flat import ALIGN, Bucket
+from zerodp.engine.layout.layout import Layout
+from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.stepping.offload import HostShards, use_fused_kernel
+from zerodp.engine.stepping.optimizer_view import OptimizerLike
+from zerodp.engine.stepping.unused import UsedParameters
+from zerodp.engine.tensor_parallel.whole import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 

@@ -28,8 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, place_tp_shard, tp_duplicate, tp_parts
-from zerodp.engine.tensor_parallel import shard_dim
+from zerodp.engine.layout.flat import Bucket, place_tp_shard, tp_duplicate, tp_parts
+from zerodp.engine.tensor_parallel.placements import shard_dim
 
 
 def refusal(name: str, p: torch.Tensor, tp_size: int | None) -> str | None:

@@ -17,7 +17,7 @@ mpu_groups): the same engine, its parameters marked `tensor_model_parallel` / `m
 they are tp shards (flat.tp_duplicate), and no mesh. Its plain shards do not say where they lie in the
 whole tensor: weights= and meta are refused there.
 
-The exports (engine/weights.py) join each tp shard into the whole tensor along `shard_dim`.
+The exports (engine/sharding/weights.py) join each tp shard into the whole tensor along `shard_dim`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import tp_duplicate
+from zerodp.engine.layout.flat import tp_duplicate
 
 
 class TensorParallelUnsupported(NotImplementedError):

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import Bucket, join_tp, local, tp_parts
-from zerodp.engine.layout import Layout
-from zerodp.engine.tensor_parallel import shard_dim
+from zerodp.engine.layout.flat import Bucket, join_tp, local, tp_parts
+from zerodp.engine.layout.layout import Layout
+from zerodp.engine.tensor_parallel.placements import shard_dim
 
 
 class Trained(Protocol):

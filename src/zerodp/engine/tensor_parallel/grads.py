@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from zerodp.distributed.comm import Comm
-from zerodp.engine.flat import local
-from zerodp.engine.layout import Layout
+from zerodp.engine.layout.flat import local
+from zerodp.engine.layout.layout import Layout
 
 
 class GradientPlacementError(ValueError):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from zerodp.engine.optimizer import PartitionedOptimizer
+from zerodp.engine.stepping.optimizer import PartitionedOptimizer
 
 
 class _FirstUse(TorchFunctionMode):

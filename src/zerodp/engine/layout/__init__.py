@@ -1,0 +1,9 @@
+"""The layout (the lowest room of the engine): what the engine is and where every element lives.
+
+  spec.py     `EngineSpec`, the engine's facts named once (stage, batch, shard size, dtype, device, units,
+              each param group's `OptimizerView`); decided by engine/decide.py, read everywhere after.
+  flat.py     flat padded buffers: `Bucket`, `Slot`, `FlatGroup`, `lay_out` (parameters into buckets,
+              partitioned over the shard group) and the tp helpers a slot needs (`tp_parts`, `tp_duplicate`).
+  units.py    stage 3's units (`find_units`, `unit_rule`) and their buckets (`layout`).
+  layout.py   `Layout`, the bucket layout made once with this rank's shard, for everything that reads it.
+"""

@@ -1,0 +1,14 @@
+"""The training step: gradients reduced, the user's optimizer stepped on shards, precision and skips.
+
+  reducer.py         `Reducer`: gradients into buckets during backward, reduced (-scattered) per bucket.
+  optimizer.py       `PartitionedOptimizer`: the user's optimizer on this rank's fp32 master shards, and the
+                     all-gather of the result.
+  optimizer_view.py  what an optimizer may see (`view_of`, `refusal`), `OptimizerLike`, `Optimizers` (a list
+                     stepped as one).
+  offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
+  precision.py       `LossScaler` (fp16's dynamic loss scale) and casts to the working precision.
+  non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.
+  unused.py          `UsedParameters`: only the parameters that got a gradient are stepped.
+  forward_order.py   `ForwardOrder`: overlap_param_gather's gather order of the next forward.
+  cpu_bf16.py        `warn_if_slow_bf16`: bf16 on a CPU without fast bf16 kernels, said once.
+"""
