@@ -12,7 +12,7 @@ from in_process import children_here
 
 from zerodp.plan import estimate
 
-from zerodp.engine import memory
+from zerodp.plan import formulas
 from zerodp.plan.tables import params_text, size
 from zerodp.plan.models import PlanModel, PlanModelError
 
@@ -56,7 +56,7 @@ def test_a_factory_module_is_counted_and_refused_by_fit(tmp_path, monkeypatch, c
     with children_here():  # the set-up's child in this process (in_process.py); as a subprocess: the next test
         estimate.main(["--model", "mymodels:make", "--world", "8", "--stage", "2", "3"])
     out = capsys.readouterr().out
-    assert size(memory.formula(psi, 8, 2)) in out and "no inputs: not measured" in out
+    assert size(formulas.formula(psi, 8, 2)) in out and "no inputs: not measured" in out
     with pytest.raises(SystemExit):
         estimate.main(["--model", "mymodels:make", "--fit", "1GiB"])
     assert "factory's shape is unknown" in capsys.readouterr().err
@@ -90,8 +90,8 @@ def test_offload_adds_host_rows_and_the_buckets_count_in_the_total(capsys):
     psi = PlanModel.parse("125M").num_params()
     rows = {r[2]: r for r in _rows(out)}  # by stage
     for stage in (2, 3):
-        split = memory.placed(psi, 8, stage, offload_optimizer=True, pin_memory=True)  # pinned, as on a GPU
-        buckets = memory.bucket_estimate(psi, 8, stage, largest_module=PlanModel.parse("125M").largest_module())
+        split = formulas.placed(psi, 8, stage, offload_optimizer=True, pin_memory=True)  # pinned, as on a GPU
+        buckets = formulas.bucket_estimate(psi, 8, stage, largest_module=PlanModel.parse("125M").largest_module())
         line = " ".join(rows[str(stage)])
         assert size(split["device"]) in line and size(split["host"]) in line and size(buckets) in line
         assert size(split["device"] + buckets) in line  # the total
@@ -190,7 +190,7 @@ def test_fit_needs_the_larger_of_the_step_and_the_setup():
         args = estimate.build_parser().parse_args(["--fit", "80GiB", "--setup", path, "--dtype", "bf16"])
         args.seq = 128
         f = _formula(args, psi, 64, 3)
-        step = f["device"] + f["buckets"] + memory.activation_estimate(model.shape(), 1, 128, "bf16", False)
+        step = f["device"] + f["buckets"] + formulas.activation_estimate(model.shape(), 1, 128, "bf16", False)
         first = setup.formula(path, psi, 64, 3, "bf16", setup.largest_bucket(model, psi, 3, args.reduce_bucket_size))
         assert _need(args, model, psi, 64, 3, 1) == max(step, first)
     assert setup.formula("whole", psi, 64, 3, "bf16", 0) > step > setup.formula("meta", psi, 64, 3, "bf16", 0)
@@ -234,8 +234,8 @@ def test_a_fine_tune_plans_the_frozen_base_whole_below_stage_3_and_one_nth_at_st
     rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["4", "2"], ["4", "3"])]
     frozen = 2 * (psi - lora)
     assert rows[0][2:4] == size(frozen).split() and rows[1][2:4] == size(round(frozen / 4)).split()
-    assert rows[1][4:6] == size(memory.formula(lora, 4, 3)).split()
-    assert memory.finetune(psi, lora, 4, 3, offload_param=True)["host"] == round(frozen / 4) + round(2 * lora / 4)
+    assert rows[1][4:6] == size(formulas.formula(lora, 4, 3)).split()
+    assert formulas.finetune(psi, lora, 4, 3, offload_param=True)["host"] == round(frozen / 4) + round(2 * lora / 4)
     estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--trainable-fraction", "0.5",
                    "--measure", "none"])
     assert f"({params_text(round(psi / 2))} of {params_text(psi)}, 50.00%)" in " ".join(capsys.readouterr().out.split())

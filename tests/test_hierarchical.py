@@ -22,7 +22,7 @@ import oracle
 import zerodp
 from spawn import run_ranks
 from zerodp.plan import measure
-from zerodp.engine import memory
+from zerodp.plan import formulas
 from zerodp.checkpoint.pieces import local_state, owned_pieces
 from zerodp.config import ConfigError, ZeroConfig
 
@@ -232,10 +232,10 @@ def test_refused_deepspeed_keys_say_why(key, value, match):
 def test_stage2_bytes_per_rank_are_2psi_plus_14psi_over_s():
     r = fake_runs()["memory"]
     psi, rep = r["num_params"], r["report"]
-    expected = memory.formula(psi, 8, 2)  # 2Ψ + 14Ψ/S: the shard group is the world of the formula
+    expected = formulas.formula(psi, 8, 2)  # 2Ψ + 14Ψ/S: the shard group is the world of the formula
     assert expected == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
     assert rep["model_states"] == pytest.approx(expected, rel=0.05), rep
-    assert rep["model_states"] > memory.formula(psi, 64, 2) * 1.5  # not the flat 2Ψ + 14Ψ/64
+    assert rep["model_states"] > formulas.formula(psi, 64, 2) * 1.5  # not the flat 2Ψ + 14Ψ/64
 
 
 # ---- checkpoints stay layout-free -----------------------------------------------------------------

@@ -13,7 +13,7 @@ from zerodp.plan import estimate
 from zerodp.plan import measure
 from zerodp.plan import units
 
-from zerodp.engine import memory
+from zerodp.plan import formulas
 from zerodp.engine.stepping.reducer import POOL_BUFFERS
 from zerodp.plan.models import PlanModel
 from zerodp.plan.tables import size
@@ -51,25 +51,25 @@ def measured() -> dict:
 # ---- formula ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage, expected", [(0, 16_000), (1, 4_000 + 1_200), (2, 2_000 + 1_400), (3, 1_600)])
 def test_formula_is_designs_table_in_bf16(stage, expected):
-    assert memory.formula(1000, 10, stage) == expected
+    assert formulas.formula(1000, 10, stage) == expected
 
 
 def test_formula_in_fp32_has_no_separate_master():
     # 4-byte params and grads; Adam's m and v are the only other states: 16Ψ at stage 0 still.
-    assert memory.formula(1000, 10, 0, dtype="fp32") == 16_000
-    assert memory.formula(1000, 10, 2, dtype="fp32") == 4_000 + 1_200
+    assert formulas.formula(1000, 10, 0, dtype="fp32") == 16_000
+    assert formulas.formula(1000, 10, 2, dtype="fp32") == 4_000 + 1_200
 
 
 def test_formula_accumulating_gradients_are_fp32():
-    assert memory.formula(1000, 10, 2, gradient_accumulation_steps=4) == 2_000 + 1_600
-    assert memory.formula(1000, 10, 1, gradient_accumulation_steps=4) == 6_000 + 1_200
+    assert formulas.formula(1000, 10, 2, gradient_accumulation_steps=4) == 2_000 + 1_600
+    assert formulas.formula(1000, 10, 1, gradient_accumulation_steps=4) == 6_000 + 1_200
 
 
 def test_formula_rejects_unknown_names():
     with pytest.raises(ValueError, match="optimizer 'lion'"):
-        memory.formula(10, 1, 1, optimizer="lion")
+        formulas.formula(10, 1, 1, optimizer="lion")
     with pytest.raises(ValueError, match="dtype 'int8'"):
-        memory.formula(10, 1, 1, dtype="int8")
+        formulas.formula(10, 1, 1, dtype="int8")
 
 
 # ---- measured as rank 0 of N --------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_formula_rejects_unknown_names():
 def test_model_states_per_rank_match_the_formula_bf16_adam(stage, world):
     r = measured()[(world, stage, 1)]
     psi, rep = r["num_params"], r["report"]
-    expected = memory.formula(psi, world, stage)
+    expected = formulas.formula(psi, world, stage)
     assert rep["model_states"] == pytest.approx(expected, rel=0.05), rep
     assert rep["model_states"] >= expected  # padding only ever adds
     # the reduce bucket pool is beside the model states: at most POOL_BUFFERS bf16 buckets in stage 2;
@@ -146,43 +146,43 @@ def test_offload_leaves_only_working_params_and_gradients_on_the_device(stage, w
 
 @pytest.mark.parametrize("world,stage", OFFLOAD_WORLD_STAGES, ids=lambda v: str(v))
 def test_placed_splits_device_and_host_memory_as_the_offloading_engine_does(stage, world):
-    # estimate's host rows: memory.placed against what the engine holds where, rank 0 of N
+    # estimate's host rows: formulas.placed against what the engine holds where, rank 0 of N
     r = measured()[(world, stage, 1, "offload")]
-    rep, split = r["report"], memory.placed(r["num_params"], world, stage, offload_optimizer=True)
+    rep, split = r["report"], formulas.placed(r["num_params"], world, stage, offload_optimizer=True)
     assert rep["device_model_states"] == pytest.approx(split["device"], rel=0.05)
     assert rep["host_model_states"] == pytest.approx(split["host"], rel=0.05)
     plain = measured()[(world, stage, 1)]["report"]
-    assert split["device"] + split["host"] - memory.formula(r["num_params"], world, stage) == \
+    assert split["device"] + split["host"] - formulas.formula(r["num_params"], world, stage) == \
         pytest.approx(rep["offload_gradients"] + rep["offload_staging"], rel=0.05)  # the fp32 gradient copy, staging
-    assert plain["model_states"] == pytest.approx(memory.placed(r["num_params"], world, stage)["device"], rel=0.05)
+    assert plain["model_states"] == pytest.approx(formulas.placed(r["num_params"], world, stage)["device"], rel=0.05)
 
 
 @pytest.mark.parametrize("world,stage", [ws for ws in WORLD_STAGES if ws[1] > 1], ids=lambda v: str(v))
 def test_bucket_estimate_bounds_the_reduce_pool_the_engine_held(stage, world):
     r = measured()[(world, stage, 1)]
     largest = PlanModel("gpt", "test", {**PlanModel.parse("tiny").fields, **MODEL}).largest_module()
-    estimate_ = memory.bucket_estimate(r["num_params"], world, stage, "bf16", BUCKET, largest)
+    estimate_ = formulas.bucket_estimate(r["num_params"], world, stage, "bf16", BUCKET, largest)
     assert r["report"]["reduce_buckets"] <= estimate_ * 1.05  # padding
     assert r["report"]["reduce_buckets"] >= estimate_ / POOL_BUFFERS  # at least one bucket
 
 
 def test_placed_moves_the_parameter_shard_to_the_host_with_offload_param():
-    split = memory.placed(1000, 10, 3, offload_optimizer=True, offload_param=True)
+    split = formulas.placed(1000, 10, 3, offload_optimizer=True, offload_param=True)
     # grads 2Ψ/N stay; master, m, v, grad copy, bf16 staging, params
     assert split == {"device": 200, "host": 1600 + 200 + 200}
-    assert memory.placed(1000, 10, 3, "fp32", offload_optimizer=True)["host"] == 1600  # fp32: no staging
+    assert formulas.placed(1000, 10, 3, "fp32", offload_optimizer=True)["host"] == 1600  # fp32: no staging
 
 
 def test_placed_counts_the_pinned_blocks_rounding_to_a_power_of_two(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     # bf16: master 4 + gradient 4 + staging 2 bytes per element pinned, 10Ψ/N = 1000 -> 1024
-    unpinned = memory.placed(1000, 10, 2, offload_optimizer=True)
-    pinned = memory.placed(1000, 10, 2, offload_optimizer=True, pin_memory=True)
+    unpinned = formulas.placed(1000, 10, 2, offload_optimizer=True)
+    pinned = formulas.placed(1000, 10, 2, offload_optimizer=True, pin_memory=True)
     assert pinned["host"] - unpinned["host"] == 24 and pinned["device"] == unpinned["device"]
-    assert memory.placed(1000, 10, 2, pin_memory=True) == memory.placed(1000, 10, 2)  # no offload, no block
+    assert formulas.placed(1000, 10, 2, pin_memory=True) == formulas.placed(1000, 10, 2)  # no offload, no block
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
-        memory.placed(1000, 10, 2, offload_param=True)
+        formulas.placed(1000, 10, 2, offload_param=True)
 
 
 @pytest.mark.parametrize("world", [8], ids=lambda w: f"world={w}")
@@ -203,7 +203,7 @@ def test_stage2_accumulates_in_fp32_with_more_than_one_micro_step():
     psi, rep = r["num_params"], r["report"]
     assert rep["gradients"] == pytest.approx(4 * psi / 8, rel=0.05)
     assert rep["step_transient"] == 0  # already fp32: the optimizer uses the shard itself
-    assert rep["model_states"] == pytest.approx(memory.formula(psi, 8, 2, gradient_accumulation_steps=2), rel=0.05)
+    assert rep["model_states"] == pytest.approx(formulas.formula(psi, 8, 2, gradient_accumulation_steps=2), rel=0.05)
 
 
 # ---- the CLI ------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_estimate_prints_formula_and_measured_table(capsys):
     out = capsys.readouterr().out
     assert "measured on this machine" in out and "states " in out
     psi = PlanModel.parse("tiny").num_params()
-    assert size(memory.formula(psi, 4, 2)) in out
+    assert size(formulas.formula(psi, 4, 2)) in out
 
 
 def test_estimate_fit_answers_a_micro_batch_and_the_largest_of_the_family(capsys):
@@ -285,14 +285,14 @@ def test_fake_tensor_step_holds_designs_model_states_bf16_adamw(stage):
     assert close(held["optimizer"], 8 * psi / n), held
     states = sum(held[k] for k in ("params", "master", "optimizer"))
     grads = {1: 2 * psi, 2: 2 * psi / n, 3: 2 * psi / n}[stage]
-    assert close(states, memory.formula(psi, n, stage) - grads)
+    assert close(states, formulas.formula(psi, n, stage) - grads)
 
 
 def test_fake_tensor_peak_adds_activations_and_the_stage2_bucket_pool():
     r = peaks()[("zerodp", 2)]
     psi, at = r["num_params"], r["at_peak"]
     assert r["peak"] == sum(at.values())
-    assert r["peak"] > memory.formula(psi, 8, 2) + at["buckets"]
+    assert r["peak"] > formulas.formula(psi, 8, 2) + at["buckets"]
     assert 0 < at["buckets"] <= POOL_BUFFERS * BUCKET * 2
     assert at["activations"] > 0 and r["peak_at"].startswith(("forward", "backward", "step"))
 
@@ -323,5 +323,5 @@ def test_estimate_fake_tensors_prints_the_peak_and_its_parts(capsys):
     out = capsys.readouterr().out
     assert "zerodp 2" in out and "FSDP2 no reshard" in out and "PyTorch AMP" in out and "optim " in out
     psi = PlanModel.parse("tiny").num_params()
-    assert size(memory.formula(psi, 8, 2)) in out
+    assert size(formulas.formula(psi, 8, 2)) in out
     assert max(len(line) for line in out.splitlines()) <= 100

@@ -13,7 +13,7 @@ import torch
 import zerodp
 from oracle import D_IN, D_OUT, Toy, one_group
 from zerodp.config import OffloadParamConfig
-from zerodp.engine.memory import offload_split
+from zerodp.plan.formulas import offload_split
 
 
 def _config(stage: int = 3, offload_param: dict | None = None, **extra) -> dict:

@@ -19,7 +19,7 @@ from test_train import TINY, corpus, metrics, train
 from tp_train import CLIP
 from zerodp.checkpoint.export import write_consolidated
 from zerodp.config import load_config
-from zerodp.engine.memory import activation_estimate
+from zerodp.plan.formulas import activation_estimate
 from zerodp.models.gpt import GPT, GPTConfig, check_tp, gpt_config
 from zerodp.monitor.step import StepMonitor
 from zerodp.train.options import parse_options

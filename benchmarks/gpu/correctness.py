@@ -42,7 +42,7 @@ import zerodp
 from zerodp.activations import checkpoint_blocks
 from zerodp.distributed import device as dev
 from zerodp.distributed.comm import init_fake
-from zerodp.engine.memory import formula
+from zerodp.plan.formulas import formula
 from zerodp.models.gpt import GPT, Block, gpt_config
 
 FP32_TOL = 1e-5      # largest |difference| of an fp32 master weight, and of a loss (relative)

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from zerodp.config.base import ConfigError, NonNegativeInt, PositiveInt, _Section
+from zerodp.sizes import REDUCE_BUCKET_SIZE  # ZeroConfig.reduce_bucket_size's default (why: there)
 
 
 class _OffloadConfig(_Section):
@@ -46,12 +47,6 @@ class OffloadParamConfig(_OffloadConfig):
     buffer_count: NonNegativeInt = 5
     buffer_size: NonNegativeInt = 100_000_000
     max_in_cpu: NonNegativeInt = 1_000_000_000
-
-
-
-# ZeroConfig.reduce_bucket_size's default (why: there); `zerodp estimate` keeps a torch-free copy,
-# estimate.DEFAULT_BUCKET, that a test holds equal to it.
-REDUCE_BUCKET_SIZE = 50_000_000
 
 
 class ZeroConfig(_Section):

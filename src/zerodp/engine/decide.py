@@ -29,7 +29,8 @@ from zerodp.monitor.writers import check_available
 
 def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: OptimizerLike | None,
                 source: ParameterSource | None, param_init_fn: ParamInitFn | None,
-                stage3_unit: UnitRule | None) -> tuple[EngineSpec, Filling, OptimizerLike, list[list[nn.Parameter]]]:
+                stage3_unit: UnitRule | None
+                ) -> tuple[EngineSpec, Filling, OptimizerLike, list[list[nn.Parameter]]]:
     """Everything about the set-up that this rank can check alone: the spec, where the values come from, the optimizer (the config's
     when none is given; for a frozen-only engine one over no parameter) and the trained parameters of
     each optimizer param group. No collective."""

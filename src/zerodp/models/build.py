@@ -78,7 +78,7 @@ def _pretrained(path: str, vocab_size: int, block_size: int | None) -> tuple[nn.
     if block_size and block_size > longest:
         raise ValueError(f"--block-size {block_size} exceeds --model {path!r}'s "
                          f"max_position_embeddings={longest}")
-    # The shape the memory report's activation estimate reads (zerodp.engine.memory).
+    # The shape the memory report's activation estimate reads (zerodp.plan.formulas).
     shape = GPTConfig(vocab_size=cfg.vocab_size, block_size=block_size or min(longest, 1024),
                       n_layer=cfg.num_hidden_layers, n_head=cfg.num_attention_heads, n_embd=cfg.hidden_size)
     return HFCausalLM(model), shape

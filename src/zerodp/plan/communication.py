@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zerodp.plan.formulas import WORKING_BYTES
 from zerodp.plan.units import human
 
 if TYPE_CHECKING:  # torch-free at import: estimate's --help answers before torch loads
@@ -225,7 +226,6 @@ def render(args: argparse.Namespace, plan_model, console) -> None:
         return
     import torch
 
-    from zerodp.engine.memory import WORKING_BYTES
     with torch.device("meta"):
         model, _ = plan_model.build()
     console.print(*section(args, model, args.micro_batch * args.seq * args.gas, WORKING_BYTES[args.dtype]))

@@ -2,8 +2,8 @@
 
 --model is a GPT size, a JSON file of GPTConfig fields, a Hugging Face folder or config.json, or
 `module:factory` (models.py). For each world size N and stage the table gives, per rank:
-  model states  the ZeRO formula (memory.formula / memory.placed): what the device holds
-  buckets       stage 2-3's reduce-buffer pool (memory.bucket_estimate), counted in the total
+  model states  the ZeRO formula (formulas.formula / formulas.placed): what the device holds
+  buckets       stage 2-3's reduce-buffer pool (formulas.bucket_estimate), counted in the total
   host          with --offload-optimizer / --offload-param: what host memory holds
   peak          measured (--measure fake, the default: a training step as rank 0 of N on fake tensors,
                 which allocate nothing, so a 13B model runs on a laptop in seconds; peak.py), or
@@ -27,8 +27,9 @@ import sys
 
 from zerodp.models.sizes import SIZES  # torch-free
 from zerodp.plan.units import parse_bytes
+from zerodp.sizes import REDUCE_BUCKET_SIZE
 
-DEFAULT_BUCKET = 50_000_000  # config.REDUCE_BUCKET_SIZE, here torch-free for --help (a test holds them equal)
+DEFAULT_BUCKET = REDUCE_BUCKET_SIZE  # config's default, from the torch-free zerodp.sizes for --help
 WIDTH = 100  # columns of every table (a terminal, a README)
 DTYPES = ("bf16", "fp16", "fp32")
 

@@ -1,8 +1,8 @@
 """A fine-tune's per-rank memory (`zerodp estimate --trainable-fraction F`, or `--lora RANK`): a frozen base
 with a small part trained (LoRA adapters, a few layers, a reference model beside a policy).
 
-What each rank holds, by ZeRO stage (memory.finetune):
-  trained part  the ZeRO table of the trained elements alone (memory.placed): working copy, gradients,
+What each rank holds, by ZeRO stage (formulas.finetune):
+  trained part  the ZeRO table of the trained elements alone (formulas.placed): working copy, gradients,
                 fp32 master and optimizer states, 16 bytes each in bf16 + Adam, sharded as the stage shards;
   frozen base   its working copy only (no gradient, master or optimizer state): whole on every rank at
                 stages 0-2, 1/N of it at stage 3, which partitions frozen parameters too (in host memory
@@ -59,7 +59,7 @@ def render(args: argparse.Namespace, plan_model, console) -> None:
     from rich import box
     from rich.table import Table
 
-    from zerodp.engine.memory import finetune
+    from zerodp.plan.formulas import finetune
     from zerodp.plan.tables import params_text, size
     total, trained = plan_model.num_params(), trainable_numel(args, plan_model)
     what = f"LoRA rank {args.lora}" if args.lora is not None else f"{args.trainable_fraction:g} of the parameters"

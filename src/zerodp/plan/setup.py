@@ -29,7 +29,7 @@ import dataclasses
 import json
 
 from zerodp.config import ZeroConfig
-from zerodp.engine.memory import WORKING_BYTES
+from zerodp.plan.formulas import WORKING_BYTES
 from zerodp.plan.models import PlanModel
 
 PATHS = ("meta", "whole")

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from zerodp.engine.memory import activation_estimate, bucket_estimate, placed
+from zerodp.plan.formulas import activation_estimate, bucket_estimate, placed
 from zerodp.plan.models import PlanModel
 from zerodp.plan.setup import PATHS as SETUP_PATHS
 from zerodp.plan.setup import formula as setup_formula

@@ -6,7 +6,7 @@ shard over the D = N/T data-parallel ranks. Per GPU, with Ψ parameters (norms a
 parallelism replicates are under 0.1% of a large transformer and are counted as split):
   model states  DESIGN.md's formula for Ψ/T parameters on D ranks: stage 2 in bf16 (2Ψ + 14Ψ/D)/T
   activations   Korthikanti et al. 2022, eq. 2 without sequence parallelism and with fused attention
-                (no score matrix): s·b·h·(10 + 24/T) bytes per layer in 16-bit (engine/memory.activation_estimate,
+                (no score matrix): s·b·h·(10 + 24/T) bytes per layer in 16-bit (plan/formulas.activation_estimate,
                 which gives 34 s·b·h at T = 1); checkpointed, each layer keeps its 2·s·b·h input and
                 one layer is live in the recompute; the logits split over T (vocabulary-parallel head)
   tp traffic    Megatron's two all-reduces of s·b·h activations per layer in the forward and two in the
@@ -34,6 +34,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from zerodp.plan.formulas import WORKING_BYTES, activation_estimate, formula
 from zerodp.plan.units import human, parse_bytes
 
 SEED_GPU_MEMORY = 32 * 2**30  # the seed's V100s
@@ -65,8 +66,6 @@ def plan(psi: int, shape, world: int, tp: int, stage: int, dtype: str = "bf16", 
          seq: int = 1024, gas: int = 1, checkpointing: bool = False, gpus_per_node: int = 8) -> TensorParallelPlan:
     """The per-GPU figures of Ψ parameters on `world` GPUs as (world/tp data-parallel) x (tp tensor-parallel).
     shape: n_layer, n_embd, vocab_size (PlanModel.shape()), or None."""
-    from zerodp.engine.memory import WORKING_BYTES, activation_estimate, formula  # late: --help stays torch-free
-
     if tp < 1 or world % tp:
         raise ValueError(f"--tp {tp} must divide the world {world}: the world is data-parallel x tensor-parallel")
     dp, w = world // tp, WORKING_BYTES[dtype]

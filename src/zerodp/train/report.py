@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerodp.engine.memory import activation_estimate
+from zerodp.plan.formulas import activation_estimate
 from zerodp.models.gpt import GPTConfig
 
 # Sums of other categories in engine.memory_report(): left out of the stacked bars.
@@ -26,7 +26,7 @@ def gather_memory(engine, shape: GPTConfig, opts: argparse.Namespace) -> list[di
              if k not in _AGGREGATES and not k.startswith("cuda_") and v}
     if "cuda_peak_allocated" in report:  # measured: the peak beyond what the engine holds
         parts["activations_and_temporaries"] = max(0, report["cuda_peak_allocated"] - sum(parts.values()))
-    else:  # no allocator statistics on the CPU: the formula of zerodp.engine.memory
+    else:  # no allocator statistics on the CPU: the formula of zerodp.plan.formulas
         # --tp splits each block's activations; the GPT's head is whole on every tp rank (models/gpt.py).
         parts["activations_estimate"] = activation_estimate(shape, opts.micro_batch, shape.block_size,
                                                             opts.dtype, tp=opts.tp, vocab_parallel=False,

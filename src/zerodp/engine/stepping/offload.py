@@ -18,12 +18,11 @@ implementation, the host shards are stepped by the fused kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.optim import Optimizer
 
 from zerodp.distributed.device import synchronize_stream
+from zerodp.sizes import pinned_bytes
 
 _ALIGN_BYTES = 64  # every shard in the block starts on a cache line (and any dtype's alignment)
 
@@ -82,21 +81,6 @@ class HostShards:
         return {"offload_gradients": sum(g.numel() * 4 for g in self.grads),
                 "offload_staging": sum(s.numel() * s.element_size() for s in self.staging),
                 "offload_pinned_rounding": pinned_bytes(self.block.numel(), self.pinned) - self.block.numel()}
-
-
-def pinned_bytes(nbytes: int, pinned: bool = True) -> int:
-    """Bytes torch's host allocator holds for one pinned allocation of `nbytes`: the next power of two
-    (CachingHostAllocator), unless torch 2.13's PYTORCH_ALLOC_CONF pinned_max_round_threshold_mb or
-    pinned_max_cached_size_mb is below it. Unpinned memory comes from malloc, unrounded."""
-    if not pinned or nbytes <= 0:
-        return max(nbytes, 0)
-    caps = ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
-    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        for item in os.environ.get(var, "").split(","):
-            key, _, value = (part.strip() for part in item.partition(":"))
-            if key in caps and value.isdigit() and nbytes > int(value) * 2 ** 20:
-                return nbytes
-    return 1 << (nbytes - 1).bit_length()
 
 
 def use_fused_kernel(optimizer: Optimizer) -> bool:

@@ -50,12 +50,8 @@ from zerodp.engine.layout.flat import Bucket, local
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.tensor_parallel.grads import GradPlacements
+from zerodp.sizes import POOL_BUFFERS  # the reduce pool's buffers (why: there)
 
-# Bucket buffers that may exist before a new one waits for the oldest reduction in flight:
-# one filling, one reducing, one spare keeps the copy stream from stalling behind comm. With
-# `bucket_numel` they also hold at most POOL_BUFFERS x bucket_numel elements together, unless one
-# bucket alone is larger (a stage-3 unit: a transformer block), when only that one exists.
-POOL_BUFFERS = 3
 
 
 class Pass(Enum):
