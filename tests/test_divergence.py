@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import zerodp
 from spawn import run_ranks
-from zerodp.distributed.comm import group_timeout_s
+from zerodp.distributed.groups import group_timeout_s
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 10    # the comm_timeout_s in its scripts

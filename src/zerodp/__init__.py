@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
 _LAZY = {
     "checkpoint_blocks": "activations",
-    "DEFAULT_TIMEOUT_S": "distributed.comm", "Comm": "distributed.comm", "PeerFailure": "distributed.comm",
+    "DEFAULT_TIMEOUT_S": "distributed.comm", "Comm": "distributed.comm", "PeerFailure": "distributed.failures",
     "init_distributed": "distributed.comm",
     "Config": "config", "ConfigError": "config", "load_config": "config",
     "Engine": "engine.engine",

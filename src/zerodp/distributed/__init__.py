@@ -1,4 +1,13 @@
-"""What a rank owns besides its model: the process group (comm.py: the few collectives zerodp uses, the
-agreement that turns one rank's error into every rank's, the shard and replica groups; teardown.py: the groups
-freed at exit, before the interpreter finalizes) and the device (device.py: the one place that talks to the
-accelerator, through torch.accelerator)."""
+"""What a rank owns besides its model: the process group and the device.
+
+  comm.py       `Comm`, the few collectives zerodp uses on one group (in a world of one and on the fake
+                backend computed here), the agreement that turns one rank's error into every rank's, the
+                shard and replica groups, the bound on every wait; `init_distributed`, `init_fake`.
+  groups.py     the process groups under it: a group's timeout and its bounded twin, hierarchical
+                sharding's subgroups, a named device mesh's or an mpu's data- and tensor-parallel groups.
+  failures.py   a peer's failure named: `PeerFailure`, a rank's `Failure` as the agreement reports it.
+  traffic.py    what the collectives report: the bytes each moves (`Traffic`), comms_logger's `Watcher`.
+  teardown.py   the groups freed at exit, before the interpreter finalizes.
+  said_once.py  an agreed error said by rank 0 in one `zerodp:` line.
+  device.py     the one place that talks to the accelerator, through torch.accelerator.
+"""

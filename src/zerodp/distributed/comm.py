@@ -22,11 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import sys
-import time
-from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -36,6 +32,16 @@ import torch.distributed as dist
 from zerodp.distributed import said_once, teardown
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
+from zerodp.distributed.failures import DIVERGENCE, PEER_GRACE_S, Failure, PeerFailure, message, ranks_text
+from zerodp.distributed.groups import (
+    bounded_group,
+    group_timeout_s,
+    mpu_groups,
+    named_mesh_dp_group,
+    names_roles,
+    subgroup,
+)
+from zerodp.distributed.traffic import Done, Traffic, WatchedWork, Watcher
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -77,126 +83,7 @@ def init_fake(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-class PeerFailure(RuntimeError):
-    """A collective that could not complete because another rank stopped responding, died, or ran other
-    code (the ranks diverged)."""
-
-
-# What any timeout says a divergence looks like, unless the caller knows better (stage 3's forwards do).
-DIVERGENCE = ("if the ranks' code diverged (a forward, backward, step or save run on some ranks only), every "
-              "rank must make the same zerodp calls in the same order")
-_PEER_GRACE_S = 2.0          # how long a rank that timed out waits for the others' whereabouts in the store
 _BOUNDS = itertools.count()  # bound() calls of this process, numbered alike on every rank: their store keys
-
-
-def group_timeout_s(group: dist.ProcessGroup) -> float | None:
-    """The timeout a group's collectives wait (its backend's option); None where torch does not say."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - private API, absent for this device or backend
-            continue
-    return None
-
-
-def bounded_group(group: dist.ProcessGroup, timeout_s: float) -> tuple[dist.ProcessGroup, str | None]:
-    """(the group zerodp's collectives run on so that each waits at most timeout_s, None) or, where torch
-    cannot bound them, (group, the reason in one sentence). Collective over the group's ranks only.
-
-    A group zerodp created (init_distributed) gets the timeout itself; a group of the script's
-    keeps its own and gets a twin: one per set of ranks in this process, destroyed at exit (teardown)."""
-    if group_timeout_s(group) == timeout_s:
-        return group, None
-    timeout = timedelta(seconds=timeout_s)
-    ranks = tuple(dist.get_process_group_ranks(group))
-    owned = group if teardown.owns(group) else teardown.group_of(ranks)
-    try:
-        if owned is not None:
-            dist.distributed_c10d._set_pg_timeout(timeout, owned)
-            return owned, None
-        # Local synchronization: only these ranks take part (a data-parallel group of a mesh is one of many).
-        twin = dist.new_group(list(ranks), timeout=timeout, backend=dist.get_backend(group),
-                              use_local_synchronization=True, group_desc=f"zerodp (comm_timeout_s={timeout_s:g})")
-    except Exception as e:  # noqa: BLE001 - a backend that takes no timeout: say so, keep the group
-        return group, f"{type(e).__name__}: {_message(e).splitlines()[0]}"
-    teardown.register_group(ranks, twin)
-    return twin, None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's error as `Comm.agree` reports it: plain strings, so no rank unpickles an object."""
-
-    rank: int
-    kind: str      # the exception class, "module:qualname"
-    message: str
-
-    def exception(self, what: str) -> Exception:
-        """The error a rank raises for a peer's failure: the same class where it can be rebuilt."""
-        text = f"{what} failed on rank {self.rank}: {self.message}"
-        module, _, name = self.kind.partition(":")
-        cls = sys.modules.get(module)
-        for part in name.split("."):
-            cls = getattr(cls, part, None)
-        if isinstance(cls, type) and issubclass(cls, Exception):
-            try:
-                err = cls(text)
-                if str(err) == text:  # a class whose constructor takes one message
-                    return err
-            except Exception:  # noqa: BLE001 - any other signature: fall back to RuntimeError
-                pass
-        return RuntimeError(f"{text} ({name})")
-
-
-@dataclass
-class Traffic:
-    """Bytes each rank sends per collective kind, counted as a ring algorithm moves them."""
-
-    bytes: Counter = field(default_factory=Counter)
-    calls: Counter = field(default_factory=Counter)
-    # (group, op) -> bytes: "world", or the "shard" / "replica" groups of hierarchical sharding.
-    by_group: Counter = field(default_factory=Counter)
-
-    def add(self, op: str, nbytes: float, group: str = "world") -> None:
-        self.bytes[op] += int(nbytes)
-        self.calls[op] += 1
-        self.by_group[group, op] += int(nbytes)
-
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.by_group.clear()
-
-
-# comms_logger's hook: watch(op, nbytes) is called as a collective starts and returns what to call
-# when it has completed.
-Watcher = Callable[[str, int], Callable[[], None]]
-
-
-class _WatchedWork:
-    """An async collective's handle whose wait() tells the watchers it has completed."""
-
-    def __init__(self, work, dones: list[Callable[[], None]]):
-        self.work, self.dones = work, dones
-
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
-        for done in self.dones:
-            done()
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-class _Done:
-    """The work handle of a collective that had nothing to do (a world of one)."""
-
-    def wait(self) -> bool:
-        return True
 
 
 class Comm:
@@ -225,8 +112,8 @@ class Comm:
         tp_group = None
         if mpu is not None:
             group, tp_group = mpu_groups(mpu, group, mesh)
-        if _names_roles(mesh):
-            group = _named_mesh_dp_group(mesh, group)
+        if names_roles(mesh):
+            group = named_mesh_dp_group(mesh, group)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -296,7 +183,7 @@ class Comm:
         replica = [ranks[j::shard_size] for j in range(shard_size)]
         # torch's own default for a new group is 30 minutes on gloo, whatever the world's timeout
         timeout = timedelta(seconds=self.timeout_s or group_timeout_s(self.group) or DEFAULT_TIMEOUT_S)
-        self._use(_subgroup(shard, timeout), _subgroup(replica, timeout))
+        self._use(subgroup(shard, timeout), subgroup(replica, timeout))
         self.shard.timeout_s = self.replica.timeout_s = self.timeout_s
         self.shard._bound_tag = self.replica._bound_tag = self._bound_tag
 
@@ -321,7 +208,7 @@ class Comm:
 
     def _adopt(self, mesh) -> None:
         names = mesh.mesh_dim_names
-        if not _names_roles(mesh):
+        if not names_roles(mesh):
             if mesh.ndim != 2 or mesh.size() != self.world_size:
                 raise ValueError(f"the device mesh must be 2-D (replicate, shard) over all {self.world_size} "
                                  f"ranks of the data-parallel group, got shape {tuple(mesh.shape)}")
@@ -367,7 +254,7 @@ class Comm:
         if self.everyone is not self:  # a tensor-parallel peer's error must reach this dp group too
             return self.everyone.agree(error, what, payload, raise_for)
         report = None if error is None else (f"{type(error).__module__}:{type(error).__qualname__}",
-                                              _message(error))
+                                              message(error))
         if self.world_size == 1 or self.is_fake():
             results = [(report, payload)]
         else:
@@ -410,7 +297,7 @@ class Comm:
         """
         if isinstance(e, PeerFailure):
             return e
-        text, op = _message(e), op or self.last_op
+        text, op = message(e), op or self.last_op
         low = text.lower()
         if "timed out" in low or "timeout" in low:
             peers = self._whereabouts(f"{op} {where}")
@@ -428,7 +315,7 @@ class Comm:
     def _whereabouts(self, here: str) -> str:
         """After a timeout: this rank's place written to the store, and where the group's other ranks are,
         read from it. A rank that waits in a zerodp collective times out near the same moment and writes
-        its own; one that wrote nothing within _PEER_GRACE_S is in none (stalled, dead, or in code of its
+        its own; one that wrote nothing within PEER_GRACE_S is in none (stalled, dead, or in code of its
         own). Ranks in the same place are named together."""
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -439,7 +326,7 @@ class Comm:
             return f"rank {self.rank} waited there; where the others are is unknown"
         keys = {r: prefix + str(g) for r, g in enumerate(ranks) if r != self.rank}
         try:  # returns as soon as every rank has written
-            store.wait(list(keys.values()), timedelta(seconds=min(_PEER_GRACE_S, self.timeout_s or _PEER_GRACE_S)))
+            store.wait(list(keys.values()), timedelta(seconds=min(PEER_GRACE_S, self.timeout_s or PEER_GRACE_S)))
         except Exception:  # noqa: BLE001 - the store's timeout: some rank wrote nothing
             pass
         places: dict[str, list[int]] = {}
@@ -449,9 +336,9 @@ class Comm:
             except Exception:  # noqa: BLE001
                 there = None
             places.setdefault("there too" if there == here else f"in {there}" if there else "", []).append(r)
-        clauses = [f"{_ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} in no zerodp collective (stalled, dead, or "
+        clauses = [f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} in no zerodp collective (stalled, dead, or "
                    "running code of its own: fewer forwards, a dist.barrier(), its own work)" if not place else
-                   f"{_ranks_text(rs)} wait{'s' if len(rs) == 1 else ''} {place}" for place, rs in places.items()]
+                   f"{ranks_text(rs)} wait{'s' if len(rs) == 1 else ''} {place}" for place, rs in places.items()]
         return ", ".join([f"rank {self.rank} waited there", *clauses])
 
     def _timeout_s(self, text: str) -> str:
@@ -472,10 +359,10 @@ class Comm:
         self.last_op = "all_reduce"
         self.traffic.add("all_reduce", 2 * self._ring(t.numel() * t.element_size()), self.name)
         if self.world_size == 1:
-            return _Done() if async_op else None
+            return Done() if async_op else None
         if self.is_fake():
             t.mul_(self.world_size)
-            return _Done() if async_op else None
+            return Done() if async_op else None
         return dist.all_reduce(t, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -489,7 +376,7 @@ class Comm:
             return self._local_copy(out, inp, async_op)
         if self.is_fake():  # out may be this rank's chunk of inp itself: mul with out= allows that
             torch.mul(inp.view(self.world_size, -1)[self.rank], self.world_size, out=out)
-            return _Done() if async_op else None
+            return Done() if async_op else None
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -503,7 +390,7 @@ class Comm:
             return self._local_copy(out, inp, async_op)
         if self.is_fake():
             self._fake_gather(out, inp)
-            return _Done() if async_op else None
+            return Done() if async_op else None
         return _all_gather_single(out, inp, group=self.group, async_op=async_op)
 
     def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
@@ -518,7 +405,7 @@ class Comm:
             for done in dones:
                 done()
             return None
-        return _WatchedWork(work, dones)
+        return WatchedWork(work, dones)
 
     def _fake_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Every chunk of `out` a copy of `inp`, which may be this rank's chunk of `out` already (two
@@ -533,7 +420,7 @@ class Comm:
     def _local_copy(out: torch.Tensor, inp: torch.Tensor, async_op: bool):
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         self._watched("broadcast", (t,), lambda: self._broadcast(t, src_rank))
@@ -554,89 +441,3 @@ class Comm:
         return out
 
 
-# The dimension names a device mesh may have, and what each is for.
-MESH_ROLES = {"dp": "data parallel: ZeRO partitions over it",
-              "dp_shard": "data parallel: ZeRO partitions over it (hierarchical sharding's shard groups)",
-              "dp_replicate": "data parallel: each shard is replicated over it (hierarchical sharding)",
-              "tp": "tensor parallel: the model was parallelize_module'd over it beforehand"}
-
-
-def _names_roles(mesh) -> bool:
-    """Whether the mesh's dimension names give zerodp roles; a mesh without them (no names, or names of
-    the user's own such as ("replicate", "shard")) is (replicate, shard) over the data-parallel ranks."""
-    return mesh is not None and bool(set(mesh.mesh_dim_names or ()) & set(MESH_ROLES))
-
-
-def _named_mesh_dp_group(mesh, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The data-parallel group of a mesh with named dimensions, after checking the names and that the mesh
-    covers the world (the same on every rank, before any collective)."""
-    names, world = mesh.mesh_dim_names, dist.get_world_size()
-    dp = [n for n in names if n in ("dp", "dp_shard")]
-    if (set(names) - set(MESH_ROLES) or len(set(names)) != len(names) or len(dp) != 1
-            or ("dp" in names and "dp_replicate" in names)):
-        roles = "; ".join(f"{k!r}: {v}" for k, v in MESH_ROLES.items())
-        raise ValueError(f"the device mesh's dimension names {names} do not name the roles zerodp knows: give "
-                         f"one 'dp' (or 'dp_shard', with an optional 'dp_replicate') and an optional 'tp' "
-                         f"({roles}); a 2-D mesh without any of these names is (replicate, shard) over the "
-                         "data-parallel ranks")
-    if mesh.size() != world:
-        raise ValueError(f"the device mesh {dict(zip(names, mesh.shape))} has {mesh.size()} ranks, but the world "
-                         f"has {world}: its sizes must multiply to the world size")
-    if group is not None:
-        raise ValueError("give either process_group or a device_mesh with named dimensions, not both: the "
-                         "mesh's data-parallel dimension is the data-parallel group")
-    if "dp_replicate" in names:
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
-    return mesh.get_group(dp[0])
-
-
-# An mpu's methods, in Megatron's parallel_state spelling first, then DeepSpeed's older one.
-_MPU_TP_GROUP = ("get_tensor_model_parallel_group", "get_model_parallel_group")
-
-
-def mpu_groups(mpu, group: dist.ProcessGroup | None, mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """(data-parallel group, tensor-parallel group) of a Megatron-style mpu (Megatron's parallel_state or
-    DeepSpeed's duck type: get_data_parallel_group() and get_tensor_model_parallel_group() or
-    get_model_parallel_group()), after checking, with no collective, that dp x tp ranks are the world."""
-    if mesh is not None or group is not None:
-        raise ValueError("give either mpu or a device_mesh / process_group, not both: the mpu's data-parallel "
-                         "and tensor-parallel groups are the groups zerodp uses")
-    get_dp = getattr(mpu, "get_data_parallel_group", None)
-    get_tp = next((getattr(mpu, m) for m in _MPU_TP_GROUP if callable(getattr(mpu, m, None))), None)
-    if not callable(get_dp) or get_tp is None:
-        raise TypeError(f"mpu {type(mpu).__name__} lacks get_data_parallel_group() and one of "
-                        f"{' / '.join(m + '()' for m in _MPU_TP_GROUP)}: give Megatron's parallel_state or an "
-                        "object with those methods returning process groups")
-    dp, tp = get_dp(), get_tp()
-    dp_size, tp_size, world = dist.get_world_size(dp), dist.get_world_size(tp), dist.get_world_size()
-    if dp_size * tp_size != world:
-        raise ValueError(f"the mpu's data-parallel group has {dp_size} ranks and its tensor-parallel group "
-                         f"{tp_size}, but the world has {world}: dp x tp must be the world (pipeline "
-                         "parallelism is not supported)")
-    return dp, tp
-
-
-def _subgroup(ranks: list[list[int]], timeout: timedelta) -> dist.ProcessGroup:
-    """This rank's group among `ranks` (every rank creates every group, as torch requires)."""
-    mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
-    return mine
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    """"rank 3", or "ranks 1-4, 7" for many."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    runs, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            runs.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return "ranks " + ", ".join(runs)
-
-
-def _message(e: BaseException) -> str:
-    """The exception's text, never failing (an agreement must not break on a bad __str__)."""
-    try:
-        return str(e) or type(e).__name__
-    except Exception:  # noqa: BLE001
-        return type(e).__name__

@@ -41,7 +41,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from zerodp.distributed.comm import DIVERGENCE, Comm
+from zerodp.distributed.comm import Comm
+from zerodp.distributed.failures import DIVERGENCE
 from zerodp.engine.layout.flat import Bucket, local_setter
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.units import Units

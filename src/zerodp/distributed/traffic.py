@@ -1,0 +1,60 @@
+"""What zerodp's collectives report as they run: the bytes each moves (`Traffic`, counted as a ring moves
+them) and comms_logger's watchers (`Watcher`), told when a collective starts and when it has completed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Traffic:
+    """Bytes each rank sends per collective kind, counted as a ring algorithm moves them."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+    # (group, op) -> bytes: "world", or the "shard" / "replica" groups of hierarchical sharding.
+    by_group: Counter = field(default_factory=Counter)
+
+    def add(self, op: str, nbytes: float, group: str = "world") -> None:
+        self.bytes[op] += int(nbytes)
+        self.calls[op] += 1
+        self.by_group[group, op] += int(nbytes)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.by_group.clear()
+
+
+# comms_logger's hook: watch(op, nbytes) is called as a collective starts and returns what to call
+# when it has completed.
+Watcher = Callable[[str, int], Callable[[], None]]
+
+
+class WatchedWork:
+    """An async collective's handle whose wait() tells the watchers it has completed."""
+
+    def __init__(self, work, dones: list[Callable[[], None]]):
+        self.work, self.dones = work, dones
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        for done in self.dones:
+            done()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+class Done:
+    """The work handle of a collective that had nothing to do (a world of one)."""
+
+    def wait(self) -> bool:
+        return True
