@@ -16,7 +16,7 @@ from test_tensor_parallel import TOL, _results, build
 from tp_ckpt import SAVE_AT, reference_upto, resumes
 
 from zerodp.checkpoint import CheckpointError, consolidate, resolve
-from zerodp.checkpoint.command import main as consolidate_main
+from zerodp.checkpoint import main as consolidate_main
 from zerodp.checkpoint.weights import open_weights
 
 

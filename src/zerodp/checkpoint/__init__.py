@@ -34,14 +34,15 @@ One concept per file, read in this order:
   export_engine.py  a live engine's weights written bucket by bucket (final.pt, OUT/hf, save_16bit_model)
   weights.py  weights read from files a range at a time: zerodp.initialize(..., weights=PATH)
   deepspeed.py  DeepSpeed ZeRO 1-3 checkpoints, read into the same form: load and consolidate dispatch here
+  __main__.py `zerodp consolidate DIR OUT` and `python -m zerodp.checkpoint`: the command line, torch-free
 """
 
 from zerodp.lazy import lazy_names
 
 # Each name is imported from its module on first use (PEP 562), so that `zerodp consolidate --help`
-# answers before torch loads (command.py, the command line, is torch-free).
+# answers before torch loads (__main__.py, the command line, is torch-free).
 _LAZY = {"CheckpointError": "errors", "consolidate": "export", "write_consolidated": "export",
-         "write_hf_folder": "export", "main": "command",
+         "write_hf_folder": "export", "main": "__main__",
          "load_checkpoint": "load", "local_state": "pieces", "newest_intact": "read", "resolve": "read",
          "save_checkpoint": "save"}
 

@@ -1,6 +1,6 @@
 """Consolidation: a sharded checkpoint as full fp32 tensors, in one process, no process group.
 
-`zerodp consolidate DIR OUT` (command.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
+`zerodp consolidate DIR OUT` (__main__.py) writes it as `.safetensors` or `.pt`, keyed like module.state_dict();
 `--hf` as a Hugging Face model folder (zerodp.models.hf_folder) that from_pretrained loads, from the HF config
 a `zerodp train` checkpoint records or from `--hf-config` (a DeepSpeed checkpoint records none). The writers
 read the checkpoint a chunk at a time and write each tensor as soon as it is whole (checkpoint_weights,
