@@ -1,6 +1,9 @@
 """The house rules of src/zerodp, read from the source with `ast` (no zerodp module is imported):
 no import circle between files or between the top-level packages, no function over 60 lines, no private
-name taken through a package's __init__.py (its face) from outside the package, nor re-exported by one.
+name taken through a package's __init__.py (its face) from outside the package, nor re-exported by one;
+no folder with more than 15 modules directly, no module over 500 lines, the engine's rooms layered
+(layout < tensor_parallel < setup < sharding < stepping < the engine's root, each importing only rooms
+below it), and every package's docstring naming its modules and sub-packages.
 (`--help` importing no torch is test_first_hour.py's first test.)
 
 Every import counts: at module level, inside functions (a late import that dodges a circle at run time
@@ -298,6 +301,75 @@ def internals_imported_from_above(src: Path, root: str = "zerodp", above: set[st
     return out
 
 
+# ---- sizes, rooms and package docstrings ---------------------------------------------------------
+MAX_FOLDER_MODULES = 15
+MAX_MODULE_LINES = 500
+# engine/engine.py is the one module over MAX_MODULE_LINES, until issue 40 splits it (its next step) and
+# this allowance goes.
+LONG_MODULES_ALLOWED = {"engine/engine.py"}
+# The engine's rooms, bottom to top; a module of the engine's root (engine.py, decide.py, ...) is above them all.
+ENGINE_ROOMS = ("layout", "tensor_parallel", "setup", "sharding", "stepping")
+
+
+def crowded_folders(src: Path, root: str = "zerodp", limit: int = MAX_FOLDER_MODULES) -> list[str]:
+    """'folder (n modules)' for every folder under src/root with more than `limit` .py files directly in it
+    (__init__.py and __main__.py count)."""
+    folders = sorted({p.parent for p in (src / root).rglob("*.py")})
+    return [f"{d.relative_to(src).as_posix()} ({n} modules)" for d in folders
+            if (n := len(list(d.glob("*.py")))) > limit]
+
+
+def long_modules(src: Path, root: str = "zerodp", limit: int = MAX_MODULE_LINES,
+                 allowed: set[str] = LONG_MODULES_ALLOWED) -> list[str]:
+    """'file (n lines)' for every module over `limit` lines but the `allowed` ones (paths under src/root)."""
+    out = []
+    for path in sorted((src / root).rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit and path.relative_to(src / root).as_posix() not in allowed:
+            out.append(f"{path.relative_to(src).as_posix()} ({n} lines)")
+    return out
+
+
+def _room(module: str, root: str) -> int | None:
+    """The engine room of a module, by ENGINE_ROOMS' order (the root's modules above them); None outside."""
+    parts = module.split(".")
+    if parts[:2] != [root, "engine"]:
+        return None
+    return ENGINE_ROOMS.index(parts[2]) if len(parts) > 2 and parts[2] in ENGINE_ROOMS else len(ENGINE_ROOMS)
+
+
+def upward_room_imports(src: Path, root: str = "zerodp") -> list[str]:
+    """'file:line module -> module' for every import by a module of one engine room of a module of a room
+    above it (every import counts, as in import_graph). The engine's package face is the root's."""
+    modules = module_files(src, root)
+    lazy = lazy_maps(modules)
+    out = []
+    for name, path in modules.items():
+        here = _room(name, root)
+        if here is None:
+            continue
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+            for target in _targets(node, name, is_package, modules, lazy):
+                there = None if target is None else _room(target, root)
+                if there is not None and there > here:
+                    out.append(f"{path.relative_to(src).as_posix()}:{node.lineno} {name} -> {target}")
+    return out
+
+
+def undocumented_modules(src: Path, root: str = "zerodp") -> list[str]:
+    """'package: name' for every module (`x.py`) and sub-package (`x/`) directly in a package that its
+    __init__.py's docstring does not name."""
+    out = []
+    for init in sorted((src / root).rglob("__init__.py")):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text(), filename=str(init)), clean=False) or ""
+        names = [p.name for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+        names += [p.name + "/" for p in sorted(folder.iterdir()) if (p / "__init__.py").is_file()]
+        out += [f"{folder.relative_to(src).as_posix()}: {n}" for n in names if n not in doc]
+    return out
+
+
 def _describe(found: list[list[str]]) -> str:
     return "; ".join(" -> ".join(c) for c in found)
 
@@ -354,6 +426,29 @@ def test_no_private_name_through_a_package_face():
 def test_no_package_face_reexports_a_private_name():
     found = private_reexports(SRC)
     assert not found, "__init__.py re-exports private names (noqa: F401 or __all__): " + ", ".join(found)
+
+
+def test_no_folder_holds_more_than_15_modules():
+    found = crowded_folders(SRC)
+    assert not found, (f"folders with more than {MAX_FOLDER_MODULES} modules directly (merge, or give a concern its "
+                       "own subfolder): " + ", ".join(found))
+
+
+def test_no_module_over_500_lines():
+    found = long_modules(SRC)
+    assert not found, f"modules over {MAX_MODULE_LINES} lines (split by concern): " + ", ".join(found)
+
+
+def test_the_engines_rooms_import_only_rooms_below_them():
+    found = upward_room_imports(SRC)
+    assert not found, (f"an engine room imports a room above it ({' < '.join(ENGINE_ROOMS)} < the root; move "
+                       "the type or helper down to the lowest room that needs it): " + ", ".join(found))
+
+
+def test_every_package_docstring_names_its_modules():
+    found = undocumented_modules(SRC)
+    assert not found, ("package __init__.py docstrings that do not name a module or sub-package of theirs (one "
+                       "line each on what it owns): " + ", ".join(found))
 
 
 # ---- the checker finds what it is there to find --------------------------------------------------
@@ -478,6 +573,45 @@ def test_checker_reports_an_engine_internal_imported_from_above(tmp_path):
     assert sorted(found) == ["pkg/checkpoint/apply.py:2 pkg.engine.stepping.optimizer.PartitionedOptimizer",
                              "pkg/plan/peak.py:1 pkg.engine.stepping.reducer.POOL_BUFFERS",
                              "pkg/plan/peak.py:2 pkg.engine.stepping.optimizer.*"]
+
+
+def test_checker_reports_a_crowded_folder(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", **{f"pkg/full/m{i}.py": "" for i in range(MAX_FOLDER_MODULES)},
+                      "pkg/full/__init__.py": "", **{f"pkg/ok/m{i}.py": "" for i in range(MAX_FOLDER_MODULES)}})
+    assert crowded_folders(tmp_path, "pkg") == [f"pkg/full ({MAX_FOLDER_MODULES + 1} modules)"]
+
+
+def test_checker_reports_a_long_module(tmp_path):
+    body = "x = 1\n" * (MAX_MODULE_LINES + 1)
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/long.py": body, "pkg/engine/engine.py": body,
+                      "pkg/fits.py": "x = 1\n" * MAX_MODULE_LINES})
+    assert long_modules(tmp_path, "pkg") == [f"pkg/long.py ({MAX_MODULE_LINES + 1} lines)"]
+    assert long_modules(tmp_path, "pkg", allowed=set()) == [f"pkg/engine/engine.py ({MAX_MODULE_LINES + 1} lines)",
+                                                           f"pkg/long.py ({MAX_MODULE_LINES + 1} lines)"]
+
+
+def test_checker_reports_an_import_up_the_engines_rooms(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "", "pkg/engine/__init__.py": "", "pkg/engine/layout/__init__.py": "",
+        "pkg/engine/setup/__init__.py": "", "pkg/engine/stepping/__init__.py": "",
+        # the form EngineSpec would take typing a field with set-up's class, under TYPE_CHECKING
+        "pkg/engine/layout/spec.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from pkg.engine.setup.fill import Filling\n"),
+        "pkg/engine/setup/fill.py": "from pkg.engine.layout.spec import X\nclass Filling: ...\n",  # down: fine
+        "pkg/engine/stepping/reducer.py": "def f():\n    from pkg.engine import decide\n",  # to the root: up
+        "pkg/engine/decide.py": "from pkg.engine.stepping import reducer\n",  # the root imports any room
+    })
+    assert sorted(upward_room_imports(tmp_path, "pkg")) == [
+        "pkg/engine/layout/spec.py:3 pkg.engine.layout.spec -> pkg.engine.setup.fill",
+        "pkg/engine/stepping/reducer.py:2 pkg.engine.stepping.reducer -> pkg.engine.decide"]
+
+
+def test_checker_reports_a_module_its_package_docstring_leaves_out(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": '"""The package.\n\n  a.py  what a owns.\n  sub/  what sub owns.\n"""\n',
+        "pkg/a.py": "", "pkg/b.py": "", "pkg/sub/__init__.py": "", "pkg/sub/c.py": "", "pkg/data/d.py": "",
+    })
+    assert undocumented_modules(tmp_path, "pkg") == ["pkg: b.py", "pkg/sub: c.py"]
 
 
 @pytest.mark.parametrize("rule", ["circle", "long", "face"])

@@ -2,6 +2,23 @@
 
     engine = zerodp.initialize(model, optimizer, config)
     loss = engine(x, y); engine.backward(loss); engine.step()
+
+The package, one line a room (DESIGN.md's layout has the map):
+  engine/        one training step, sharded: its rooms (layout, tensor_parallel, setup, sharding, stepping)
+  distributed/   the process group, its collectives and the device
+  config/        DeepSpeed's config keys, strict
+  checkpoint/    sharded save / load, DeepSpeed checkpoints in, export
+  models/        the models the commands train, Hugging Face folders in and out
+  plan/          `zerodp estimate`: the paper's formulas, the planned and measured peaks, communication
+  monitor/       what training reports
+  deepspeed/     `import zerodp.deepspeed as deepspeed`
+  integrations/  the HF Trainer, TRL and Lightning on the engine
+  train/         `zerodp train`, the main job
+  bench/         `zerodp bench`
+  activations.py activation checkpointing (checkpoint_blocks), CPU offload of its inputs
+  cli.py         `zerodp train | estimate | consolidate | bench`
+  lazy.py        names imported on first use; the pip extras
+  sizes.py       sizes the engine, the config and the formulas share, torch-free
 """
 
 from __future__ import annotations

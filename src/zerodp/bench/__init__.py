@@ -16,9 +16,12 @@ measured in the same invocation; zerodp2 and zerodp2-offload also their step tim
 counterpart's from the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
 acting as rank 0 of N ranks on the fake process group (collectives send nothing).
 
-Two files, read in this order:
+Its modules (worker.py, then driver.py, the two to read first):
   worker.py   one mode in this process: build it, time it, return its row (Result)
   driver.py   `zerodp bench` (main): one fresh process per mode, repeats, ratios, the table, --json
+  rows.py     the modes and one mode's row (Result), torch-free: read before torch loads
+  overhead.py the engine's own host work per step, with many small parameters
+  __main__.py `python -m zerodp.bench`, how the driver starts each worker
 """
 
 from zerodp.lazy import lazy_names

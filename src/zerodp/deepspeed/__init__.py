@@ -11,6 +11,10 @@ get_accelerator`), `comm` (get_rank, barrier, all_reduce, ...), `ops.adam` (Fuse
 `utils` (logger, zero_to_fp32, timer.ThroughputTimer), `compression.helper`; `moe` is refused on import. Replacing
 `deepspeed` by `zerodp.deepspeed` in a script's import lines is the whole port.
 What maps to what, and what is refused, is in docs/DEEPSPEED.md.
+
+Modules: accelerator.py (get_accelerator), comm.py (deepspeed.comm), engine.py (DeepSpeedEngine), launch.py
+(init_distributed), moe.py (refused), zero.py (GatheredParameters, Init); sub-packages compression/ (helper),
+ops/ (adam), runtime/ (runtime.zero), utils/ (logger, timer, zero_to_fp32).
 """
 
 from __future__ import annotations

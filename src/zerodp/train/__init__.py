@@ -4,6 +4,8 @@ The GPT is models/gpt.py; here data.py the corpus and per-rank batches, options.
 layering, resume.py which checkpoint a resume continues and the batch it keeps, build.py the
 model/optimizer/schedule, launch.py the ranks (started here or by torchrun) and how the job ended,
 loop.py the training loop, report.py the metrics, memory figures and the report plot.
+__main__.py is `python -m zerodp.train`; ds_sections.py what a --ds-config gives beyond the options
+("auto" filled, the optimizer and scheduler sections).
 """
 
 

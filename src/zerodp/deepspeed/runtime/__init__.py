@@ -1,1 +1,4 @@
-"""`deepspeed.runtime`: the modules of DeepSpeed's runtime that scripts import names from."""
+"""`deepspeed.runtime`: the modules of DeepSpeed's runtime that scripts import names from.
+
+  zero/  `deepspeed.runtime.zero` (partition_parameters).
+"""

@@ -1,4 +1,8 @@
-"""`deepspeed.utils`: the logger DeepSpeed scripts log through (`logger`, `log_dist`) and `zero_to_fp32`."""
+"""`deepspeed.utils`: the logger DeepSpeed scripts log through (`logger`, `log_dist`) and `zero_to_fp32`.
+
+  timer.py         ThroughputTimer (engine.tput_timer).
+  zero_to_fp32.py  a ZeRO checkpoint as one full fp32 state dict, in one process.
+"""
 
 from __future__ import annotations
 

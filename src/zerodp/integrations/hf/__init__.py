@@ -1,7 +1,11 @@
 """Hugging Face in one place: `ZeroTrainer` trains with `transformers.Trainer` and `TrainingArguments`,
 zerodp doing the data-parallel part; model folders (save_pretrained's) are read and written by zerodp.models.hf_folder.
 Needs `pip install zerodp[hf]`; names load on first use, so `zerodp train --help` never imports
-transformers."""
+transformers.
+
+  trainer.py  `ZeroTrainer`: transformers.Trainer with zerodp doing the data-parallel part.
+  auto.py     a zerodp config completed from TrainingArguments, as the Trainer does for DeepSpeed.
+"""
 
 from zerodp.lazy import lazy_names
 
