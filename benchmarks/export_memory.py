@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from zerodp.engine.engine import inside
 
 
 def _status(field: str) -> int:
@@ -71,7 +72,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
               "zero_optimization": {"stage": args.stage}}
     engine = zerodp.initialize(model=model, config=config)
     del model
-    psi = sum(s.numel for b in engine.partitioned_optimizer.buckets for s in b.slots)
+    psi = sum(s.numel for b in inside(engine).training.partitioned_optimizer.buckets for s in b.slots)
     streamed = _peak(lambda: save_final(engine, Path(out), None))
     if rank == 0:
         os.remove(Path(out) / "final.pt")

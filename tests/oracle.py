@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zerodp
+from zerodp.engine.engine import inside
 
 D_IN, D_OUT, MICRO, STEPS, LR = 13, 5, 3, 5, 1e-3
 # The engine's cases train CASE_STEPS steps: "several" (a second step reads the optimizer state the first
@@ -324,7 +325,7 @@ def train_overflow(rank: int, world: int, stage: int) -> dict:
             working = [p.detach().clone() for p in model.parameters()]
         record.append({
             "scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
-            "master": [m.clone() for m in engine.partitioned_optimizer.masters],
+            "master": [m.clone() for m in inside(engine).training.partitioned_optimizer.masters],
             "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
         })
@@ -356,12 +357,12 @@ def stage3_releases(rank: int, world: int) -> dict:
     x, y = batches(world, 1)[0][0]
     engine.backward(engine(x[:MICRO], y[:MICRO]))
     engine.step()
-    held = sum(b.data.untyped_storage().nbytes() for g in engine.layout.groups for b in g.buckets)
+    held = sum(b.data.untyped_storage().nbytes() for g in inside(engine).layout.groups for b in g.buckets)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     with engine.gathered_parameters():
         whole = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    owned = sum(g.data.numel() for g in engine.layout.groups)
-    total = sum(b.numel for g in engine.layout.groups for b in g.buckets)
+    owned = sum(g.data.numel() for g in inside(engine).layout.groups)
+    total = sum(b.numel for g in inside(engine).layout.groups for b in g.buckets)
     return {"held": held, "shapes": shapes, "whole": whole, "owned": owned, "total": total}
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, MICRO, Toy
 from spawn import run_ranks
 
@@ -108,7 +109,7 @@ def _states_run(rank: int, world: int) -> dict:
         engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
             "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
             "zero_optimization": {"stage": stage}})
-        reducer, seen = engine.reducer, []
+        reducer, seen = inside(engine).training.reducer, []
         model.register_full_backward_pre_hook(
             lambda *_: seen.append((reducer.backward_pass.name, reducer.window.name)))
         x, y = _batches("bb", world)[0]

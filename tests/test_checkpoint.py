@@ -24,6 +24,7 @@ from torch import nn
 
 import oracle
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 from zerodp import checkpoint as ck
 from zerodp.checkpoint import files as ck_files
@@ -74,7 +75,7 @@ def make_engine(world: int, stage: int, dtype: str = "fp32", seed: int = 0, mode
 
 
 def train(engine, rank: int, world: int, steps: range) -> None:
-    gas, batches = engine.gas, global_batches()
+    gas, batches = inside(engine).spec.gas, global_batches()
     for step in steps:
         x, y = batches[step]
         for k in range(gas):
@@ -92,7 +93,7 @@ def rng_draws() -> list[float]:
 
 def snapshot(engine) -> dict:
     return {"pieces": ck.local_state(engine), "full": engine.full_state_dict(),
-            "scaler": engine.scaler.state_dict(), "lr": engine.get_lr(), "steps": engine.global_steps,
+            "scaler": inside(engine).training.scaler.state_dict(), "lr": engine.get_lr(), "steps": engine.global_steps,
             "working": working_params(engine)}
 
 

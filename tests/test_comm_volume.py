@@ -1,4 +1,4 @@
-"""ZeRO-2 adds no communication: bytes per step counted at the collective calls (engine.comm.traffic).
+"""ZeRO-2 adds no communication: bytes per step counted at the collective calls (inside(engine).comm.traffic).
 
 Per step and rank, a ring all_reduce moves 2(N-1)/N of the buffer, reduce_scatter and all_gather
 (N-1)/N each. Stage 0 all-reduces every gradient bucket; stages 1 and 2 reduce-scatter it and
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from in_process import fake_group
 from zerodp.engine.layout.flat import ALIGN
 from zerodp.engine.sharding.gather import planned_gathers
@@ -46,23 +47,23 @@ def _traffic(rank: int, world: int, stage: int, dtype: str, bucket: str, shard: 
               "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKETS[bucket], "mics_shard_size": shard,
                                     "stage3_param_persistence_threshold": 0}}
     engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-    assert engine.comm.traffic.total() == 0, "initialize() must reset the tally after its broadcasts"
+    assert inside(engine).comm.traffic.total() == 0, "initialize() must reset the tally after its broadcasts"
     g = torch.Generator().manual_seed(rank)
     for step in range(STEPS + 1):
         if step == 1:  # stage 3 learns the forward's last unit in the first step; count the steps after it
-            engine.comm.traffic.reset()
+            inside(engine).comm.traffic.reset()
         tokens = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
         engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
         engine.step()
-    traffic = engine.comm.traffic
+    traffic = inside(engine).comm.traffic
     # Stage 3 gathers per micro-step: every bucket in the forward, and in the backward those that the
     # model's own unit and the last unit (kept gathered from the forward) do not read.
-    gathered = None if engine.gatherer is None else planned_gathers(
-        engine.units, engine.partitioned_optimizer.buckets, engine.gatherer.last_unit)
+    gathered = None if inside(engine).sharded.gatherer is None else planned_gathers(
+        inside(engine).spec.units, inside(engine).training.partitioned_optimizer.buckets, inside(engine).sharded.gatherer.last_unit)
     return {"bytes": dict(traffic.bytes), "calls": dict(traffic.calls), "psi": psi, "by_group": dict(traffic.by_group),
             "gathered": gathered,
-            "bucket_numels": [b.numel for fg in engine.layout.groups for b in fg.buckets],
-            "slots": sum(len(b.slots) for fg in engine.layout.groups for b in fg.buckets), "world": world,
+            "bucket_numels": [b.numel for fg in inside(engine).layout.groups for b in fg.buckets],
+            "slots": sum(len(b.slots) for fg in inside(engine).layout.groups for b in fg.buckets), "world": world,
             "element_size": torch.empty((), dtype=DTYPES[dtype]).element_size()}
 
 

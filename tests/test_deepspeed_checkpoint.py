@@ -26,6 +26,7 @@ import torch
 import oracle
 import test_train
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 from test_checkpoint import world_of_one
 from zerodp import checkpoint as ck
@@ -76,14 +77,14 @@ def resume_run(rank: int, world: int, name: str, stage: int) -> dict:
     client = engine.load_checkpoint(fixture_dir(name))
     loaded = {"pieces": ck.local_state(engine), "steps": (engine.global_steps, engine.skipped_steps),
               "lr": [g["lr"] for g in engine.optimizer.param_groups], "client": client,
-              "sched": engine.lr_scheduler.state_dict()["last_epoch"], "scaler": engine.scaler.state_dict(),
-              "adam_step": [float(engine.optimizer.state[m]["step"]) for m in engine.partitioned_optimizer.masters]}
+              "sched": engine.lr_scheduler.state_dict()["last_epoch"], "scaler": inside(engine).training.scaler.state_dict(),
+              "adam_step": [float(engine.optimizer.state[m]["step"]) for m in inside(engine).training.partitioned_optimizer.masters]}
     losses, data = [], batches()
     for step in range(SAVE_AT, SAVE_AT + CONTINUE):
         x, y = data[step]
         total = torch.zeros(())
-        for k in range(engine.gas):
-            sl = slice((rank * engine.gas + k) * MICRO, (rank * engine.gas + k + 1) * MICRO)
+        for k in range(inside(engine).spec.gas):
+            sl = slice((rank * inside(engine).spec.gas + k) * MICRO, (rank * inside(engine).spec.gas + k + 1) * MICRO)
             loss = engine(x[sl], y[sl])
             engine.backward(loss)
             engine.step()
@@ -274,7 +275,7 @@ def test_fp16_dynamic_loss_scale_restored(tmp_path, monkeypatch):
         model = oracle.Toy()
         engine = zerodp.initialize(model, oracle.two_groups(model), cfg)
         engine.load_checkpoint(d)
-        state = engine.scaler.state_dict()
+        state = inside(engine).training.scaler.state_dict()
     restored = (state["scale"], state["cur_iter"], state["last_overflow_iter"], state["cur_hysteresis"])
     assert restored == (1024.0, 7, 4, 1)
     assert state["dynamic"] and state["window"] == 2

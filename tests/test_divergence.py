@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 from zerodp.distributed.groups import group_timeout_s
 
@@ -112,9 +113,9 @@ def _bound_groups(rank: int) -> dict:
         "zero_optimization": {**STAGE3, "mics_shard_size": 1}})
     model = _blocks()
     plain = _engine(model)
-    return {"twin": group_timeout_s(given.comm.group), "replica": group_timeout_s(given.comm.replica.group),
-            "script's": group_timeout_s(dist.group.WORLD), "twin is not the script's": given.comm.group
-            is not dist.group.WORLD, "not given is the script's": plain.comm.group is dist.group.WORLD}
+    return {"twin": group_timeout_s(inside(given).comm.group), "replica": group_timeout_s(inside(given).comm.replica.group),
+            "script's": group_timeout_s(dist.group.WORLD), "twin is not the script's": inside(given).comm.group
+            is not dist.group.WORLD, "not given is the script's": inside(plain).comm.group is dist.group.WORLD}
 
 
 def _unbound_line(rank: int) -> dict:
@@ -135,7 +136,7 @@ def _unbound_line(rank: int) -> dict:
     with torch.no_grad():
         engine(torch.ones(1, 6))
     return {"lines": [line for line in err.getvalue().splitlines() if "comm_timeout_s" in line],
-            "group": engine.comm.group is dist.group.WORLD}
+            "group": inside(engine).comm.group is dist.group.WORLD}
 
 
 def _generate(rank: int) -> dict:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import Toy, one_group
 from zerodp.engine import engine as engine_module
 
@@ -50,8 +51,8 @@ def test_the_engine_reads_its_facts_from_one_frozen_spec():
     model = Toy()
     engine = zerodp.initialize(model, one_group(model), {**CFG, "gradient_accumulation_steps": 2,
                                                          "zero_optimization": {"stage": 3}})
-    spec = engine.spec
-    assert (engine.stage, engine.gas, engine.shard_size, engine.dtype, engine.device, engine.units) == (
+    spec = inside(engine).spec
+    assert (inside(engine).spec.stage, inside(engine).spec.gas, inside(engine).spec.shard_size, inside(engine).spec.dtype, inside(engine).spec.device, inside(engine).spec.units) == (
         spec.stage, spec.gas, spec.shard_size, spec.dtype, spec.device, spec.units)
     assert (spec.stage, spec.gas, spec.shard_size, spec.dtype, spec.device.type) == (3, 2, 1, torch.float32, "cpu")
     assert spec.units is not None and not spec.offload_param and spec.batch.train_batch_size == 4

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from zerodp.engine.stepping import cpu_bf16
 
 COMMANDS = (["train"], ["estimate"], ["consolidate"], ["bench"])
@@ -72,7 +73,7 @@ def test_train_options_stage_3_and_offload_reach_the_engine(flags, stage, offloa
     assert config["zero_optimization"]["offload_optimizer"]["device"] == offload
     model, _ = build_model("tiny", 256, None)
     engine = zerodp.initialize(model, build_optimizer(model, opts), config)
-    assert (engine.stage, engine.partitioned_optimizer.offload) == (stage, offload == "cpu")
+    assert (inside(engine).spec.stage, inside(engine).training.partitioned_optimizer.offload) == (stage, offload == "cpu")
     x = torch.randint(0, 256, (2, 16))
     loss = engine(x, x)
     engine.backward(loss)

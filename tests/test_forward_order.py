@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, Toy, one_group
 
 
@@ -49,7 +50,7 @@ def _engine(stage, **zero):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_every_parameter_is_gathered_before_its_first_use(stage):
     model, engine = _engine(stage, overlap_param_gather=True)
-    buckets = engine.partitioned_optimizer.buckets
+    buckets = inside(engine).training.partitioned_optimizer.buckets
     assert len(buckets) > 5, "the check needs many buckets"
     bucket_of = {id(s.param): b.index for b in buckets for s in b.slots}
     by_ptr = {b.data.data_ptr(): b.index for b in buckets}
@@ -60,7 +61,7 @@ def test_every_parameter_is_gathered_before_its_first_use(stage):
         done.discard(k)
         return _Gather(done, k)
 
-    engine.comm.all_gather = all_gather
+    inside(engine).comm.all_gather = all_gather
     ready_at_root = []
     model.register_forward_pre_hook(lambda m, a: ready_at_root.append(len(done)))
     g = torch.Generator().manual_seed(0)
@@ -82,20 +83,20 @@ def test_every_parameter_is_gathered_before_its_first_use(stage):
 
 def test_without_overlap_step_returns_with_parameters_gathered():
     model, engine = _engine(2)
-    assert engine.forward_order is None
+    assert inside(engine).training.forward_order is None
     x, y = torch.randn(3, D_IN), torch.randn(3, D_OUT)
     engine.backward(engine(x, y))
     engine.step()
-    assert not engine.partitioned_optimizer.pending
+    assert not inside(engine).training.partitioned_optimizer.pending
 
 
 def test_forward_that_raises_ends_the_trace():
     model, engine = _engine(2, overlap_param_gather=True)
     with pytest.raises(RuntimeError):
         engine(torch.randn(3, D_IN + 1), torch.randn(3, D_OUT))
-    assert engine.forward_order._trace is None
+    assert inside(engine).training.forward_order._trace is None
     assert not torch._C._is_torch_function_mode_enabled()
     loss = engine(torch.randn(3, D_IN), torch.randn(3, D_OUT))
     engine.backward(loss)
     engine.step()
-    assert engine.forward_order.traced
+    assert inside(engine).training.forward_order.traced

@@ -25,6 +25,7 @@ import logs  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 from zerodp import ConfigError  # noqa: E402
+from zerodp.engine.engine import inside
 
 MICRO, GAS, STEPS, SAVE_AT = 2, 2, 3, 2  # 24 samples: 3 steps an epoch at 8 samples a step; resumed for 1
 STAGE3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
@@ -323,8 +324,8 @@ def test_hf_example_script_with_one_import_line_added_trains_with_zero_trainer_f
                                "--max_steps", "2", "--per_device_train_batch_size", "2", "--use_cpu",
                                "--report_to", "none", "--save_steps", "2", "--logging_steps", "1",
                                "--disable_tqdm", "true"])
-    assert type(trainer).__name__ == "ZeroTrainer" and trainer.engine.stage == 2
-    assert trainer.engine.global_steps == 2 and trainer.engine.device.type == "cpu"
+    assert type(trainer).__name__ == "ZeroTrainer" and inside(trainer.engine).spec.stage == 2
+    assert trainer.engine.global_steps == 2 and inside(trainer.engine).spec.device.type == "cpu"
     assert (out / "checkpoint-2" / "latest").read_text() == "global_step2"
     assert (out / "model.safetensors").exists()
 
@@ -341,5 +342,5 @@ def test_quick_start_of_the_docs_runs_on_a_cpu_as_written(tmp_path, monkeypatch)
     with world_of_one():
         exec(compile(blocks[0], "docs/HF_TRAINER.md", "exec"), namespace)
     trainer = namespace["trainer"]
-    assert trainer.engine.stage == 3 and trainer.engine.global_steps == 4
+    assert inside(trainer.engine).spec.stage == 3 and trainer.engine.global_steps == 4
     assert (tmp_path / "out" / "checkpoint-2" / "latest").read_text() == "global_step2"

@@ -20,6 +20,7 @@ import torch
 
 import oracle
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 from zerodp.plan import measure
 from zerodp.plan import formulas
@@ -106,7 +107,7 @@ def _held(engine) -> dict:
     """Every piece of master and optimizer state this rank holds (replicas included), by saved name."""
     out = {}
     for pc in owned_pieces(engine):
-        m = engine.partitioned_optimizer.masters[pc.master]
+        m = inside(engine).training.partitioned_optimizer.masters[pc.master]
         out[f"master/{pc.name}@{pc.start}"] = m.detach()[pc.offset:pc.offset + pc.numel].clone()
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.shape == m.shape:

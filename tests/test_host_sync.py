@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import logs
 import oracle
 import zerodp
+from zerodp.engine.engine import inside
 from in_process import fake_group
 from spawn import run_ranks
 from zerodp.distributed.device import accelerator_type, current
@@ -75,21 +76,21 @@ def _fake_world_step(stage: int) -> dict:
         plain.load_state_dict({n: p.detach().clone() for n, p in engine.module.named_parameters()})
     x, y = oracle.batches(1, 1)[0][0]
     engine.backward(engine(x, y))
-    engine.reducer.wait()  # stages 0-1 finish their reductions at the step
-    grads = [g.clone() for g in engine.reducer.shard_grads()]
+    inside(engine).training.reducer.wait()  # stages 0-1 finish their reductions at the step
+    grads = [g.clone() for g in inside(engine).training.reducer.shard_grads()]
     plain(x, y).backward()
     by_name = dict(plain.named_parameters())
     names = {id(p): n for n, p in engine.module.named_parameters()}
     expected = []
-    for b in engine.partitioned_optimizer.buckets:
+    for b in inside(engine).training.partitioned_optimizer.buckets:
         flat = torch.zeros(b.numel)
         for s in b.slots:
             flat[s.offset:s.offset + s.numel] = by_name[names[id(s.param)]].grad.reshape(-1)
-        rank = engine.partitioned_optimizer.rank
+        rank = inside(engine).training.partitioned_optimizer.rank
         expected.append(flat if stage == 0 else flat[rank * b.shard_numel:(rank + 1) * b.shard_numel])
     engine.step()
     out = {"grads": grads, "expected": expected, "skipped": engine.skipped_steps,
-           "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.partitioned_optimizer.masters)}
+           "masters_finite": all(bool(torch.isfinite(m).all()) for m in inside(engine).training.partitioned_optimizer.masters)}
     return out
 
 
@@ -161,7 +162,7 @@ def _reads_per_step(rank: int, world: int, stage: int, dtype: str, read_back: st
     for step, micro in enumerate(oracle.batches(world, oracle.CASES["plain"].gas)):
         reads = DeviceReads()
         for x, y in micro:  # on the engine's device (a GPU's in a world of one there)
-            loss = engine(x[sl].to(engine.device), y[sl].to(engine.device))
+            loss = engine(x[sl].to(inside(engine).spec.device), y[sl].to(inside(engine).spec.device))
             with reads if step >= 2 else contextlib.nullcontext():
                 engine.backward(loss)
                 engine.step()

@@ -250,20 +250,22 @@ def private_reexports(src: Path, root: str = "zerodp") -> list[str]:
     return out
 
 
-# The engine's parts: engine.py builds and drives them; everything else reads the engine's public methods
-# and `engine.layout` (engine/layout/layout.py), so that the parts can change without their readers.
+# The engine's parts, and their owners: the sharded module builds its gatherer, state-dict hooks and buffer sync,
+# the training part its optimizer, reducer and trackers and drives the sharded part's gatherer through backward and
+# step, and engine.py ties the two. Everything else reads them through `inside(engine)` (engine.py): the layout, the
+# spec and the two parts' own methods, so that the parts can change without their readers.
 ENGINE_PARTS = {"partitioned_optimizer", "reducer", "gatherer", "used_only", "gathered_state", "forward_order",
                 "buffer_sync"}
-ENGINE_OWNER = "engine/engine.py"
+ENGINE_OWNERS = {"engine/engine.py", "engine/sharding/module.py", "engine/stepping/training.py"}
 
 
-def engine_part_chains(src: Path, root: str = "zerodp", owner: str = ENGINE_OWNER) -> list[str]:
-    """'file:line x.part' for every reach into one of the engine's parts outside its owner: an attribute
+def engine_part_chains(src: Path, root: str = "zerodp", owners: set[str] = ENGINE_OWNERS) -> list[str]:
+    """'file:line x.part' for every reach into one of the engine's parts outside its owners: an attribute
     `.partitioned_optimizer` / `.reducer` / `.gatherer` of anything but `self` (an object's own part of
     that name is its business), or getattr(x, "part")."""
     out = []
     for path in sorted((src / root).rglob("*.py")):
-        if path.relative_to(src / root).as_posix() == owner:
+        if path.relative_to(src / root).as_posix() in owners:
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if (isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS
@@ -624,3 +626,56 @@ def test_the_rules_hold_on_a_clean_tree(tmp_path, rule):
         assert long_functions(tmp_path, "pkg") == []
     else:
         assert private_names_through_faces(tmp_path, [], "pkg") == [] and private_reexports(tmp_path, "pkg") == []
+
+
+# ---- decisions named once ------------------------------------------------------------------------
+# The ZeRO stage is compared with a number only where the named facts are derived from it (EngineSpec's
+# properties and the local check that builds the spec); config/ (the keys as written) and plan/ (the paper's
+# table, by stage) read the number itself. Everything else asks a named fact: spec.gathers_per_unit,
+# spec.keeps_gradient_shard, spec.shards_optimizer, ... (a DeepSpeed getter may return the number, unread).
+STAGE_DECIDERS = {"engine/layout/spec.py", "engine/decide.py"}
+STAGE_READERS = ("config/", "plan/")
+
+
+def _is_stage(node: ast.expr) -> bool:
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return name == "stage" or name.endswith("_stage")
+
+
+def _is_number(node: ast.expr) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_number(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and type(node.value) is int
+
+
+def stage_comparisons(src: Path, root: str = "zerodp") -> list[str]:
+    """'file:line comparison' for every ZeRO stage compared with a number outside the deciding modules."""
+    out = []
+    for path in sorted((src / root).rglob("*.py")):
+        rel = path.relative_to(src / root).as_posix()
+        if rel in STAGE_DECIDERS or rel.startswith(STAGE_READERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_is_stage(a) for a in sides) and any(_is_number(a) for a in sides):
+                    out.append(f"{path.relative_to(src)}:{node.lineno} {ast.unparse(node)}")
+    return out
+
+
+def test_the_stage_number_is_compared_only_where_the_facts_are_decided():
+    found = stage_comparisons(SRC)
+    assert not found, ("a ZeRO stage compared with a number outside the modules that decide the named facts (ask "
+                       "EngineSpec's facts, adding one if it is missing): " + ", ".join(found))
+
+
+def test_checker_reports_a_stage_comparison_planted_outside_the_deciders(tmp_path):
+    _write(tmp_path, {
+        "pkg/engine/decide.py": "def f(stage):\n    return stage == 3\n",  # the decider may
+        "pkg/plan/tables.py": "def f(stage):\n    return stage > 0\n",        # the planner reads the number
+        "pkg/integrations/trl.py": "def f(engine):\n    if engine.spec.stage >= 2:\n        return 1\n",
+        "pkg/checkpoint/ds.py": "def f(zero_stage):\n    return zero_stage in (1, 2)\n",
+        "pkg/checkpoint/ok.py": "def f(spec):\n    return spec.gathers_per_unit\n",
+    })
+    assert stage_comparisons(tmp_path, "pkg") == ["pkg/checkpoint/ds.py:2 zero_stage in (1, 2)",
+                                                  "pkg/integrations/trl.py:2 engine.spec.stage >= 2"]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import Toy, one_group
 
 CFG = {"train_micro_batch_size_per_gpu": 2}
@@ -162,7 +163,7 @@ def test_bf16_engine_casts_inputs_and_keeps_fp32_masters():
     loss = engine(torch.randn(2, 13), torch.randn(2, 5))
     engine.backward(loss)
     engine.step()
-    assert all(m.dtype == torch.float32 for m in engine.partitioned_optimizer.masters)
+    assert all(m.dtype == torch.float32 for m in inside(engine).training.partitioned_optimizer.masters)
     assert all(v.dtype == torch.float32 for v in engine.full_state_dict().values())
 
 

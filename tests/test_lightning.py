@@ -23,6 +23,7 @@ L = pytest.importorskip("lightning")
 pytestmark = pytest.mark.usefixtures("frozen_heap")  # Lightning's loops collect often (conftest.py)
 
 from spawn import run_ranks  # noqa: E402
+from zerodp.engine.engine import inside  # noqa: E402
 
 N, DIM, BATCH, ACC, STEPS, CLIP = 32, 8, 4, 2, 4, 0.5
 
@@ -99,7 +100,8 @@ def fit(strategy, precision: str = "32-true", **kwargs) -> tuple[dict, dict]:
     t.fit(model, loader(), loader())
     metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     metrics["built_on"] = model.built_on
-    metrics["stage"] = getattr(getattr(t.strategy, "engine", None), "stage", None)  # None: no zerodp engine
+    engine = getattr(t.strategy, "engine", None)
+    metrics["stage"] = inside(engine).spec.stage if engine is not None else None  # None: no zerodp engine
     return weights(t, model), metrics, t, model
 
 

@@ -13,7 +13,7 @@ from torch import nn
 import zerodp
 from zerodp.config import load_config
 from zerodp.distributed.comm import Comm
-from zerodp.engine.engine import Engine
+from zerodp.engine.engine import wrap
 from zerodp.models.gpt import GPT, gpt_config
 
 META = dict(dtype="fp32", offload=False, seed=0, meta=True)
@@ -74,8 +74,8 @@ def _from_source(rank: int, world: int, stage: int, drop: str | None = None) -> 
         model = GPT(gpt_config("tiny"))
     source = _Recording(values)
     try:
-        engine = Engine(model, torch.optim.AdamW(model.parameters()), load_config(_config(stage)), Comm(None),
-                        source=source)
+        engine = wrap(model, torch.optim.AdamW(model.parameters()), load_config(_config(stage)), Comm(None),
+                      source=source)
     except ValueError as e:
         return {"error": str(e)}
     with engine.gathered_parameters():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import Toy, one_group
 
 CFG = {"train_micro_batch_size_per_gpu": 3}
@@ -104,7 +105,7 @@ def test_monitoring_changes_no_result_and_adds_no_collective(tmp_path):
                                      "csv_monitor": {"enabled": True, "output_path": str(tmp_path)},
                                      "comms_logger": {"enabled": True}}, steps=3)
     assert watched_losses == plain_losses
-    assert watched.comm.traffic.calls == plain.comm.traffic.calls
+    assert inside(watched).comm.traffic.calls == inside(plain).comm.traffic.calls
 
 
 def test_csv_monitor_writes_one_file_per_event_in_deepspeeds_layout(tmp_path):
@@ -124,7 +125,7 @@ def test_tensorboard_monitor_writes_scalars_tensorboard_reads(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     engine, losses = train({"tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "tb"}}, steps=2)
-    engine.monitor.close()
+    inside(engine).training.monitor.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     scalars = acc.Scalars("Train/Samples/train_loss")
@@ -181,21 +182,21 @@ def test_only_rank_0_writes_monitors_and_lines(tmp_path, caplog):
 def test_comms_logger_counts_every_collective_with_its_message_size(caplog):
     caplog.set_level(logging.INFO, logger="zerodp")
     engine, _ = train({"comms_logger": {"enabled": True}, "steps_per_print": 1000}, steps=1, stage=2)
-    stats = {k: (v.calls, v.bytes) for k, v in engine.monitor.comms.summary().items()}
+    stats = {k: (v.calls, v.bytes) for k, v in inside(engine).training.monitor.comms.summary().items()}
     # one step of stage 2: the gradient bucket's reduce_scatter, the norm's all_reduce (with the two
     # non-finite flags and one used bit per parameter tensor: fp64 values), the parameters' all_gather;
     # sizes are the whole fp32 bucket
-    full = sum(b.numel * 4 for g in engine.layout.groups for b in g.buckets)
-    tensors = sum(len(b.slots) for g in engine.layout.groups for b in g.buckets)
+    full = sum(b.numel * 4 for g in inside(engine).layout.groups for b in g.buckets)
+    tensors = sum(len(b.slots) for g in inside(engine).layout.groups for b in g.buckets)
     assert stats == {"all_gather": (1, full), "all_reduce": (1, 24 + 8 * tensors), "reduce_scatter": (1, full)}
-    assert {k: c for k, (c, _) in stats.items()} == dict(engine.comm.traffic.calls)
+    assert {k: c for k, (c, _) in stats.items()} == dict(inside(engine).comm.traffic.calls)
 
 
 def test_deferred_reading_as_on_gpus_reports_each_step_once_one_step_late(caplog):
     """On a GPU a step's values are read after the next step's own sync; forced here on the CPU."""
     caplog.set_level(logging.INFO, logger="zerodp")
     engine, losses = train({"steps_per_print": 1, "wall_clock_breakdown": True}, steps=0)
-    engine.monitor.defer = True
+    inside(engine).training.monitor.defer = True
     for i in range(3):
         loss = engine(torch.randn(3, 13), torch.randn(3, 5))
         engine.backward(loss)

@@ -20,6 +20,7 @@ import torch
 import logs
 import oracle
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 from zerodp.checkpoint import CheckpointError
 from zerodp.config import load_config
@@ -46,10 +47,10 @@ def lr_schedule(optimizer):
 def snapshot(engine, model) -> dict:
     with engine.gathered_parameters():
         working = [p.detach().clone() for p in model.parameters()]
-    return {"master": [m.detach().clone() for m in engine.partitioned_optimizer.masters], "working": working,
+    return {"master": [m.detach().clone() for m in inside(engine).training.partitioned_optimizer.masters], "working": working,
             "state": [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()],
             "lr": engine.get_lr(), "skipped": engine.skipped_steps, "steps": engine.global_steps,
-            "grads_freed": all(a is None for a in engine.reducer.grads)}
+            "grads_freed": all(a is None for a in inside(engine).training.reducer.grads)}
 
 
 def train_with_bad_step(rank: int, world: int, stage: int, dtype: str, kind: str | None,
@@ -125,7 +126,7 @@ def policy_run(rank: int, world: int, stage: int, bad_steps: set[int], cfg_extra
                 error, raised_at = str(e), engine.global_steps
                 break
     return {"error": error, "raised_at": raised_at, "skipped": engine.skipped_steps, "log": lines,
-            "masters_finite": all(bool(torch.isfinite(m).all()) for m in engine.partitioned_optimizer.masters)}
+            "masters_finite": all(bool(torch.isfinite(m).all()) for m in inside(engine).training.partitioned_optimizer.masters)}
 
 
 def checkpoint_guard(rank: int, world: int) -> dict:
@@ -139,7 +140,7 @@ def checkpoint_guard(rank: int, world: int) -> dict:
     from zerodp.checkpoint.pieces import owned_pieces
     if rank == world - 1:
         piece = owned_pieces(engine)[0]
-        engine.partitioned_optimizer.masters[piece.master][piece.offset] = float("nan")
+        inside(engine).training.partitioned_optimizer.masters[piece.master][piece.offset] = float("nan")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             engine.save_checkpoint(tmp)

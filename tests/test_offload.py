@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, Toy
 from zerodp.engine.stepping.offload import pinned_bytes, use_fused_kernel
 
@@ -127,7 +128,7 @@ def test_offloaded_bf16_step_copies_to_and_from_device_tensors_in_one_dtype(monk
     engine = _engine(lambda ps: torch.optim.AdamW(ps, lr=1e-3), dtype="bf16")
     _train(engine, 1)
     device = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    part = engine.partitioned_optimizer
+    part = inside(engine).training.partitioned_optimizer
     real_step = part.step
     monkeypatch.setattr(part, "step", lambda grads, *a, **k: device.update(
         g.untyped_storage().data_ptr() for g in grads) or real_step(grads, *a, **k))
@@ -144,7 +145,7 @@ def test_memory_report_counts_the_staging_shards_on_the_host():
     engine = _engine(lambda ps: torch.optim.AdamW(ps, lr=1e-3), dtype="bf16")
     _train(engine, 1)
     report = engine.memory_report()
-    shard = sum(b.shard_numel for b in engine.partitioned_optimizer.buckets)
+    shard = sum(b.shard_numel for b in inside(engine).training.partitioned_optimizer.buckets)
     assert report["offload_staging"] == 2 * shard
     assert report["host_model_states"] == (report["fp32_master"] + report["optimizer_states"]
                                            + report["offload_gradients"] + 2 * shard)
@@ -163,7 +164,7 @@ def test_pinned_memory_is_counted_as_the_host_allocator_rounds_it(monkeypatch):
 
 
 def test_offload_host_memory_is_one_block():
-    part = _engine(lambda ps: torch.optim.AdamW(ps, lr=1e-3), dtype="bf16").partitioned_optimizer
+    part = inside(_engine(lambda ps: torch.optim.AdamW(ps, lr=1e-3), dtype="bf16")).training.partitioned_optimizer
     block = part.host.block.untyped_storage().data_ptr()
     assert len(part.buckets) > 2
     for t in part.masters + part.host.grads + part.host.staging:
@@ -187,9 +188,9 @@ def test_offloaded_bf16_step_on_cuda_allocates_no_device_temporary_of_a_shard():
         before = torch.cuda.memory_allocated()
         engine.step()
         torch.cuda.synchronize()
-    shard = max(b.shard_numel for b in engine.partitioned_optimizer.buckets)
+    shard = max(b.shard_numel for b in inside(engine).training.partitioned_optimizer.buckets)
     assert torch.cuda.max_memory_allocated() - before < shard  # bytes: a quarter of the fp32 temporary
-    host = engine.partitioned_optimizer.host
+    host = inside(engine).training.partitioned_optimizer.host
     assert host.block.is_pinned()
     report = engine.memory_report()
     assert report["offload_pinned_rounding"] == pinned_bytes(host.block.numel()) - host.block.numel()

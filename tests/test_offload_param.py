@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, Toy, one_group
 from zerodp.config import OffloadParamConfig
 from zerodp.plan.formulas import offload_split
@@ -56,14 +57,14 @@ def _train(model, engine, steps: int = 2):
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = torch.randn(3, D_IN, generator=g), torch.randn(3, D_OUT, generator=g)
-        engine.backward(engine(x.to(engine.device), y.to(engine.device)))
+        engine.backward(engine(x.to(inside(engine).spec.device), y.to(inside(engine).spec.device)))
         engine.step()
 
 
 def test_stage3_offload_param_keeps_the_shards_in_host_memory_and_reports_them_there():
     model, engine = _engine(offload_param=True)
     _train(model, engine)
-    assert all(g.data.device.type == "cpu" for g in engine.layout.groups)
+    assert all(g.data.device.type == "cpu" for g in inside(engine).layout.groups)
     report = engine.memory_report()
     assert report["gathered_params"] == 0, "between steps nothing is gathered"
     assert report["host_model_states"] == report["working_params"] > 0
@@ -87,9 +88,9 @@ def test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device(
     del model, on_device
     model, engine = _engine(offload_param=True, device="cuda")
     offloaded_bytes = torch.cuda.memory_allocated() - base
-    shard = sum(g.data.numel() * g.data.element_size() for g in engine.layout.groups)
-    assert all(g.data.device.type == "cpu" and g.data.is_pinned() for g in engine.layout.groups)
-    assert all(b.data.device.type == "cuda" for g in engine.layout.groups for b in g.buckets)
+    shard = sum(g.data.numel() * g.data.element_size() for g in inside(engine).layout.groups)
+    assert all(g.data.device.type == "cpu" and g.data.is_pinned() for g in inside(engine).layout.groups)
+    assert all(b.data.device.type == "cuda" for g in inside(engine).layout.groups for b in g.buckets)
     assert offloaded_bytes <= device_bytes - shard + 4096  # the bf16 shards left the device
     _train(model, engine)
     assert engine.memory_report()["gathered_params"] == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, Toy, fused, one_group
 
 
@@ -22,11 +23,11 @@ def test_gradient_norm_matches_an_fp64_norm(dtype):
     engine = _engine(one_group, **({"bf16": {"enabled": True}} if dtype == "bf16" else {}))
     x, y = torch.randn(3, D_IN), 100 * torch.randn(3, D_OUT)
     engine.backward(engine(x, y))
-    engine.reducer.wait()
-    grads = engine.reducer.shard_grads()
+    inside(engine).training.reducer.wait()
+    grads = inside(engine).training.reducer.shard_grads()
     assert len(grads) > 2
     exact = sum(g.double().square().sum() for g in grads)
-    ours, _ = engine.partitioned_optimizer.grad_norm_squared(grads)
+    ours, _ = inside(engine).training.partitioned_optimizer.grad_norm_squared(grads)
     assert ours.dtype == torch.float64
     # fp32 row norms: about 1e-8 relative; one fp32 norm per shard would be off by ~1e-6.
     torch.testing.assert_close(ours, exact, rtol=1e-7, atol=0)
@@ -58,15 +59,15 @@ def _train_bf16(**zero):
     for _ in range(3):
         engine.backward(engine(torch.randn(3, D_IN, generator=g), 100 * torch.randn(3, D_OUT, generator=g)))
         engine.step()
-    return engine, [m.clone() for m in engine.partitioned_optimizer.masters], len(calls) // 3
+    return engine, [m.clone() for m in inside(engine).training.partitioned_optimizer.masters], len(calls) // 3
 
 
 def test_step_in_sub_groups_is_the_same_step_with_a_smaller_fp32_copy():
     whole, whole_masters, whole_calls = _train_bf16()
     parts, parts_masters, parts_calls = _train_bf16(sub_group_size=6000)
-    numels = [b.shard_numel for b in whole.partitioned_optimizer.buckets]
+    numels = [b.shard_numel for b in inside(whole).training.partitioned_optimizer.buckets]
     assert whole_calls == 1
-    assert parts_calls == len(parts.partitioned_optimizer.sub_groups(numels, torch.bfloat16)) == len(numels) > 1
+    assert parts_calls == len(inside(parts).training.partitioned_optimizer.sub_groups(numels, torch.bfloat16)) == len(numels) > 1
     for a, b in zip(whole_masters, parts_masters):
         assert torch.equal(a, b)
     assert whole.memory_report()["step_transient"] == 4 * sum(numels)
@@ -95,7 +96,7 @@ def test_element_wise_optimizers_step_flat_shards_and_every_other_one_whole_para
 def test_adagrad_built_with_its_initial_state_is_rewired_with_that_state():
     """torch's Adagrad makes its accumulators at construction (initial_accumulator_value): remade on the shards."""
     engine = _engine(lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, initial_accumulator_value=0.25))
-    states = [engine.optimizer.state[m] for m in engine.master_shards()]
+    states = [engine.optimizer.state[m] for m in inside(engine).master_shards()]
     assert states and all(torch.equal(s["sum"], torch.full_like(s["sum"], 0.25)) for s in states)
     assert all(float(s["step"]) == 0 for s in states)
 

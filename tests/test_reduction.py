@@ -16,6 +16,7 @@ from torch import nn
 
 import oracle
 import zerodp
+from zerodp.engine.engine import inside
 from spawn import run_ranks
 
 WORLD = 2
@@ -71,7 +72,7 @@ def _reduced_bf16(rank: int, world: int, comm_dtype: str | None) -> tuple[torch.
     engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.0), config)
     for x in data[rank]:
         engine.backward(engine(x).square().sum())
-    (bucket,), (grad,) = engine.reducer.buckets, engine.reducer.shard_grads()
+    (bucket,), (grad,) = inside(engine).training.reducer.buckets, inside(engine).training.reducer.shard_grads()
     full = torch.zeros(bucket.numel, dtype=torch.float64)
     for s in bucket.slots:
         full[s.offset:s.offset + s.numel] = sum(e[id(s.param)] for e in exact).reshape(-1) / world
@@ -88,7 +89,7 @@ def _accum_dtypes(rank: int, world: int) -> dict:
         if accum is not None:
             config["data_types"] = {"grad_accum_dtype": accum}
         engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-        out[accum] = engine.reducer.acc_dtype
+        out[accum] = inside(engine).training.reducer.acc_dtype
     return out
 
 

@@ -13,6 +13,7 @@ from spawn import run_ranks
 from torch import nn
 
 import zerodp
+from zerodp.engine.engine import inside
 from zerodp.activations import checkpoint_blocks
 from zerodp.config import ConfigError
 from zerodp.engine.layout.units import find_units
@@ -94,28 +95,28 @@ def _gpt(rank: int, world: int, name: str, checkpointing: bool = False, frozen: 
     frozen_held, frozen_peak = set(), [0]  # stage 3's frozen buckets gathered at once, at most
 
     def watch(b, state):
-        if b.index >= len(engine.layout.buckets):
+        if b.index >= len(inside(engine).layout.buckets):
             (frozen_held.discard if state == BucketState.RELEASED else frozen_held.add)(b.index)
             frozen_peak[0] = max(frozen_peak[0], len(frozen_held))
     if stage == 3:
-        engine.watch_gathers(watch)
+        inside(engine).sharded.watch_gathers(watch)
     g = torch.Generator().manual_seed(rank)
     losses = []
     for step in range(STEPS + 1):
         if step == 1:  # the first step learns the forward's order; count the ones after it
-            engine.comm.traffic.reset()
+            inside(engine).comm.traffic.reset()
         tokens = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    out = {"losses": losses, "calls": dict(engine.comm.traffic.calls), "frozen_peak": frozen_peak[0],
-           "frozen_buckets": len(engine.layout.frozen_buckets)}
+    out = {"losses": losses, "calls": dict(inside(engine).comm.traffic.calls), "frozen_peak": frozen_peak[0],
+           "frozen_buckets": len(inside(engine).layout.frozen_buckets)}
     out["state"] = engine.full_state_dict()  # (its gathers are not the steps')
     if stage == 3:
-        out["units"] = sum(1 for used in engine.units.uses if used)
-        out["buckets"] = len(engine.layout.buckets)  # reduced: the trained ones
-        out["planned"] = planned_gathers(engine.units, engine.layout.gathered, engine.gatherer.last_unit)
+        out["units"] = sum(1 for used in inside(engine).spec.units.uses if used)
+        out["buckets"] = len(inside(engine).layout.buckets)  # reduced: the trained ones
+        out["planned"] = planned_gathers(inside(engine).spec.units, inside(engine).layout.gathered, inside(engine).sharded.gatherer.last_unit)
     return out
 
 

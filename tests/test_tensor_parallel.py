@@ -28,6 +28,7 @@ import tp_offload
 import tp_titan
 import tp_train
 import zerodp
+from zerodp.engine.engine import inside
 import zerodp.deepspeed as zds
 from spawn import run_ranks
 
@@ -180,7 +181,7 @@ def train(mesh: DeviceMesh, stage: int, sgd: bool = False, sometimes: bool = Fal
         out["state_dict"] = {n: t.full_tensor() if isinstance(t, DTensor) else t
                              for n, t in model.state_dict().items()}
     out["export"] = tp_export.exported(engine)
-    out["offloaded"] = (engine.partitioned_optimizer.host is not None, engine.offload_param)
+    out["offloaded"] = (inside(engine).training.partitioned_optimizer.host is not None, inside(engine).spec.offload_param)
     return out
 
 
@@ -360,7 +361,7 @@ def train_mpu(mesh: DeviceMesh, deepspeed: bool, muon: bool = False, **zero) -> 
         weights.update({n: p.detach().clone() for n, p in model.named_parameters() if n not in weights})
     return {"losses": losses, "norms": norms, "weights": weights, "kinds": {"Parameter": "Parameter"},
             "skipped": engine.skipped_steps, "export": tp_export.exported(engine),
-            "offloaded": (engine.partitioned_optimizer.host is not None, engine.offload_param)}
+            "offloaded": (inside(engine).training.partitioned_optimizer.host is not None, inside(engine).spec.offload_param)}
 
 
 def bad_mpu(mesh: DeviceMesh) -> dict:

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("frozen_heap")  # ~20 gc.collect() a rank (
 
 from spawn import run_ranks  # noqa: E402
 from test_hf_trainer import world_of_one  # noqa: E402
+from zerodp.engine.engine import inside
 
 MICRO, STEPS = 2, 3
 Z2 = {"zero_optimization": {"stage": 2}}
@@ -133,7 +134,7 @@ def rank_runs(rank: int, world: int, model: str, data: dict, out: str) -> dict:
         ref = getattr(self, "ref_model", None)
         whole = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
         prepared = prepare(self, *args)
-        built.append((type(self).__name__, self.engine.stage))
+        built.append((type(self).__name__, inside(self.engine).spec.stage))
         if ref is not None:  # the reference's bytes: whole, and what this rank holds of it after set-up
             held = self.ref_model.memory_report() if hasattr(self.ref_model, "memory_report") else None
             ref_bytes.append((whole, held["frozen_params"] + held["frozen_params_and_buffers"] if held else whole))
@@ -229,7 +230,7 @@ def test_trl_section_of_the_docs_runs_on_a_cpu_as_written(tmp_path, monkeypatch)
     with world_of_one():
         exec(compile(blocks[0], "docs/HF_TRAINER.md", "exec"), namespace)
     trainer = namespace["trainer"]
-    assert type(trainer).__name__ == "ZeroSFTTrainer" and trainer.engine.stage == 3
+    assert type(trainer).__name__ == "ZeroSFTTrainer" and inside(trainer.engine).spec.stage == 3
     assert trainer.engine.global_steps == 2
 
 
@@ -252,7 +253,7 @@ def test_zero_config_is_taken_with_trls_class_first_in_the_bases(tmp_path):
         trainer = TRLFirst(model=str(folder), args=args, train_dataset=load_dataset(str(data))["train"],
                            zero_config={"zero_optimization": {"stage": 2}})
         trainer.train()
-    assert trainer.engine.stage == 2 and trainer.engine.global_steps == 1
+    assert inside(trainer.engine).spec.stage == 2 and trainer.engine.global_steps == 1
 
 
 def test_trl_arguments_that_read_the_policy_around_the_engine_are_refused_by_name(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zerodp
+from zerodp.engine.engine import inside
 from oracle import D_IN, D_OUT, Toy, one_group
 
 
@@ -38,7 +39,7 @@ def _state_of(engine, name: str) -> dict[str, torch.Tensor]:
     out = {}
     for pc in owned_pieces(engine):
         if pc.name == name:
-            m = engine.partitioned_optimizer.masters[pc.master]
+            m = inside(engine).training.partitioned_optimizer.masters[pc.master]
             out["master"] = m[pc.offset:pc.offset + pc.numel]
             for key, t in engine.optimizer.state.get(m, {}).items():
                 if t.dim() > 0:

@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zerodp
 import zerodp.deepspeed as zds
 from zerodp.checkpoint.export_engine import save_hf, save_weights
-from zerodp.engine.sharding.weights import engine_weights
+from zerodp.engine.engine import inside
 from zerodp.models.hf_folder import description
 
 def checks(mesh: DeviceMesh) -> dict:
@@ -54,7 +54,7 @@ def exported(engine) -> dict:
         path = os.path.join(folder, "weights.pt")
         try:
             # Its stream is left unstarted: none of its collectives begun, none left waiting.
-            shapes = {n: (tuple(s), d) for n, (s, d) in engine_weights(engine).shapes.items()}
+            shapes = {n: (tuple(s), d) for n, (s, d) in inside(engine).weights().shapes.items()}
             full = engine.full_state_dict()
             save_weights(engine, path)
         except ValueError as e:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from zerodp.engine.engine import inside
 from zerodp.activations import checkpoint_blocks
 from zerodp.distributed import device as dev
 from zerodp.distributed.comm import init_fake
@@ -255,7 +256,7 @@ def fake_world_stage(s: Setup, stage: int, world: int) -> dict:
         losses.append(float(loss.detach()))
     report = engine.memory_report()  # after the steps: AdamW makes its states in the first one
     owned = report["model_states"]
-    masters = engine.partitioned_optimizer.masters
+    masters = inside(engine).training.partitioned_optimizer.masters
     finite = all(bool(torch.isfinite(m).all()) for m in masters) and all(map(math.isfinite, losses))
     out = {"psi": psi, "owned": owned, "formula": formula(psi, world, stage, "bf16"), "losses": losses,
            "finite": finite, "skipped_steps": getattr(engine, "skipped_steps", None)}

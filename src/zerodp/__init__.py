@@ -24,7 +24,7 @@ The package, one line a room (DESIGN.md's layout has the map):
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from zerodp.lazy import lazy_names
 
@@ -34,8 +34,10 @@ if TYPE_CHECKING:
 
     from zerodp.config import Config
     from zerodp.engine.engine import Engine
-    from zerodp.engine.stepping.optimizer_view import OptimizerLike
+    from zerodp.engine.layout.units import UnitRule
     from zerodp.engine.setup.source import ParameterSource
+    from zerodp.engine.sharding.module import ShardedModule
+    from zerodp.engine.stepping.optimizer_view import OptimizerLike
 
 # The public names, each imported from its module on first use (PEP 562): `import zerodp` does not
 # import torch, so `zerodp --help` and every command's --help answer before torch loads.
@@ -44,14 +46,14 @@ _LAZY = {
     "DEFAULT_TIMEOUT_S": "distributed.comm", "Comm": "distributed.comm", "PeerFailure": "distributed.failures",
     "init_distributed": "distributed.comm",
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "Engine": "engine.engine",
+    "Engine": "engine.engine", "ShardedModule": "engine.sharding.module",
     "NonFiniteError": "engine.stepping.non_finite",
     "OptimizerLike": "engine.stepping.optimizer",
 }
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
 # zerodp.checkpoint belongs to the sharded save/load module (DESIGN.md's layout).
-__all__ = ["initialize", "Engine", "Config", "ConfigError", "load_config", "init_distributed",
+__all__ = ["initialize", "shard", "Engine", "ShardedModule", "Config", "ConfigError", "load_config", "init_distributed",
            "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
 
 
@@ -63,13 +65,12 @@ def __dir__() -> list[str]:
 
 
 def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
-               config: Config | dict | str | None = None,
-               process_group: dist.ProcessGroup | None = None,
-               lr_scheduler: Callable | None = None, device_mesh=None,
-               stage3_unit: Sequence[type | str] | Callable[[nn.Module], bool] | str | None = None,
+               config: Config | dict | str | None = None, process_group: dist.ProcessGroup | None = None,
+               lr_scheduler: Callable | None = None, device_mesh=None, stage3_unit: UnitRule | None = None,
                param_init_fn: Callable[[nn.Module], None] | None = None,
-               weights: str | os.PathLike | ParameterSource | None = None, mpu=None) -> Engine:
-    """Wrap `model` for ZeRO training.
+               weights: str | os.PathLike | ParameterSource | None = None, mpu=None) -> Engine | ShardedModule:
+    """Wrap `model` for ZeRO training: an Engine; when nothing trains (no optimizer given nor configured, no
+    parameter requiring grad: a reference or teacher model), the ShardedModule `shard` returns.
 
     optimizer: an optimizer built on model.parameters() (its param groups and hyperparameters are
       kept; it is rewired to step on this rank's fp32 master shard), a callable params -> Optimizer,
@@ -108,7 +109,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     """
     import zerodp.checkpoint as checkpoint_io
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
-    from zerodp.engine.engine import Engine
+    from zerodp.engine.engine import inside, wrap
     from zerodp.engine.summary import log_set_up
 
     cfg, source, error = _local_inputs(config, weights, model)
@@ -117,11 +118,32 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     init_distributed(timeout_s=cfg.comm_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S)
     comm = Comm(process_group, mesh=device_mesh, mpu=mpu)
     if error is not None:
-        comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' Engine()
-    engine = Engine(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
-                    source=source, param_init_fn=param_init_fn)
-    log_set_up(cfg, comm.world_size, engine.shard_size, comm.everyone.rank, forward_only=not engine.spec.trains)
-    return engine
+        comm.agree(error, "zerodp.initialize")  # meets the agreement in the other ranks' wrap()
+    wrapped = wrap(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
+                   source=source, param_init_fn=param_init_fn)
+    log_set_up(cfg, comm.world_size, inside(wrapped).spec.shard_size, comm.everyone.rank,
+               forward_only=not inside(wrapped).spec.trains)
+    return wrapped
+
+
+def shard(model: nn.Module, config: Config | dict | str | None = None,
+          process_group: dist.ProcessGroup | None = None, device_mesh=None,
+          stage3_unit: UnitRule | None = None, param_init_fn: Callable[[nn.Module], None] | None = None,
+          weights: str | os.PathLike | ParameterSource | None = None, mpu=None) -> ShardedModule:
+    """Shard `model`, which trains nothing (a DPO reference model, a distillation teacher), over the data-parallel
+    ranks, as FSDP2's fully_shard does and DeepSpeed's initialize(model=...) without an optimizer: at stage 3
+    each rank holds 1/N of its parameters, gathered per unit in its forward; below stage 3 every rank holds it
+    whole. No optimizer, reducer, loss scaler or gradient hook exists for it. The arguments are initialize's;
+    every parameter must have requires_grad=False (model.requires_grad_(False)) and the config no 'optimizer'."""
+    from zerodp.config import load_config
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    if trained or load_config(config).optimizer is not None:  # (the same on every rank: before any collective)
+        what = (f"{len(trained)} parameters require grad (the first: '{trained[0]}')" if trained
+                else "the config has an 'optimizer' section")
+        raise ValueError(f"zerodp.shard wraps a model that trains nothing, but {what}; call "
+                         "model.requires_grad_(False) and leave the optimizer out, or use zerodp.initialize "
+                         "with an optimizer to train it")
+    return initialize(model, None, config, process_group, None, device_mesh, stage3_unit, param_init_fn, weights, mpu)
 
 
 def _local_inputs(config, weights, model: nn.Module) -> tuple[Config | None, ParameterSource | None,

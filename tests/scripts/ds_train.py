@@ -56,7 +56,7 @@ def main(deepspeed, argv: list[str], save_dir: str) -> list[float]:
     for epoch in range(EPOCHS):
         trainloader.sampler.set_epoch(epoch)
         for inputs, labels in trainloader:
-            loss = F.cross_entropy(engine(inputs.to(engine.device)), labels.to(engine.device))
+            loss = F.cross_entropy(engine(inputs.to(inside(engine).spec.device)), labels.to(inside(engine).spec.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -75,8 +75,8 @@ def zerodp_main(config: dict) -> list[float]:
     opt = torch.optim.AdamW(param_groups(net), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
     engine = zerodp.initialize(net, opt, config)
     data = dataset()
-    sampler = DistributedSampler(data, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
-    loader = DataLoader(data, batch_size=engine.batch.micro_batch_size, sampler=sampler)
+    sampler = DistributedSampler(data, num_replicas=engine.world_size, rank=engine.global_rank)
+    loader = DataLoader(data, batch_size=config["train_micro_batch_size_per_gpu"], sampler=sampler)
     losses = []
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)

@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from zerodp.engine.engine import inside  # (the probe below reads zerodp's parts)
+
 D_IN, HIDDEN, D_OUT = 12, 24, 3
 
 
@@ -195,7 +197,8 @@ def main(argv=None):
             "optimizer": type(optimizer).__name__, "fused": optimizer.defaults["fused"],
             "masters_not_model": not ({id(p) for g in optimizer.param_groups for p in g["params"]}
                                       & {id(p) for p in model.module.parameters()}),
-            "offload_param": model.offload_param, "offload_optimizer": model.partitioned_optimizer.offload,
+            "offload_param": inside(model.engine).spec.offload_param,
+            "offload_optimizer": inside(model.engine).training.partitioned_optimizer.offload,
             "epochs": model.tput_timer.epoch_count, "timed_steps": model.tput_timer.global_step_count,
             "samples_per_sec": model.tput_timer.avg_samples_per_sec()}
 

@@ -12,6 +12,7 @@ import torch
 
 from zerodp.checkpoint.pieces import owned_frozen_pieces, untrained, whole_parameters
 from zerodp.distributed.device import seed_everything, set_rng_state
+from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local
 
 
@@ -41,7 +42,7 @@ class Staged:
 def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> None:
     """Write what was staged into the engine; parts says what besides the weights."""
     with torch.no_grad():
-        for m, new in zip(engine.master_shards(), staged.masters):
+        for m, new in zip(inside(engine).master_shards(), staged.masters):
             m.copy_(new.view(m.shape))
         for name, t in untrained(engine).items():
             if name in staged.untrained:
@@ -49,21 +50,21 @@ def apply(engine, manifest: dict, staged: Staged, parts: Parts = Parts()) -> Non
         _apply_frozen(engine, staged)
     if parts.optimizer:
         _apply_optimizer(engine, manifest, staged)
-    engine.weights_from_masters()
-    engine.drop_gradients()
+    inside(engine).training.weights_from_masters()
+    inside(engine).training.drop_gradients()
     if engine.lr_scheduler is not None and manifest.get("lr_scheduler") is not None and parts.lr_scheduler:
         engine.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     if not parts.training_state:
         return
-    if engine.dtype == torch.float16 and manifest["dtype"] == str(torch.float16):
-        engine.scaler.load_state_dict(manifest["loss_scaler"])  # a bf16/fp32 run has no scale to resume
-    engine.resume_counters(manifest["counters"]["global_steps"], manifest["counters"]["skipped_steps"])
+    if inside(engine).spec.dtype == torch.float16 and manifest["dtype"] == str(torch.float16):
+        inside(engine).training.scaler.load_state_dict(manifest["loss_scaler"])  # a bf16/fp32 run has no scale to resume
+    inside(engine).training.resume_counters(manifest["counters"]["global_steps"], manifest["counters"]["skipped_steps"])
     _restore_rng(engine, manifest, staged.rng)
 
 
 def _apply_frozen(engine, staged: Staged) -> None:
     """Stage 3's frozen shards: as staged from saved pieces, or cut out of whole saved values."""
-    buckets = engine.layout.frozen_buckets
+    buckets = inside(engine).layout.frozen_buckets
     for b, new in zip(buckets, staged.frozen or ()):
         b.owned.copy_(new)
     for pc in owned_frozen_pieces(engine):
@@ -76,14 +77,14 @@ def _apply_frozen(engine, staged: Staged) -> None:
 def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
-    opt, masters = engine.optimizer, engine.master_shards()
+    opt, masters = engine.optimizer, inside(engine).master_shards()
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
     for name, t in whole_parameters(engine):
         if staged.whole_states.get(name):
             state[index[id(t)]] = dict(staged.whole_states[name])
-    for i, (b, m) in enumerate(zip(engine.layout.buckets, masters)):
+    for i, (b, m) in enumerate(zip(inside(engine).layout.buckets, masters)):
         if b.whole:
             continue
         entry = {k: v[i].view(m.shape) for k, v in staged.states.items()}
@@ -97,19 +98,19 @@ def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    engine.restore_step_counts(masters, manifest.get("step_counts"))
+    inside(engine).training.restore_step_counts(masters, manifest.get("step_counts"))
 
 
 def _restore_rng(engine, manifest: dict, rng: dict[str, torch.Tensor]) -> None:
-    rank = engine.comm.everyone.rank  # with tp, each rank of the world saved its own
+    rank = inside(engine).comm.everyone.rank  # with tp, each rank of the world saved its own
     host = manifest.get("rng", {}).get(str(rank))
     if host is None or "torch" not in rng:
         # More ranks than were saved: a deterministic, distinct stream per rank.
         seed_everything((manifest["config"].get("seed") or 0) + rank)
         return
     torch.set_rng_state(rng["torch"])
-    if engine.device.type in rng:
-        set_rng_state(rng[engine.device.type], engine.device)
+    if inside(engine).spec.device.type in rng:
+        set_rng_state(rng[inside(engine).spec.device.type], inside(engine).spec.device)
     version, internal, gauss = host["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in host:

@@ -36,6 +36,7 @@ from zerodp.checkpoint.apply import Parts, Staged, apply
 from zerodp.checkpoint.errors import CheckpointError, agree
 from zerodp.checkpoint.files import LATEST  # DeepSpeed names its tag file as zerodp does
 from zerodp.checkpoint.pieces import owned_pieces, sharded_frozen, signature, tp_size, untrained
+from zerodp.engine.engine import inside
 from zerodp.engine.sharding.weights import Weights
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -132,6 +133,19 @@ class Segment:
     numel: int
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How a DeepSpeed ZeRO stage lays its optimizer files out (the module docstring's two layouts)."""
+
+    flats: str            # the key of each rank's fp32 flat partitions
+    base: str             # the key of the wrapped optimizer's state dict
+    per_parameter: bool   # stage 3: each parameter cut on its own (frozen ones too, in per-rank model files)
+
+
+_FLAT = _Layout("single_partition_of_fp32_groups", "base_optimizer_state", per_parameter=False)
+_LAYOUTS = {1: _FLAT, 2: _FLAT, 3: _Layout("fp32_flat_groups", "optimizer_state_dict", per_parameter=True)}
+
+
 @dataclass
 class DeepSpeedCheckpoint:
     """A DeepSpeed checkpoint: its rank partitions (memory-mapped) and where each parameter lies in them."""
@@ -214,12 +228,10 @@ def _read(path: str) -> DeepSpeedCheckpoint:
     groups = [list(g) for g in model["param_shapes"]]
     shapes = {n: torch.Size(s) for g in model["param_shapes"] for n, s in g.items()}
     _check_module_shapes(model_file, model.get("module") or {}, shapes)
-    if stage == 3:
-        flats, base = "fp32_flat_groups", [o["optimizer_state_dict"] for o in optim]
-    elif stage in (1, 2):
-        flats, base = "single_partition_of_fp32_groups", [o["base_optimizer_state"] for o in optim]
-    else:
+    if stage not in _LAYOUTS:
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' is of ZeRO stage {stage}; zerodp reads stages 1-3")
+    layout = _LAYOUTS[stage]
+    flats, base = layout.flats, [o[layout.base] for o in optim]
     if len(optim[0][flats]) != len(groups):  # stage 3 sub-groups smaller than a param group
         raise CheckpointError(f"DeepSpeed checkpoint '{path}' has {len(optim[0][flats])} flat partitions for "
                               f"{len(groups)} param groups (sub_group_size split them); zerodp reads one per group")
@@ -233,7 +245,7 @@ def _read(path: str) -> DeepSpeedCheckpoint:
             elif torch.is_tensor(v):
                 parts.setdefault(key, [None] * len(groups))[g] = [s[key].detach() for s in per_rank]
     paddings = optim[0].get("param_alignment_paddings") or [[0] * len(g) for g in groups]
-    locate = _segments3 if stage == 3 else _segments12
+    locate = _segments3 if layout.per_parameter else _segments12
     segments = {}
     for g, names in enumerate(groups):
         for name, segs in locate(names, shapes, world, parts["master"][g][0].numel(), paddings[g]).items():
@@ -241,7 +253,7 @@ def _read(path: str) -> DeepSpeedCheckpoint:
             segments[name] = (g, segs)
     scaler = optim[0].get("loss_scaler")
     return DeepSpeedCheckpoint(path, stage, world, groups, shapes, parts, segments, scalars,
-                               base[0]["param_groups"], model, _untrained(path, model, shapes, world, stage),
+                               base[0]["param_groups"], model, _untrained(path, model, shapes, world, layout),
                                dict(vars(scaler)) if isinstance(scaler, _Record) else {})
 
 
@@ -302,12 +314,12 @@ def _check_segments(name: str, shape: torch.Size, segments: list[Segment], parts
                                  f"{s.offset + s.numel} (truncated, or not the layout of param_shapes)")
 
 
-def _untrained(path: str, model: dict, shapes: dict, world: int, stage: int) -> dict[str, torch.Tensor]:
+def _untrained(path: str, model: dict, shapes: dict, world: int, layout: _Layout) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters: whole in `module`, except stage 3's frozen parameters (cut per rank)."""
     module, tied = model.get("module") or {}, model.get("shared_params") or {}
     out = {n: t for n, t in module.items() if n not in shapes and n not in tied and t.numel() > 0}
     frozen = model.get("frozen_param_shapes") or {}
-    if stage == 3 and frozen:
+    if layout.per_parameter and frozen:
         ranks = [torch_load(os.path.join(path, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), mmap=True)
                  for r in range(world)]
         for name, shape in frozen.items():
@@ -325,7 +337,7 @@ def load(engine, path: str, parts=None) -> dict:
             raise CheckpointError(f"'{path}' is a DeepSpeed checkpoint, which loads into a job without tensor "
                                   f"parallelism only (this one has tp {tp_size(engine)}): load it without tp and "
                                   "save a zerodp checkpoint, or `zerodp consolidate` it")
-        verify_records(path, engine.comm.rank, engine.comm.world_size)
+        verify_records(path, inside(engine).comm.rank, inside(engine).comm.world_size)
         ckpt = read(path)
         _check_model(engine, ckpt)
         manifest = _manifest(engine, ckpt)
@@ -334,7 +346,7 @@ def load(engine, path: str, parts=None) -> dict:
         err = str(e)
     except Exception as e:  # noqa: BLE001 - must reach the agreement below, or other ranks hang
         err = f"loading the DeepSpeed checkpoint '{path}' failed: {type(e).__name__}: {e}"
-    agree(engine.comm, err)
+    agree(inside(engine).comm, err)
     apply(engine, manifest, staged, parts or Parts())
     return manifest["client_state"]
 
@@ -372,7 +384,7 @@ def _check_model(engine, ckpt: DeepSpeedCheckpoint) -> None:
 
 def _stage(engine, ckpt: DeepSpeedCheckpoint) -> Staged:
     """This rank's shard of every master and optimizer state, copied out of the rank partitions."""
-    kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in engine.master_shards()] for k in ckpt.parts}
+    kinds = {k: [torch.zeros(m.numel(), dtype=torch.float32) for m in inside(engine).master_shards()] for k in ckpt.parts}
     for pc in owned_pieces(engine):
         for kind, dests in kinds.items():
             ckpt.copy(kind, pc.name, pc.start, dests[pc.master][pc.offset:pc.offset + pc.numel])
@@ -409,7 +421,7 @@ def _manifest(engine, ckpt: DeepSpeedCheckpoint) -> dict:
 
 def _loss_scaler(engine, ds: dict) -> dict:
     """DeepSpeed's (Dynamic)LossScaler attributes in zerodp's LossScaler names; the rest keeps the config's."""
-    state = engine.scaler.state_dict()
+    state = inside(engine).training.scaler.state_dict()
     names = {"cur_scale": "scale", "cur_iter": "cur_iter", "last_overflow_iter": "last_overflow_iter",
              "cur_hysteresis": "cur_hysteresis"}
     state.update({mine: ds[theirs] for theirs, mine in names.items() if ds.get(theirs) is not None})

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerodp.engine.sharding.weights import Weights, engine_weights
+from zerodp.engine.engine import inside
+from zerodp.engine.sharding.weights import Weights
 from zerodp.models import hf_folder
 from zerodp.models.weight_files import TorchSaveFile, write_all
 
@@ -30,7 +31,7 @@ def save_weights(engine: Engine, path: str | os.PathLike, dtype: torch.dtype | N
                  names: set[str] | None = None) -> None:
     """The weights as one torch.save'd state dict at `path`, written by rank 0; floating tensors cast
     to `dtype` when given; only `names` when given."""
-    weights = _select(engine_weights(engine), dtype, names)
+    weights = _select(inside(engine).weights(), dtype, names)
     if not _writes(engine):
         weights.drain()
         return
@@ -42,7 +43,7 @@ def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str
     """`out/final.pt` (fp32, keyed like module.state_dict()) and, when `hf` describes a Hugging Face
     model (hf_folder.description), the folder `out/hf` that from_pretrained loads; returns the HF
     writer's notes (rank 0)."""
-    weights = engine_weights(engine)
+    weights = inside(engine).weights()
     writer = _writes(engine)
     file = TorchSaveFile(out / "final.pt", weights.shapes, weights.ties) if writer else None
     errors: list[Exception] = []
@@ -61,13 +62,13 @@ def save_final(engine: Engine, out: Path, hf: dict[str, Any] | None) -> list[str
 
 def save_hf(engine: Engine, out: str | os.PathLike, description: dict[str, Any]) -> list[str]:
     """The HF folder of `description`'s model at `out`, written by rank 0; returns its notes."""
-    return hf_folder.write_folder(out, engine_weights(engine), description, writer=_writes(engine))
+    return hf_folder.write_folder(out, inside(engine).weights(), description, writer=_writes(engine))
 
 
 def _writes(engine: Engine) -> bool:
     """Whether this rank writes: one rank of the whole job (with tensor parallelism, rank 0 of every
     dp group holds the same whole tensors, and each would write them)."""
-    return engine.comm.everyone.rank == 0
+    return inside(engine).comm.everyone.rank == 0
 
 
 def _tee(stream: Iterable[tuple[str, torch.Tensor]], file: TorchSaveFile | None, errors: list[Exception]

@@ -37,6 +37,7 @@ from zerodp.checkpoint.pieces import (
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
 from zerodp.checkpoint.whole import its_shard, plan
+from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local
 
 
@@ -48,7 +49,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
-    with engine.comm.names_peer_failure("in engine.load_checkpoint()"):
+    with inside(engine).comm.names_peer_failure("in engine.load_checkpoint()"):
         return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
 
@@ -67,7 +68,7 @@ def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_sch
         err = str(e)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reach the agreement, or other ranks hang
         err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
-    agree(engine.comm, err)
+    agree(inside(engine).comm, err)
     apply(engine, manifest, staged, parts)
     return manifest["client_state"] if manifest["client_state"] is not None else {}
 
@@ -106,7 +107,7 @@ def _check_model(engine, path: str, manifest: dict) -> None:
     if len(manifest["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"checkpoint '{path}' has {len(manifest['param_groups'])} optimizer param groups, "
                               f"the optimizer has {len(engine.optimizer.param_groups)}")
-    views = [v.value for v in engine.spec.views]
+    views = [v.value for v in inside(engine).spec.views]
     saved_views = manifest.get("optimizer_views") or ["flat shards"] * len(manifest["param_groups"])
     if saved_views != views:
         raise CheckpointError(f"checkpoint '{path}' holds optimizer state of {saved_views} (per param "
@@ -117,7 +118,7 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     """Read this rank's share of the checkpoint into fresh CPU tensors; the engine is untouched."""
     metadata = read_metadata(path)
     md = metadata.state_dict_metadata
-    shards, rank = engine.master_shards(), engine.comm.everyone.rank
+    shards, rank = inside(engine).master_shards(), inside(engine).comm.everyone.rank
     masters = [torch.zeros(m.numel(), dtype=torch.float32) for m in shards]
     keys = {k.split("/")[1] for k in md if k.startswith("optim/")}
     states = {}
@@ -129,7 +130,7 @@ def _stage(engine, path: str, manifest: dict) -> Staged:
     small += [k for k in md if k.startswith(("optim_param/", "optim_param_number/")) and k.split("/", 2)[2] in mine]
     whole = {**untrained(engine), **sharded_frozen(engine)}  # stage 3's cut out of a whole saved value
     frozen = {f"model/{stored(name, tp_shard(engine, t))}": name for name, t in whole.items()}
-    shards = [torch.zeros(b.shard_numel, dtype=b.owned.dtype) for b in engine.layout.frozen_buckets]
+    shards = [torch.zeros(b.shard_numel, dtype=b.owned.dtype) for b in inside(engine).layout.frozen_buckets]
     if _resharding(engine, manifest):
         copies, model_state = {}, _reshard(engine, path, manifest, metadata, masters, states)
     else:
@@ -201,7 +202,7 @@ def _copies(engine, path: str, manifest: dict, metadata, masters: list, states: 
     saved = {"master": saved_pieces(metadata, "master/")}
     saved.update({key: saved_pieces(metadata, f"optim/{key}/") for key in states})
     for pc in owned_pieces(engine):
-        stepped_whole = engine.layout.buckets[pc.master].whole  # its state is read whole (_stage)
+        stepped_whole = inside(engine).layout.buckets[pc.master].whole  # its state is read whole (_stage)
         for kind, dests in [("master", masters), *(() if stepped_whole else states.items())]:
             covered = 0
             for start, numel, key in saved[kind].get(pc.stored, []):
@@ -225,7 +226,7 @@ def _reshard(engine, path: str, manifest: dict, metadata, masters: list, states:
     saved = {e["name"]: e for e in manifest["model"]}
     params = dict(engine.module.named_parameters())
     # a stage-3 parameter's own shape is empty
-    local_shapes = {id(s.param): s.shape for _, s in [*engine.layout.slots(), *engine.layout.frozen_slots()]}
+    local_shapes = {id(s.param): s.shape for _, s in [*inside(engine).layout.slots(), *inside(engine).layout.frozen_slots()]}
     mine: dict[str, list] = {}
     for pc in owned_pieces(engine):
         mine.setdefault(pc.name, []).append(pc)

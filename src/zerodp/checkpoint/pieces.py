@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zerodp.distributed.device import is_accelerator, rng_state
+from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local, tp_duplicate, tp_parts
 
 
@@ -50,11 +51,11 @@ def stored(name: str, tp_rank: int | None) -> str:
 
 def tp_size(engine) -> int:
     """The engine's tensor-parallel size (1 without tp)."""
-    return 1 if engine.comm.tp is None else engine.comm.tp.world_size
+    return 1 if inside(engine).comm.tp is None else inside(engine).comm.tp.world_size
 
 
 def tp_rank(engine) -> int:
-    return 0 if engine.comm.tp is None else engine.comm.tp.rank
+    return 0 if inside(engine).comm.tp is None else inside(engine).comm.tp.rank
 
 
 def tp_shard(engine, t: torch.Tensor) -> int | None:
@@ -74,19 +75,19 @@ def tp_dim(t: torch.Tensor) -> int | None:
 
 def owned_pieces(engine) -> list[Piece]:
     """The parameter pieces this rank's master shards hold (every piece of the model in stage 0)."""
-    return _pieces_of(engine, engine.layout.buckets)
+    return _pieces_of(engine, inside(engine).layout.buckets)
 
 
 def owned_frozen_pieces(engine) -> list[Piece]:
     """The pieces of stage 3's frozen parameters this rank's working shards hold (Piece.master: the
     frozen bucket's place in layout.frozen_buckets); none below stage 3."""
-    return _pieces_of(engine, engine.layout.frozen_buckets)
+    return _pieces_of(engine, inside(engine).layout.frozen_buckets)
 
 
 def _pieces_of(engine, buckets: list) -> list[Piece]:
     """The pieces this rank's shards of `buckets` hold, each bucket by its place in the list."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    layout, pieces = engine.layout, []
+    layout, pieces = inside(engine).layout, []
     for i, b in enumerate(buckets):
         lo_r = layout.shard_start(b)
         for _, s, lo, hi in layout.owned_slots(b):
@@ -116,7 +117,7 @@ def signature(engine) -> list[dict]:
     A tensor-parallel shard's entry has "tp": {"dim": its axis (tp_dim), "shapes": [this rank's shard's
     shape]}, and "shape" is the whole tensor's (a Megatron shard's: tp equal parts), or its shard's where
     the axis is unknown; save joins every tp rank's shapes into the manifest (join_tp_shapes)."""
-    layout = engine.layout
+    layout = inside(engine).layout
     trained = {id(s.param): b.group for b, s in layout.slots()}
     sharded = layout.by_frozen_param()  # stage 3's frozen parameters, saved as pieces
     # A stage-3 parameter between uses is an empty tensor: its shape is its slot's.
@@ -182,9 +183,9 @@ def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
     any tp size."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = []
-    for b, stepped in zip(engine.layout.buckets, engine.stepped_tensors()):
+    for b, stepped in zip(inside(engine).layout.buckets, inside(engine).training.stepped_tensors()):
         if b.whole:
-            for t, (_, s, _, _) in zip(stepped, engine.layout.owned_slots(b)):
+            for t, (_, s, _, _) in zip(stepped, inside(engine).layout.owned_slots(b)):
                 out.append((names[id(s.param)], t))
     return out
 
@@ -192,7 +193,7 @@ def whole_parameters(engine) -> list[tuple[str, torch.Tensor]]:
 def group_states(engine) -> dict[int, dict]:
     """The optimizer state of the first master of each param group (its per-group scalars)."""
     out: dict[int, dict] = {}
-    for b, m in zip(engine.layout.buckets, engine.master_shards()):
+    for b, m in zip(inside(engine).layout.buckets, inside(engine).master_shards()):
         if b.group not in out and m in engine.optimizer.state:
             out[b.group] = engine.optimizer.state[m]
     return out
@@ -205,8 +206,8 @@ def local_state(engine) -> dict[str, torch.Tensor]:
     Each tensor is written once in the world: a piece by the first copy of its shard (rank 0 in stage 0,
     which shards nothing; replica 0 of hierarchical sharding); a tp shard by every tp rank (each its
     own), a tensor the tp ranks hold alike by tp rank 0 alone; replicated tensors by the world's rank 0."""
-    comm, masters = engine.comm, engine.master_shards()
-    holds_first_copy = comm.replica_rank == 0 if engine.stage > 0 else comm.rank == 0
+    comm, masters = inside(engine).comm, inside(engine).master_shards()
+    holds_first_copy = comm.replica_rank == 0 if inside(engine).spec.shards_optimizer else comm.rank == 0
     out: dict[str, torch.Tensor] = {}
     if holds_first_copy:
         for pc in owned_pieces(engine):
@@ -226,7 +227,7 @@ def local_state(engine) -> dict[str, torch.Tensor]:
         for pc in owned_frozen_pieces(engine):  # stage 3's frozen parameters: once, as the masters
             if pc.tp_rank is None and tp_rank(engine) != 0:
                 continue
-            owned = engine.layout.frozen_buckets[pc.master].owned
+            owned = inside(engine).layout.frozen_buckets[pc.master].owned
             out[f"frozen/{pc.stored}@{pc.start}"] = _cpu(owned[pc.offset:pc.offset + pc.numel])
     rank = comm.everyone.rank
     if rank == 0:
@@ -239,8 +240,8 @@ def local_state(engine) -> dict[str, torch.Tensor]:
         if (r is None and rank == 0) or (r is not None and comm.rank == 0):
             out[f"model/{stored(name, r)}"] = _cpu(local(t).detach())
     out[f"rng/{rank}/torch"] = torch.get_rng_state()
-    if is_accelerator(engine.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
-        out[f"rng/{rank}/{engine.device.type}"] = rng_state(engine.device)
+    if is_accelerator(inside(engine).spec.device):  # saved under the device type's name: "cuda" on CUDA and ROCm
+        out[f"rng/{rank}/{inside(engine).spec.device.type}"] = rng_state(inside(engine).spec.device)
     return out
 
 
@@ -250,7 +251,7 @@ def first_non_finite(engine) -> str | None:
     One pass over the master shard: a sum per master (a nan/inf anywhere makes it non-finite, and
     all sums come to the host in one sync); only a master whose sum is non-finite is searched.
     """
-    masters = engine.master_shards()
+    masters = inside(engine).master_shards()
     if not masters:
         return None
     sums = torch.stack([m.detach().sum() for m in masters])

@@ -45,6 +45,7 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     whole_parameters,
 )
+from zerodp.engine.engine import inside
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -56,12 +57,12 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
-    with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
+    with inside(engine).comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
         return _save(engine, save_dir, tag, client_state, keep_last)
 
 
 def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:
-    comm = engine.comm.everyone  # with tp, the whole world writes one checkpoint
+    comm = inside(engine).comm.everyone  # with tp, the whole world writes one checkpoint
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     save_dir = os.fspath(save_dir)
     err = state = None
@@ -135,14 +136,14 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     if not TAG.fullmatch(tag) or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain name: use letters, digits and "
                               "'_.+-', not starting with '.', and not 'latest'")
-    if engine.pending_micro_steps:  # backward() calls not yet applied by a step()
+    if inside(engine).training.pending_micro_steps:  # backward() calls not yet applied by a step()
         raise CheckpointError(
             f"save_checkpoint in the middle of a gradient accumulation (micro step "
-            f"{engine.micro_steps}, {engine.gas} per step): the pending gradients would be lost; "
+            f"{inside(engine).training.micro_steps}, {inside(engine).spec.gas} per step): the pending gradients would be lost; "
             "save right after engine.step() at an accumulation boundary")
     bad = first_non_finite(engine)
     if bad is not None:
-        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {engine.comm.everyone.rank}'s "
+        raise CheckpointError(f"refusing to save a checkpoint with non-finite weights: rank {inside(engine).comm.everyone.rank}'s "
                               f"fp32 master of {bad} is not finite; resume from an earlier checkpoint "
                               "(see the non_finite config section for steps that are skipped instead)")
     try:
@@ -164,11 +165,11 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
     groups = [{k: (v.item() if torch.is_tensor(v) and v.dim() == 0 else v) for k, v in g.items() if k != "params"}
               for g in engine.optimizer.param_groups]
     return {
-        "format": FORMAT, "tag": tag, "world_size": engine.comm.world_size, "stage": engine.stage,
-        "dtype": str(engine.dtype),
+        "format": FORMAT, "tag": tag, "world_size": inside(engine).comm.world_size, "stage": inside(engine).spec.stage,
+        "dtype": str(inside(engine).spec.dtype),
         "counters": {"global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-                     "micro_steps": engine.micro_steps},
-        "loss_scaler": engine.scaler.state_dict(),
+                     "micro_steps": inside(engine).training.micro_steps},
+        "loss_scaler": inside(engine).training.scaler.state_dict(),
         "optimizer": type(engine.optimizer).__name__,
         "lr_scheduler": sched,
         "param_groups": [{k: v for k, v in g.items() if _jsonable(v)} for g in groups],
@@ -176,13 +177,13 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
         "client_state": client_state,
         "config": engine.config.model_dump(mode="json"),
         "model": signature(engine),
-        "step_counts": engine.step_counts(),
+        "step_counts": inside(engine).training.step_counts(),
         # Only where some group steps whole parameters: a checkpoint of flat shards stays what it was before.
-        **({"optimizer_views": [v.value for v in engine.spec.views]}
-           if any(engine.spec.whole_parameters(g) for g in range(len(engine.spec.views))) else {}),
+        **({"optimizer_views": [v.value for v in inside(engine).spec.views]}
+           if any(inside(engine).spec.whole_parameters(g) for g in range(len(inside(engine).spec.views))) else {}),
         "layout": [{"group": b.group, "numel": b.numel, "partitions": b.partitions,
                     "params": [[p.name, p.start, p.numel] for p in bucket_params(engine, b)]}
-                   for b in engine.layout.buckets],
+                   for b in inside(engine).layout.buckets],
         # Only with tp: a checkpoint without it stays what it was before tp existed (the reader's default 1).
         **({"tp": tp_size(engine)} if tp_size(engine) > 1 else {}),
     }
@@ -191,7 +192,7 @@ def _metadata(engine, tag: str, client_state: dict | None) -> dict:
 def _check_state_saveable(engine) -> None:
     """Optimizer state that a checkpoint can hold world-size-independently: per element of a flat shard (or a
     scalar), or, for a parameter stepped whole, any tensor or number."""
-    for m in engine.master_shards():
+    for m in inside(engine).master_shards():
         for key, v in engine.optimizer.state.get(m, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape != m.shape:
                 raise CheckpointError(f"optimizer state '{key}' has shape {tuple(v.shape)}, neither one value "

@@ -138,6 +138,11 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+# What a model that trains nothing beside a trained one keeps of the trained one's config: its precision and
+# timeout, and its zero_optimization but the optimizer's offload (Config.for_frozen_model).
+_FROZEN_MODEL_KEYS = ("bf16", "fp16", "comm_timeout_s")
+
+
 class Config(_Section):
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
@@ -237,6 +242,15 @@ class Config(_Section):
         if self.fp16.enabled:
             return torch.float16
         return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    def for_frozen_model(self) -> Config:
+        """The config of a model that trains nothing beside this one (a DPO reference, a distillation teacher):
+        the same sharding, placement, precision and timeout, derived from what this config set; no optimizer,
+        scheduler, batch sizes or offloaded optimizer, which a model without an optimizer has no use for."""
+        given = self.model_dump(exclude_unset=True)
+        zero = {k: v for k, v in given.get("zero_optimization", {}).items() if k != "offload_optimizer"}
+        return Config.model_validate({**{k: given[k] for k in _FROZEN_MODEL_KEYS if k in given},
+                                      "zero_optimization": zero})
 
     def batch(self, world_size: int) -> BatchSizes:
         """Resolve DeepSpeed's rule train_batch_size = micro × accumulation steps × world size."""

@@ -35,6 +35,7 @@ from zerodp.deepspeed import accelerator, comm, ops, utils, zero
 from zerodp.deepspeed.accelerator import get_accelerator
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.launch import init_distributed, local_rank_from_launcher
+from zerodp.engine.engine import Engine, inside
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "zero", "DeepSpeedEngine", "resolve_auto",
            "accelerator", "get_accelerator", "comm", "ops", "utils"]
@@ -103,15 +104,17 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                mpu=mpu)
     loader = None
     if training_data is not None:
-        sampler = DistributedSampler(training_data, num_replicas=engine.comm.world_size, rank=engine.comm.rank)
-        loader = DataLoader(training_data, batch_size=engine.batch.micro_batch_size, sampler=sampler,
+        comm = inside(engine).comm
+        sampler = DistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
+        loader = DataLoader(training_data, batch_size=inside(engine).spec.batch.micro_batch_size, sampler=sampler,
                             collate_fn=collate_fn)
     wrapped = DeepSpeedEngine(engine, loader)
     if hasattr(args, "local_rank"):
         args.local_rank = local_rank  # as DeepSpeed's engine aligns it, for the script's later reads
     zero.give_zero3_attributes(wrapped)
-    # DeepSpeed's engine without an optimizer returns None for it (zerodp's keeps one over no parameter)
-    return wrapped, engine.optimizer if engine.spec.trains else None, loader, engine.lr_scheduler
+    if not isinstance(engine, Engine):  # a sharded module that trains nothing: DeepSpeed returns no optimizer
+        return wrapped, None, loader, None
+    return wrapped, engine.optimizer, loader, engine.lr_scheduler
 
 
 def _config_dict(args: Any, config: dict | str | None) -> dict:

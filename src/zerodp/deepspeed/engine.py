@@ -14,12 +14,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerodp.checkpoint.export_engine import save_weights
 from zerodp.checkpoint.files import LATEST
 from zerodp.deepspeed.utils.timer import ThroughputTimer
-from zerodp.engine.engine import Engine
+from zerodp.engine.engine import Engine, inside
+from zerodp.engine.sharding.module import ShardedModule
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
 # parameters, not the engine). Weak: a freed engine leaves nothing behind.
@@ -34,14 +36,15 @@ def owner_of(param: nn.Parameter) -> "DeepSpeedEngine | None":
 class DeepSpeedEngine:
     """What `zerodp.deepspeed.initialize` returns first: a zerodp engine under DeepSpeed's API."""
 
-    def __init__(self, engine: Engine, training_dataloader: Any = None):
-        self.engine = engine
+    def __init__(self, engine: Engine | ShardedModule, training_dataloader: Any = None):
+        self.engine = engine  # a ShardedModule where nothing trains (DeepSpeed's engine without an optimizer)
+        self._trains = isinstance(engine, Engine)
         self.training_dataloader = training_dataloader
         self._last_step: tuple[int, int] | None = None  # (global steps, skipped steps) before the last step()
         self._param_ids = {id(p) for p in engine.module.parameters()}
         # DeepSpeed's samples/s, timed from each forward to its step; no log lines of its own: zerodp's
         # steps_per_print line already reports samples/s.
-        self.tput_timer = ThroughputTimer(batch_size=engine.batch.train_batch_size)
+        self.tput_timer = ThroughputTimer(batch_size=inside(engine).spec.batch.train_batch_size)
         _ENGINES.add(self)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
@@ -60,11 +63,10 @@ class DeepSpeedEngine:
     __call__ = forward
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        if retain_graph or not scale_wrt_gas:
-            raise ValueError("backward(retain_graph=True) and backward(scale_wrt_gas=False) are not supported: "
-                             "zerodp's backward always divides the loss by gradient_accumulation_steps and "
-                             "frees the graph; call backward once per micro-batch with the defaults")
-        self.engine.backward(loss)
+        if retain_graph:
+            raise ValueError("backward(retain_graph=True) is not supported: zerodp's backward reduces the gradients "
+                             "as autograd produces them and frees the graph; call backward once per micro-batch")
+        self.engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -89,9 +91,9 @@ class DeepSpeedEngine:
 
     @contextmanager
     def no_sync(self):
-        if self.engine.stage >= 2:
+        if inside(self.engine).spec.keeps_gradient_shard:
             raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
-                                 f"of ZeRO stage {self.engine.stage}")
+                                 f"of ZeRO stage {inside(self.engine).spec.stage}")
         with self.engine.no_sync():
             yield
 
@@ -101,16 +103,16 @@ class DeepSpeedEngine:
         return self.engine.module
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.engine.optimizer if self._trains else None
 
     @property
     def lr_scheduler(self) -> Any:
-        return self.engine.lr_scheduler
+        return self.engine.lr_scheduler if self._trains else None
 
     @property
     def global_steps(self) -> int:
-        return self.engine.global_steps
+        return self.engine.global_steps if self._trains else 0
 
     @property
     def global_samples(self) -> int:
@@ -118,27 +120,27 @@ class DeepSpeedEngine:
 
     @property
     def skipped_steps(self) -> int:
-        return self.engine.skipped_steps
+        return self.engine.skipped_steps if self._trains else 0
 
     @property
     def global_rank(self) -> int:
-        return self.engine.global_rank
+        return dist.get_rank()
 
     @property
     def local_rank(self) -> int:
-        return self.engine.local_rank
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        return inside(self.engine).comm.world_size
 
     @property
     def dp_world_size(self) -> int:
-        return self.engine.comm.world_size
+        return inside(self.engine).comm.world_size
 
     @property
     def device(self) -> torch.device:
-        return self.engine.device
+        return inside(self.engine).spec.device
 
     def get_lr(self) -> list[float]:
         return self.engine.get_lr()
@@ -147,13 +149,13 @@ class DeepSpeedEngine:
         return self.engine.grad_norm
 
     def gradient_accumulation_steps(self) -> int:
-        return self.engine.gas
+        return inside(self.engine).spec.gas
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.engine.batch.micro_batch_size
+        return inside(self.engine).spec.batch.micro_batch_size
 
     def train_batch_size(self) -> int:
-        return self.engine.batch.train_batch_size
+        return inside(self.engine).spec.batch.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
@@ -166,16 +168,16 @@ class DeepSpeedEngine:
         return self.engine.global_steps > steps and self.engine.skipped_steps == skipped
 
     def zero_optimization_stage(self) -> int:
-        return self.engine.stage
+        return inside(self.engine).spec.stage
 
     def zero_optimization(self) -> bool:
-        return self.engine.stage > 0
+        return inside(self.engine).spec.shards_optimizer
 
     def fp16_enabled(self) -> bool:
-        return self.engine.dtype == torch.float16
+        return inside(self.engine).spec.dtype == torch.float16
 
     def bfloat16_enabled(self) -> bool:
-        return self.engine.dtype == torch.bfloat16
+        return inside(self.engine).spec.dtype == torch.bfloat16
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -211,7 +213,7 @@ class DeepSpeedEngine:
         """The whole model in its working precision as one torch.save'd state dict, on rank 0
         (collective). Stage 3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save."""
         zero = self.engine.config.zero_optimization
-        if self.engine.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        if inside(self.engine).spec.gathers_per_unit and not zero.stage3_gather_16bit_weights_on_model_save:
             warnings.warn("did not save the model: stage 3 needs "
                           "zero_optimization.stage3_gather_16bit_weights_on_model_save: true", stacklevel=2)
             return False
@@ -221,5 +223,5 @@ class DeepSpeedEngine:
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
         # Rank 0 writes each tensor as its bucket arrives: the model is never whole on any rank.
-        save_weights(self.engine, os.path.join(save_dir, save_filename), self.engine.dtype, names)
+        save_weights(self.engine, os.path.join(save_dir, save_filename), inside(self.engine).spec.dtype, names)
         return True

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
+from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import Bucket
 from zerodp.engine.sharding.gather import BucketState
 from zerodp.engine.sharding.gathered_state import LoneCall
@@ -54,10 +55,10 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are partitioned too
     (a LoRA base: DeepSpeed-Chat's merge gathers the weights that have `ds_id`) and get them alike."""
     inner = engine.engine
-    if inner.stage != 3:
+    if not inside(inner).spec.gathers_per_unit:
         return
     index = {id(p): i for i, p in enumerate(inner.module.parameters())}
-    layout = inner.layout
+    layout = inside(inner).layout
     for b in layout.gathered:
         first = layout.shard_start(b)
         for s in b.slots:
@@ -68,10 +69,10 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
 
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)
-    inner.watch_gathers(status)
+    inside(inner).sharded.watch_gathers(status)
     # DeepSpeed's state_dict() on some ranks only returns its placeholders (DeepSpeed-Chat's rank-0-only
     # save_hf_format writes them, and its every-rank save_zero_three_model overwrites the file at once)
-    inner.advise_on_lone_state_dict(_ADVICE, LoneCall.PLACEHOLDERS)
+    inside(inner).sharded.advise_on_lone_state_dict(_ADVICE, LoneCall.PLACEHOLDERS)
 
 
 @contextmanager

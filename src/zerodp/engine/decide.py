@@ -9,6 +9,10 @@ derives them again.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import sys
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -16,11 +20,14 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
+from zerodp.engine.layout.layout import frozen_params
 from zerodp.engine.layout.spec import EngineSpec, OptimizerView
 from zerodp.engine.layout.units import UnitRule, find_units, unit_rule
+from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling, filling_for
 from zerodp.engine.setup.initialisers import ParamInitFn
 from zerodp.engine.setup.source import ParameterSource
+from zerodp.engine.stepping.cpu_bf16 import warn_if_slow_bf16
 from zerodp.engine.stepping.optimizer_view import OptimizerLike, Optimizers, probe_class, refusal, view_of
 from zerodp.engine.tensor_parallel import placements as tensor_parallel
 from zerodp.engine.tensor_parallel import whole as whole_over_tp
@@ -122,12 +129,6 @@ def _nothing_to_step(groups: list[dict]) -> Optimizer:
     return torch.optim.SGD(groups, lr=0.0)
 
 
-def frozen_params(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
-    """The model's parameters that no optimizer group trains, in registration order."""
-    trained = {id(p) for g in groups for p in g}
-    return [p for p in module.parameters() if id(p) not in trained]
-
-
 def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
     """What this rank can tell about the model on its own, before any collective. (Tensors on meta are
     fill.filling_for's to check.)"""
@@ -175,3 +176,67 @@ def _trainable_groups(module: nn.Module, optimizer: OptimizerLike) -> list[list[
             raise ValueError(f"parameter '{names[id(p)]}' requires grad but is in no optimizer param "
                              "group; add it to the optimizer or set requires_grad=False")
     return groups
+
+
+def agreed_set_up(module: nn.Module, optimizer: OptimizerLike | None, config: Config, comm: Comm,
+                  source: ParameterSource | None, param_init_fn: ParamInitFn | None, stage3_unit: UnitRule | None
+                  ) -> tuple[EngineSpec, Filling, OptimizerLike, list[list[nn.Parameter]]]:
+    """(the spec, where the values come from, the optimizer, the trained parameters of each of its param
+    groups), agreed by every rank (zerodp.initialize meets this agreement directly when its config failed to
+    load): the local check, the module moved to its device, then the first collective, in which every rank
+    reports ok or its error (Comm.agree); then the checks that need the others."""
+    error = spec = filling = None
+    try:
+        spec, filling, optimizer, groups = local_check(config, comm, module, optimizer, source, param_init_fn,
+                                                       stage3_unit)
+        if any(t.device != spec.device and not t.is_meta for t in itertools.chain(module.parameters(),
+                                                                                  module.buffers())):
+            fill.move_to(module, spec.device)  # only when needed: a model already there may hold fake tensors
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        error = e
+    comm.agree(error, "zerodp.initialize")
+    _check_same_everywhere(module, config, comm, filling)
+    _bound_collectives(config, comm)
+    warn_if_slow_bf16(spec.device, spec.dtype, comm.rank)
+    comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
+    in_buffers = groups + ([frozen_params(module, groups)] if spec.shards_frozen else [])
+    fill.start(filling, comm, spec.device, {id(p) for g in in_buffers for p in g})
+    return spec, filling, optimizer, groups
+
+
+def _check_same_everywhere(module: nn.Module, config: Config, comm: Comm, filling: Filling) -> None:
+    """Every rank must wrap the same model with the same config, or collectives would mismatch."""
+    if comm.world_size == 1 or comm.is_fake():
+        return
+    sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, "meta" if p.is_meta else "built")
+           for n, p in module.named_parameters()]
+    sig.append(("the values come from", filling.origin))  # a broadcast, or each rank's own reads
+    text = repr(sig) + config.model_dump_json()
+    digests = comm.all_gather_object(hashlib.sha256(text.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    sigs = comm.all_gather_object((sig, config.model_dump()))
+    for r, (other, cfg) in enumerate(sigs):
+        if cfg != sigs[0][1]:
+            raise ValueError(f"rank {r} was given a different config from rank 0; every rank "
+                             "must pass the same config")
+        for a, b in zip(sigs[0][0], other):
+            if a != b:
+                raise ValueError(f"rank {r} has a different model from rank 0: parameter "
+                                 f"{b} where rank 0 has {a}")
+        if len(other) != len(sigs[0][0]):
+            raise ValueError(f"rank {r} has {len(other)} parameters, rank 0 has {len(sigs[0][0])}")
+
+
+def _bound_collectives(config: Config, comm: Comm) -> None:
+    """From here on every collective of the engine waits at most comm_timeout_s, when the config gives
+    it, whoever created the process group (Comm.bound); a group torch cannot bound is named in one line
+    with what to set instead. Not given, the groups keep their own timeouts (a group zerodp creates has
+    the key's default)."""
+    given = "comm_timeout_s" in config.model_fields_set
+    seconds = config.comm_timeout_s
+    for reason in comm.bound(seconds if given else None):
+        if comm.everyone.rank == 0:
+            print(f"[zerodp] comm_timeout_s={seconds:g} cannot bound zerodp's collectives on {reason}; they wait "
+                  f"as long as that group's own timeout: create it with timeout=datetime.timedelta(seconds="
+                  f"{seconds:g}) instead", file=sys.stderr, flush=True)

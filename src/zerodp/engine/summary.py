@@ -14,6 +14,10 @@ from zerodp.config import Config
 
 logger = logging.getLogger("zerodp")
 
+# what each stage shards (None: nothing)
+_SHARDED = {0: None, 1: "optimizer state", 2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters"}
+_NOTHING = "nothing sharded: plain data parallelism"
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 
@@ -21,12 +25,11 @@ def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: 
     """One line: stage (what it shards, over how many ranks), offload, dtype, batch sizes (forward_only:
     a frozen-only engine, which has none)."""
     zero = config.zero_optimization
-    sharded = {0: "nothing sharded: plain data parallelism", 1: "optimizer state sharded",
-               2: "optimizer state and gradients sharded", 3: "optimizer state, gradients and parameters sharded"}
-    over = f" over {shard_size} of {world_size} ranks" if zero.stage > 0 else f", {world_size} rank(s)"
+    what = _SHARDED[zero.stage]
+    over = f" over {shard_size} of {world_size} ranks" if what else f", {world_size} rank(s)"
     offload = [name for name, section in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param))
                if section.device == "cpu"]
-    line = (f"zerodp: ZeRO stage {zero.stage} ({sharded[zero.stage]}{over}); offload: "
+    line = (f"zerodp: ZeRO stage {zero.stage} ({what + ' sharded' if what else _NOTHING}{over}); offload: "
             f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype {_DTYPE_NAMES[str(config.dtype)]}; ")
     if forward_only:
         return line + "forward only (no optimizer, nothing to train)"

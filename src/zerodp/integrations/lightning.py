@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
@@ -44,7 +44,7 @@ from torch import nn
 import zerodp
 from zerodp.config import ConfigError
 from zerodp.config.schema import read_config_file
-from zerodp.engine.engine import Engine
+from zerodp.engine.engine import Engine, inside
 
 STATE_FILE = "lightning_state.pt"  # Lightning's own part of a checkpoint directory, beside zerodp's shards
 # Lightning's precision names that zerodp runs exactly: its config sections (fp32 has none).
@@ -162,7 +162,7 @@ class ZeroPrecision(Precision):
         engine = self.strategy.engine
         # Lightning divided the loss by accumulate_grad_batches already; the engine divides by its
         # gradient_accumulation_steps (the same k) again.
-        engine.backward(tensor * engine.gas)
+        engine.backward(tensor * inside(engine).spec.gas)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         result = closure()
@@ -315,7 +315,7 @@ class _EngineBackwardSync(_BackwardSyncControl):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool):
         engine = getattr(module, "engine", None)
-        if not enabled or engine is None or engine.stage >= 2:
+        if not enabled or engine is None or inside(engine).spec.keeps_gradient_shard:
             return nullcontext()
         return engine.no_sync()
 

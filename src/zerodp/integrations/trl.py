@@ -10,8 +10,8 @@ ZERODP_CONFIG names, as for `ZeroTrainer`. What TRL does outside the Trainer's s
                                 forwards. `sync_ref_model` (SyncRefModelCallback) and GRPO's generation run
                                 inside `engine.gathered_parameters()` (every stage; a no-op below 3).
   the reference model (DPO, GRPO with beta > 0)  TRL keeps it outside the Trainer (Accelerate places it,
-                                whole on every rank). At stage 3 `reference_model` makes it a frozen-only
-                                zerodp engine, 1/N per rank and gathered per unit in its forward, as TRL's
+                                whole on every rank). At stage 3 `reference_model` makes it a sharded
+                                module (zerodp.shard), 1/N per rank and gathered per unit in its forward, as TRL's
                                 prepare_deepspeed does under DeepSpeed ZeRO-3; below 3 it stays whole, as
                                 the policy's weights are. sync_ref_model mixes inside both engines'
                                 gathered_parameters(), keeping the result in the reference's shards.
@@ -31,8 +31,9 @@ from torch import nn
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
-from zerodp import initialize
-from zerodp.engine.engine import Engine
+from zerodp import shard
+from zerodp.engine.engine import Engine, inside
+from zerodp.engine.sharding.module import ShardedModule
 from zerodp.integrations.hf.trainer import ZeroTrainer
 
 _trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
@@ -68,7 +69,7 @@ class ZeroTRLMixin(ZeroTrainer):
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if getattr(self, "ref_model", None) is not None:
             self.ref_model = reference_model(self.ref_model, self.engine, self.args)
-        if self.engine.stage == 3 and getattr(self.args, "ds3_gather_for_generation", True) is False:
+        if inside(self.engine).spec.gathers_per_unit and getattr(self.args, "ds3_gather_for_generation", True) is False:
             raise ValueError("ds3_gather_for_generation=False would generate from stage 3's partitioned parameters "
                              "unit by unit; zerodp gathers the policy whole for generation: leave it True")
         return prepared
@@ -124,32 +125,31 @@ class GatheredSyncRefModel(SyncRefModelCallback):
 
 
 @contextmanager
-def _writable(ref: nn.Module | Engine) -> Iterator[nn.Module]:
-    """The reference module with whole parameters to write into: a sharded reference engine gathers them, and
-    every rank computes the same mix, so rank 0's result is what each rank's shard keeps (collective)."""
-    if not isinstance(ref, Engine):
+def _writable(ref: nn.Module | ShardedModule) -> Iterator[nn.Module]:
+    """The reference module with whole parameters to write into: a sharded reference gathers them, and every
+    rank computes the same mix, so rank 0's result is what each rank's shard keeps (collective)."""
+    if not isinstance(ref, ShardedModule):
         yield ref
         return
     with torch.no_grad(), ref.gathered_parameters(modifier_rank=0):
         yield ref.module
 
 
-def reference_model(model: nn.Module, policy: Engine, args: transformers.TrainingArguments) -> nn.Module | Engine:
-    """The frozen reference model as the trainer keeps it. At stage 3 a frozen-only zerodp engine over the
-    policy's ranks (1/N of it per rank, gathered per unit in its forward, as TRL's prepare_deepspeed does
-    under DeepSpeed ZeRO-3), with the policy's parameter-placement and precision settings; below stage 3
-    whole on every rank (placed by Accelerate), as the policy's weights are."""
-    if policy.stage != 3:
+def reference_model(model: nn.Module, policy: Engine, args: transformers.TrainingArguments
+                    ) -> nn.Module | ShardedModule:
+    """The frozen reference model as the trainer keeps it. Where the policy's parameters are sharded, a sharded
+    module over the policy's ranks (1/N of it per rank, gathered per unit in its forward, as TRL's
+    prepare_deepspeed does under DeepSpeed ZeRO-3), with the policy's config for a model that trains nothing
+    (Config.for_frozen_model); otherwise whole on every rank (placed by Accelerate), as the policy's weights are."""
+    parts = inside(policy)
+    if not parts.spec.gathers_per_unit:
         return model
-    given = policy.config.model_dump(exclude_unset=True)
-    zero = {k: v for k, v in given.get("zero_optimization", {}).items() if k != "offload_optimizer"}  # no optimizer
-    config = {k: given[k] for k in ("bf16", "fp16", "comm_timeout_s") if k in given}
     count = sum(p.numel() for p in model.parameters())
     model.requires_grad_(False)
-    ref = initialize(model, None, {**config, "zero_optimization": zero})
+    ref = shard(model, policy.config.for_frozen_model(), process_group=parts.comm.group)
     if args.process_index == 0:
-        _trainer_log.info("zerodp: the reference model (%d parameters) is a frozen-only engine sharded over %d "
-                          "ranks at ZeRO stage 3", count, ref.comm.world_size)
+        _trainer_log.info("zerodp: the reference model (%d parameters) is a sharded module over %d ranks at ZeRO "
+                          "stage 3", count, parts.comm.world_size)
     return ref
 
 

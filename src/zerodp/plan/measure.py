@@ -19,6 +19,7 @@ import torch
 from zerodp.config import REDUCE_BUCKET_SIZE
 from zerodp.distributed.comm import init_fake
 from zerodp.distributed.device import local, reset_peak_memory_stats
+from zerodp.engine.engine import inside
 
 
 def measure(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def _measure_here(spec: dict[str, Any]) -> dict[str, Any]:
         checkpoint_blocks(engine.module, (Block,), engine.config.activation_checkpointing)
     reset_peak_memory_stats(device)
     seq = spec["seq"]
-    for _ in range(engine.gas):
+    for _ in range(inside(engine).spec.gas):
         out = engine(*inputs(spec["micro_batch"], seq, device))
         engine.backward(out if isinstance(out, torch.Tensor) else out.loss)
         engine.step()

@@ -230,21 +230,23 @@ def _zerodp_engine(spec: dict[str, Any], device: torch.device):
 
 def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
     """Each tensor the engine holds, under its column; the reducer's buffers as it makes them."""
+    from zerodp.engine.engine import inside
+    parts = inside(engine)
     tracker.track_external(engine.module)
-    frozen = [engine.layout.frozen] if engine.layout.frozen is not None else []  # stage 3's frozen shards
-    for g in engine.layout.groups + frozen:
+    frozen = [parts.layout.frozen] if parts.layout.frozen is not None else []  # stage 3's frozen shards
+    for g in parts.layout.groups + frozen:
         if g.data is not None:
             tracker.label(g.data, Ref.PARAM)
-        for b in g.buckets if engine.stage == 3 else ():
+        for b in g.buckets if parts.spec.gathers_per_unit else ():
             tracker.label(b.data, Ref.GATHERED)
-    if engine.masters_are_copies:  # in fp32 the master is the working buffer's shard itself
-        for m in engine.master_shards():
+    if parts.training.masters_are_copies:  # in fp32 the master is the working buffer's shard itself
+        for m in parts.master_shards():
             tracker.label(m, Ref.MASTER)
     for t in batch or ():
         if isinstance(t, torch.Tensor):
             tracker.label(t, Ref.OTH)
     # gradient and reduce buffers are made on first use in each window
-    engine.on_new_gradient_buffer(
+    parts.training.on_new_gradient_buffer(
         lambda t, kind: tracker.label(t, Ref.GRAD if kind == "grad" else Ref.BUCKET))
     return tracker
 
@@ -294,8 +296,9 @@ def _swaps_despite_weak_references():
     and swap_tensors refuses a tensor with a weak reference; under FakeTensorMode every fake tensor has
     one, from the fake mode's own converter memo. The check guards users' weak references to the
     swapped objects; the memo only maps real tensors to their fakes, and the run ends with the mode."""
-    import torch.utils
     import weakref
+
+    import torch.utils
 
     class _NoWeakReferences:
         def __getattr__(self, name: str):

@@ -27,7 +27,7 @@ import zerodp
 from zerodp.checkpoint.export_engine import save_final
 from zerodp.checkpoint.files import LATEST
 from zerodp.distributed.device import accelerator_type, can_pin, current
-from zerodp.engine.engine import Engine
+from zerodp.engine.engine import Engine, inside
 from zerodp.models.build import build_model, hf_description, weights_of
 from zerodp.models.gpt import GPTConfig, parallelize
 from zerodp.train.build import build_corpus
@@ -256,7 +256,7 @@ def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
     # ranks hold the same loss, so the world's mean is the dp ranks') and how many ranks got SIGTERM /
     # SIGINT, so that every rank stops after the same step.
     sums = torch.cat([loss_sum.reshape(1), to_device(torch.tensor(stop.flags()), device)])
-    with engine.comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
+    with inside(engine).comm.names_peer_failure(f"of the step's loss at step {engine.global_steps}", "all_reduce"):
         dist.all_reduce(sums)
     # The loop's one read of the step (the log line and the stop signal need it on the host).
     loss_sum, sigterm, sigint = sums.tolist()
@@ -341,6 +341,6 @@ def validation_loss(engine, val: list[tuple[torch.Tensor, torch.Tensor]], device
         x, y = to_device(x, device), to_device(y, device)
         total += engine(x, y).float()
     engine.train()
-    with engine.comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
+    with inside(engine).comm.names_peer_failure(f"of the validation loss at step {engine.global_steps}", "all_reduce"):
         dist.all_reduce(total)
     return total.item() / (len(val) * dist.get_world_size())

@@ -120,6 +120,7 @@ class Bucket:
     slots: list[Slot] = field(default_factory=list)
     persistent: bool = False           # stage 3: stays gathered (its units are under the persistence threshold)
     whole: bool = False                # each parameter lies whole in one shard (a shape-aware optimizer's)
+    frozen: bool = False               # stage 3's frozen parameters: no gradient, master or optimizer state
     data: torch.Tensor | None = None   # the whole bucket, working precision (stage 3: gathered on demand)
     owned: torch.Tensor | None = None  # this rank's shard of it, which the optimizer updates
     # Each slot's view of `data`, made while its storage was whole: stage 3 points each parameter at

@@ -43,6 +43,8 @@ class Layout:
     gathered: list[Bucket] = field(init=False)  # stage 3: every bucket, trained then frozen, by index
 
     def __post_init__(self) -> None:
+        for b in self.frozen_buckets:
+            b.frozen = True
         object.__setattr__(self, "buckets", [b for g in self.groups for b in g.buckets])
         object.__setattr__(self, "gathered", self.buckets + self.frozen_buckets)
 
@@ -113,3 +115,9 @@ class Layout:
 def _slots_of(buckets: list[Bucket]) -> Iterator[tuple[Bucket, Slot]]:
     """Each slot of `buckets` with its bucket, in bucket order."""
     return ((b, s) for b in buckets for s in b.slots)
+
+
+def frozen_params(module: nn.Module, groups: list[list[nn.Parameter]]) -> list[nn.Parameter]:
+    """The model's parameters that no optimizer group trains, in registration order."""
+    trained = {id(p) for g in groups for p in g}
+    return [p for p in module.parameters() if id(p) not in trained]

@@ -1,8 +1,13 @@
-"""Sharded parameters in use: gathered for compute, released after, kept equal, streamed out.
+"""The sharded module: a model whose parameters live in flat buckets, gathered for compute, released after,
+kept equal, streamed out; it trains nothing (stepping/ adds training).
+
+  module.py          `ShardedModule`: set-up (cast, buckets filled, gatherer), forward, gathered_parameters and
+                     writes through it (`adopted`), the weights stream, memory_report; `zerodp.shard` returns it.
 
   gather.py          `Gatherer`: stage 3's per-unit all-gather before use and release after, with prefetch
                      and a bounded wait (`BucketState`).
   gathered_state.py  `GatheredStateDict`: module.state_dict() at stage 3, its parameters gathered.
   buffers.py         `BufferSync`: rank 0's floating buffers broadcast before each forward.
-  weights.py         `engine_weights`: the engine's values as a stream, one bucket at a time, for export.
+  weights.py         `engine_weights`: the model's values as a stream, one bucket at a time, for export.
+  memory.py          `memory_report`: the bytes a sharded module and its training part hold, measured.
 """

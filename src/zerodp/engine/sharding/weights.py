@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable
 
 import torch
 from torch import nn
@@ -28,19 +28,6 @@ from zerodp.distributed.comm import Comm
 from zerodp.engine.layout.flat import Bucket, join_tp, local, tp_parts
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.tensor_parallel.placements import shard_dim
-
-
-class Trained(Protocol):
-    """What `engine_weights` reads of a trained engine (engine.Engine is one): named here so that this
-    module, which the engine uses for full_state_dict, does not import the engine back."""
-
-    module: nn.Module
-    comm: Comm
-    layout: Layout
-
-    def wait_for_parameters(self) -> None: ...
-
-    def full_master(self, b: Bucket) -> torch.Tensor: ...
 
 
 @dataclass
@@ -81,18 +68,18 @@ class _Split:
     parts: int = 1
 
 
-def engine_weights(engine: Trained) -> Weights:
+def engine_weights(module: nn.Module, comm: Comm, layout: Layout, values: Callable[[Bucket], torch.Tensor]
+                   ) -> Weights:
     """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
     floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
     tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
     tp joins each shard over the tp group): every rank must iterate it to the end. Under tp, making the
-    Weights is one too (the shards' sizes, for the whole shapes): call it on every rank."""
-    engine.wait_for_parameters()
-    layout = engine.layout
+    Weights is one too (the shards' sizes, for the whole shapes): call it on every rank. `values(b)`: bucket
+    b whole in fp32 (the trained ones' masters, the frozen ones' working shards), gathered from every rank."""
     slots = {**layout.by_param(), **layout.by_frozen_param()}
-    state = engine.module.state_dict(keep_vars=True)
+    state = module.state_dict(keep_vars=True)
     held = {id(t): layout.shape_of(slots[id(t)][1]) if id(t) in slots else local(t).shape for t in state.values()}
-    splits = _splits(engine.comm, state, held)  # a local check, then the tp ranks' sizes (collective)
+    splits = _splits(comm, state, held)  # a local check, then the tp ranks' sizes (collective)
     shapes, ties, first = {}, {}, {}
     for name, t in state.items():
         shape = held[id(t)]
@@ -104,7 +91,7 @@ def engine_weights(engine: Trained) -> Weights:
             ties[name] = first[id(t)]
         else:
             first[id(t)] = name
-    return Weights(shapes, ties, _stream(engine, first, splits))
+    return Weights(shapes, ties, _stream(module, comm.tp, layout, values, first, splits))
 
 
 def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Size]) -> dict[int, _Split]:
@@ -122,19 +109,19 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
     return {i: _Split(d, [theirs[k] for theirs in sizes], parts[i]) for k, (i, d) in enumerate(dims.items())}
 
 
-def _stream(engine: Trained, first: dict[int, str], splits: dict[int, _Split]
-            ) -> Iterator[tuple[str, torch.Tensor]]:
-    trained, tp = set(), engine.comm.tp
-    for b in engine.layout.gathered:  # stage 3's frozen buckets last: their working values, no master
-        full = engine.full_master(b) if b.index < len(engine.layout.buckets) else engine.full_frozen(b)
+def _stream(module: nn.Module, tp: Comm | None, layout: Layout, values: Callable[[Bucket], torch.Tensor],
+            first: dict[int, str], splits: dict[int, _Split]) -> Iterator[tuple[str, torch.Tensor]]:
+    trained = set()
+    for b in layout.gathered:  # stage 3's frozen buckets last: their working values, no master
+        full = values(b)
         for s in b.slots:
             trained.add(id(s.param))
-            value = full[s.offset:s.offset + s.numel].view(engine.layout.shape_of(s))
+            value = full[s.offset:s.offset + s.numel].view(layout.shape_of(s))
             split = splits.get(id(s.param))
             yield first[id(s.param)], value if split is None else join(tp, value, split)
             del value  # a view of the bucket: held, it would keep the bucket alive beside the next one
         del full
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in module.state_dict(keep_vars=True).items():
         if id(t) not in trained and first.get(id(t)) == name:
             value = local(t).detach()
             value = value.float() if value.is_floating_point() else value

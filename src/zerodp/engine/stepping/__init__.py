@@ -1,4 +1,8 @@
-"""The training step: gradients reduced, the user's optimizer stepped on shards, precision and skips.
+"""Training added to a sharded module: gradients reduced, the user's optimizer stepped on shards, precision
+and skips.
+
+  training.py        `Training`: backward, step (decided on the host or the device, settled on one path),
+                     no_sync, the counters, and the model states checkpoint/ reads (masters, step counts).
 
   reducer.py         `Reducer`: gradients into buckets during backward, reduced (-scattered) per bucket.
   optimizer.py       `PartitionedOptimizer`: the user's optimizer on this rank's fp32 master shards, and the
@@ -6,7 +10,7 @@
   optimizer_view.py  what an optimizer may see (`view_of`, `refusal`), `OptimizerLike`, `Optimizers` (a list
                      stepped as one).
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
-  precision.py       `LossScaler` (fp16's dynamic loss scale) and casts to the working precision.
+  precision.py       `LossScaler`: fp16's dynamic loss scale.
   non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.
   unused.py          `UsedParameters`: only the parameters that got a gradient are stepped.
   forward_order.py   `ForwardOrder`: overlap_param_gather's gather order of the next forward.

@@ -112,26 +112,41 @@ def decides_on_device(config: Config, optimizer: Optimizer, offload: bool, scale
 
 @dataclass
 class PendingStep:
-    """A step whose decision was left on the device (read_back next_step), until the host reads it."""
+    """A step's decision until the host acts on it (Training.settle): left on the device (read_back
+    next_step), read from `values` a step later; or decided on the host, `known` at once."""
 
     step: int             # its global step number
-    values: HostCopy      # [skip (0/1), its gradient norm, then the agreed flags if any]
     scale_used: float     # the loss scale its backward used
-    has_flags: bool
+    values: HostCopy | None = None  # on the device: [skip (0/1), its gradient norm, then the agreed flags if any]
+    has_flags: bool = False
+    known: tuple[bool, float, torch.Tensor | None] | None = None  # decided on the host: (finite, norm, flags)
+
+    @property
+    def on_device(self) -> bool:
+        return self.known is None
 
     def read(self) -> tuple[bool, float, torch.Tensor | None]:
         """(finite, norm, flags): waits for the host copy only."""
+        if self.known is not None:
+            return self.known
         skip, norm, *flags = self.values.tolist()
         return not skip, norm, (torch.tensor(flags, dtype=torch.float64) if self.has_flags else None)
 
 
 def pending_step(step: int, skip: torch.Tensor, norm: torch.Tensor, flags: torch.Tensor | None,
                  scale_used: float) -> PendingStep:
+    """A step decided on the device: its decision, norm and flags copied to the host without a wait."""
     has_flags = flags is not None and flags.numel() > 0
     parts = [skip.reshape(1), norm.detach().reshape(1).to(skip.dtype)]
     if has_flags:
         parts.append(flags.to(skip.dtype))
-    return PendingStep(step, HostCopy(torch.cat(parts)), scale_used, has_flags)
+    return PendingStep(step, scale_used, HostCopy(torch.cat(parts)), has_flags)
+
+
+def decided_step(step: int, finite: bool, norm: torch.Tensor, flags: torch.Tensor | None,
+                 scale_used: float) -> PendingStep:
+    """A step decided on the host: the norm is read (a sync) only for a skipped step, whose line names it."""
+    return PendingStep(step, scale_used, known=(finite, 0.0 if finite else float(norm), flags))
 
 
 class NonFinitePolicy:

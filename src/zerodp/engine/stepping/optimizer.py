@@ -80,7 +80,7 @@ class PartitionedOptimizer(TimedGathers):
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
-        self.optimizer = _rewired(optimizer, per_group)
+        self.optimizer = _rewired(optimizer, per_group, {id(s.param): layout.shape_of(s) for _, s in layout.slots()})
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -256,21 +256,19 @@ class PartitionedOptimizer(TimedGathers):
         if not defer:
             self.wait_for_parameters()
 
-    def adopt_working(self, buckets: list[Bucket], src_rank: int, params: set[int] | None = None) -> None:
-        """Make src_rank's working values of `params` (ids; default all) in `buckets` (whole on every
-        rank) every rank's parameters and fp32 masters: for weights changed in place outside a step
-        (collective). The other parameters' masters keep their fp32 values."""
+    def adopt_working(self, buckets: list[Bucket], params: set[int] | None) -> None:
+        """The sharded module wrote one rank's working values of `params` (ids; None: all) into `buckets`
+        (whole on every rank, ShardedModule.gathered_parameters' modifier_rank): the fp32 masters take
+        them. The other parameters' masters keep their fp32 values; frozen buckets have none."""
+        if not self.separate:  # the masters are the working shards themselves
+            return
         for b in buckets:
-            self.comm.broadcast(b.data, src_rank)
-            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel  # this rank's shard
+            if b.frozen:
+                continue
+            lo = self.rank * b.shard_numel
             for _, s, start, end in b.owned_slots(self.rank):
-                if params is not None and id(s.param) not in params:
-                    continue
-                value = b.data[start:end]
-                if b.owned.data_ptr() != b.data[lo:hi].data_ptr():  # stage 3 keeps its shard apart
-                    b.owned[start - lo:end - lo].copy_(value)
-                if self.separate and b.index < len(self.masters):  # stage 3's frozen buckets come last, no master
-                    self.masters[b.index][start - lo:end - lo].copy_(value)
+                if params is None or id(s.param) in params:
+                    self.masters[b.index][start - lo:end - lo].copy_(b.data[start:end])
 
     @gather_phase
     def wait_for_parameters(self, upto: int | None = None) -> None:
@@ -301,15 +299,16 @@ class PartitionedOptimizer(TimedGathers):
         return {"fp32_master": master, "optimizer_states": state, **host}
 
 
-def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]]) -> Optimizer:
+def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shapes: dict[int, torch.Size]
+             ) -> Optimizer:
     """The user's optimizer stepping `per_group`'s tensors instead of the model's parameters (or the factory's,
-    built on them)."""
+    built on them). shapes: id(parameter) -> its shape (a stage-3 parameter between uses is empty)."""
     if not isinstance(optimizer, Optimizer):
         built = optimizer([{"params": per_group[0]}])
         if not isinstance(built, Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
         return built
-    initial = _initial_state(optimizer)  # Adagrad's accumulators, made at construction
+    initial = _initial_state(optimizer, shapes)  # Adagrad's accumulators, made at construction
     if initial is None:
         raise ValueError("the optimizer already has state; pass a freshly built optimizer "
                          "(load optimizer state through engine.load_checkpoint)")
@@ -322,7 +321,7 @@ def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]]) -> O
     return optimizer
 
 
-def _initial_state(optimizer: Optimizer) -> list[dict] | None:
+def _initial_state(optimizer: Optimizer, shapes: dict[int, torch.Size]) -> list[dict] | None:
     """The state a freshly built optimizer made for each param group at construction (torch's Adagrad: a
     step of 0 and an accumulator filled with one value), as {key: fill value (float) of a per-element
     tensor, or a tensor of its own}, to be made again on the tensors it will step; [] per group when it made
@@ -338,7 +337,7 @@ def _initial_state(optimizer: Optimizer) -> list[dict] | None:
         for k, v in optimizer.state[p0].items():
             if not torch.is_tensor(v):
                 return None
-            if v.shape == p0.shape and v.dim() > 0:
+            if v.dim() > 0 and v.shape in (p0.shape, shapes.get(id(p0))):  # (stage 3: p0 released, empty)
                 if not all(torch.equal(s[k], torch.full_like(s[k], v.flatten()[0])) for s in states):
                     return None
                 init[k] = float(v.flatten()[0])

@@ -1,7 +1,8 @@
-"""Working-precision policy and the fp16 loss scaler.
+"""The fp16 loss scaler.
 
-Parameters, activations and gradients are in the working dtype (bf16, fp16 or fp32); the fp32
-master shard in optimizer.py is the only full-precision copy. fp16 needs a loss scale so small
+Parameters, activations and gradients are in the working dtype (bf16, fp16 or fp32: inputs are cast to it by
+the sharded module's forward, sharding/module.py); the fp32 master shard in optimizer.py is the only
+full-precision copy. fp16 needs a loss scale so small
 gradients do not flush to zero; the dynamic scaler follows DeepSpeed's rule (halve after
 `hysteresis` overflows, double after `loss_scale_window` clean steps) so configs behave the same.
 """
@@ -13,17 +14,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from zerodp.config import Config
-
-
-def cast_floating(obj, dtype: torch.dtype):
-    """Cast the floating tensors in (nested tuples / lists / dicts of) inputs to `dtype`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 @dataclass

@@ -32,8 +32,7 @@ from transformers.trainer_utils import has_length
 
 from zerodp import initialize
 from zerodp.config import ConfigError
-from zerodp.engine.engine import Engine
-from zerodp.engine.sharding.weights import engine_weights
+from zerodp.engine.engine import Engine, inside
 from zerodp.engine.summary import no_stage_chosen, set_up_line
 from zerodp.integrations.hf.auto import fill_from_training_args
 from zerodp.models import hf_folder
@@ -132,8 +131,8 @@ class ZeroTrainer(Trainer):
         optimizer = self._optimizer_for(config)
         scheduler = self._scheduler_for(config, max_steps)
         self.engine = initialize(self.model, optimizer, config, lr_scheduler=scheduler, weights=self.weights)
-        _check_same_world(self.engine.comm.world_size, self.args.world_size)
-        if self.engine.comm.rank == 0:
+        _check_same_world(inside(self.engine).comm.world_size, self.args.world_size)
+        if inside(self.engine).comm.rank == 0:
             self._say_set_up()
         self.optimizer = EngineOptimizer(self.engine)
         self.lr_scheduler = EngineScheduler(self.optimizer)
@@ -148,7 +147,7 @@ class ZeroTrainer(Trainer):
     def _say_set_up(self) -> None:
         """One line on rank 0: the stage, offload and dtype that run, among the Trainer's own set-up lines
         (its logger, at INFO), or as a warning when no stage was chosen (plain data parallelism)."""
-        line = set_up_line(self.engine.config, self.engine.comm.world_size, self.engine.shard_size)
+        line = set_up_line(self.engine.config, inside(self.engine).comm.world_size, inside(self.engine).spec.shard_size)
         if no_stage_chosen(self.engine.config):
             _trainer_log.warning("ZeroTrainer was given no ZeRO stage (no zero_config, or one without "
                                  "zero_optimization.stage), so it trains plain data parallelism: %s. Pass e.g. "
@@ -187,7 +186,7 @@ class ZeroTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         """The Trainer's loss on one micro-batch, then `engine.backward`; returns the loss it reports."""
-        gas = self.engine.gas
+        gas = inside(self.engine).spec.gas
         if self.current_gradient_accumulation_steps != gas:
             raise ValueError(f"this optimizer step has {self.current_gradient_accumulation_steps} micro-batches "
                              f"per rank where gradient_accumulation_steps is {gas}; zerodp updates after exactly "
@@ -231,7 +230,7 @@ class ZeroTrainer(Trainer):
             # Trainer._save with no weights writes the config, tokenizer and training arguments (the
             # writing rank); the weights follow bucket by bucket from every rank, never gathered whole.
             super()._save(output_dir, state_dict={})
-            hf_folder.write_weights(output_dir, engine_weights(self.engine), hf_folder.meta_like(self.model),
+            hf_folder.write_weights(output_dir, inside(self.engine).weights(), hf_folder.meta_like(self.model),
                                     writer=self.args.should_save)
         else:
             self._save(output_dir, state_dict=self.engine.full_state_dict())

@@ -1,5 +1,5 @@
-"""Per-rank memory, measured: `memory_report(engine, ...)` (engine.memory_report()) counts the bytes of the
-tensors the engine owns, by category. What DESIGN.md's table predicts is plan/formulas.py (`formula`);
+"""Per-rank memory, measured: `memory_report(sharded, trained, ...)` (engine.memory_report(), and a sharded
+module's own) counts the bytes of the tensors the model and its training part own, by category. What DESIGN.md's table predicts is plan/formulas.py (`formula`);
 `zerodp estimate` puts the two side by side for any world size.
 
 Facts of the engine that the table leaves out, reported rather than hidden:
@@ -22,21 +22,21 @@ import torch
 
 from zerodp.activations import attached
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
-from zerodp.engine.stepping.optimizer import PartitionedOptimizer
-from zerodp.engine.stepping.reducer import Reducer
 
 MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "gradients", "fp32_master",
                 "optimizer_states")
 
 
-# ---- measured -----------------------------------------------------------------------------------
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, gathers: bool) -> dict[str, int]:
-    """Bytes this rank holds, by category, counted from the tensors the engine owns: its layout, its
-    reducer and partitioned optimizer, and (`gathers`, stage 3) the gathered copies.
+def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_host: bool = False
+                  ) -> dict[str, int]:
+    """Bytes this rank holds, by category, counted from the tensors a sharded module owns (its layout and,
+    at stage 3, the gathered copies) and `trained`: what its training part holds (Training.bytes: gradients,
+    reduce buckets, fp32 master, optimizer states, the step's transient copy; none for a frozen model), in
+    host memory when `optimizer_on_host` (ZeRO-Offload).
 
     model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) +
     frozen params kept whole and buffers +
@@ -46,45 +46,36 @@ def memory_report(engine, reducer: Reducer, partitioned: PartitionedOptimizer, g
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
-    layout = engine.layout
+    layout, module, spec = sharded.layout, sharded.module, sharded.spec
     flat = {**layout.by_param(), **layout.by_frozen_param()}
-    untrained = {id(t): t for t in list(engine.module.parameters()) + list(engine.module.buffers())
-                 if id(t) not in flat}
-    grads, opt = reducer.bytes(), partitioned
+    untrained = {id(t): t for t in list(module.parameters()) + list(module.buffers()) if id(t) not in flat}
     frozen = layout.frozen
     report = {
         "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
         "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
-        "gradients": grads["gradients"],
-        **opt.bytes(),
-        "reduce_buckets": grads["reduce_buckets"],
+        "gradients": 0, "fp32_master": 0, "optimizer_states": 0, "reduce_buckets": 0,
+        **(trained or {}),
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": 0 if not gathers else sum(b.data.untyped_storage().nbytes() for b in layout.gathered),
-        # Without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
-        # sub_group_size elements at a time.
-        "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], reducer.acc_dtype),
+        "gathered_params": (0 if not spec.gathers_per_unit else
+                            sum(b.data.untyped_storage().nbytes() for b in layout.gathered)),
     }
+    report.setdefault("step_transient", 0)
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    if any(b.whole for b in layout.buckets):
-        tp = engine.comm.tp.world_size if engine.comm.tp is not None else 1
-        report.update(whole_parameter_shares(layout.owned_numel(tp), layout.rank,
-                                             report["fp32_master"] + report["optimizer_states"]))
-    host = {"fp32_master": opt.offload, "optimizer_states": opt.offload,
-            "working_params": getattr(engine, "offload_param", False),  # stage 3's offload_param
-            "frozen_params": getattr(engine, "offload_param", False)}
+    host = {"fp32_master": optimizer_on_host, "optimizer_states": optimizer_on_host,
+            "working_params": spec.offload_param, "frozen_params": spec.offload_param}  # stage 3's offload_param
     if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
                                        + report.get("offload_gradients", 0) + report.get("offload_staging", 0))
         report["device_model_states"] = report["model_states"] - sum(report[k] for k, on in host.items() if on)
-    checkpointer = attached(engine.module)
+    checkpointer = attached(module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
-    if is_accelerator(engine.device):  # the keys keep their first accelerator's name on every one
-        report["cuda_allocated"] = memory_allocated(engine.device)
-        report["cuda_peak_allocated"] = max_memory_allocated(engine.device)
-        report["cuda_peak_reserved"] = max_memory_reserved(engine.device)
+    if is_accelerator(spec.device):  # the keys keep their first accelerator's name on every one
+        report["cuda_allocated"] = memory_allocated(spec.device)
+        report["cuda_peak_allocated"] = max_memory_allocated(spec.device)
+        report["cuda_peak_reserved"] = max_memory_reserved(spec.device)
     return report
 
 
