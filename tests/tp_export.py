@@ -52,6 +52,7 @@ def exported(engine) -> dict:
     world's rank 0; None elsewhere, where no file may appear), or the error every rank raised."""
     with tempfile.TemporaryDirectory(prefix="tp_export.") as folder:
         path = os.path.join(folder, "weights.pt")
+        engine = getattr(engine, "engine", engine)  # zerodp.deepspeed's engine: the zerodp engine it wraps
         try:
             # Its stream is left unstarted: none of its collectives begun, none left waiting.
             shapes = {n: (tuple(s), d) for n, (s, d) in inside(engine).weights().shapes.items()}
