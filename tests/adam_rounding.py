@@ -1,18 +1,18 @@
 """How far Adam(W) may carry two runs apart that differ only in the order their gradients were summed
 (N ranks' shares averaged against one process's whole batch), element by element.
 
-Adam's first step moves an element by lr * g / (|g| + eps), whose slope in g is lr * eps / (|g| + eps)^2:
-negligible where |g| >> eps (lr * eps / g^2: 4e-13 at |g| = 5e-4, lr = 1e-3), but lr / eps = 1e5 where g
-is zero. Two sums of the same fp32 terms differ by rounding, delta <= ~10 u max|g| (u = 2^-24; test_peft's
-DPO case measured 9.3 at its largest elements, 0.09 at its near-zero ones). An element whose gradient
-meets zero turns that into an lr-scale move: test_peft's DPO lm_head[207, 31] had g = 2.6e-8 = 2.6 eps at
-step 0, and its two summation orders (the 2 ranks', and the same halves summed in one process) moved it
-1.18e-6 apart, over 1e-6 (the AVX-512 machines' matmuls round it that way; others did not). Later steps
-divide by sqrt(v_hat), which carries the earlier gradients, so the first step's slope bounds theirs too.
+Adam moves an element by lr * m_hat / (sqrt(v_hat) + eps). At the first step that is lr * g / (|g| + eps),
+whose slope in g is lr * eps / (|g| + eps)^2: negligible where |g| >> eps (4e-13 at |g| = 5e-4, lr = 1e-3)
+but lr / eps = 1e5 where g is zero. Two sums of the same fp32 terms differ by rounding, delta <= ~10 u
+max|g| (u = 2^-24; test_peft's DPO case measured 9.3 at its largest elements, 0.09 at its near-zero ones).
+An element whose gradient meets zero turns that into a move far over 1e-6: test_peft's DPO lm_head[207, 31]
+had g = 2.6e-8 = 2.6 eps at step 0, and its two summation orders (the 2 ranks', or the same halves summed
+in one process) moved it 1.18e-6 apart (AVX-512 machines' matmuls round it so; others did not). At later
+steps sqrt(v_hat) carries the earlier gradients and the slope is smaller; the slack takes each step's own.
 
-The slack is that slope times delta, summed over the steps, from the reference's own gradients: 1e-6 stays
-the tolerance wherever the gradient keeps clear of zero (|g| >= 1e-6 adds under 1e-9), and only the few
-elements that meet zero get more (at most lr * 10 u max|g| / eps per step). A bug moves every element.
+The slack is that slope times delta, summed over the steps, from the reference's own state: 1e-6 stays the
+tolerance wherever the gradient keeps clear of zero, and only the few elements that meet it get more (at
+most lr * 10 u max|g| / eps a step). A bug moves every element (test_peft's planted ones: thousands).
 """
 
 from __future__ import annotations
@@ -23,26 +23,36 @@ U = 2.0 ** -24  # fp32's unit roundoff
 SUM_ORDER_ULPS = 10  # two orders of one fp32 sum differ by up to this many u * max|g| (measured: 9.3)
 
 
-class GradientLog:
-    """A one-process reference's gradients at each optimizer step, by state-dict name: call `record`
-    between backward and step."""
+class AdamSlack:
+    """A one-process reference's Adam(W): call `record` between backward and step; `slack` is then, per
+    state-dict name, how far each element may move apart in another summation order."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.steps: list[dict[str, torch.Tensor]] = []
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Adam):
+        assert isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and not optimizer.defaults["amsgrad"]
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.optimizer = optimizer
+        self.slack: dict[str, torch.Tensor] = {}
 
     def record(self) -> None:
-        self.steps.append({n: p.grad.detach().clone() for n, p in self.named if p.grad is not None})
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    name = self.names[p]
+                    self.slack[name] = self.slack.get(name, 0) + self._step_slack(p, group)
 
-    def slack(self, lr: float, eps: float = 1e-8) -> dict[str, torch.Tensor]:
-        """Per element: how far Adam(lr, eps) may move it apart in the other summation order."""
-        out: dict[str, torch.Tensor] = {}
-        for grads in self.steps:
-            for name, g in grads.items():
-                delta = SUM_ORDER_ULPS * U * g.abs().max()
-                # an exact zero is a sum of no terms (an embedding row no token used): zero in any order
-                out[name] = out.get(name, 0) + torch.where(g == 0, 0.0, lr * delta * eps / (g.abs() + eps) ** 2)
-        return out
+    def _step_slack(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """lr * delta * |d(m_hat / (sqrt(v_hat) + eps)) / dg| at this step (torch's Adam: bias-corrected)."""
+        (b1, b2), eps, state, g = group["betas"], group["eps"], self.optimizer.state.get(p, {}), p.grad.double()
+        t = int(state["step"]) + 1 if "step" in state else 1
+        m = state["exp_avg"].double() if state else torch.zeros_like(g)
+        v = state["exp_avg_sq"].double() if state else torch.zeros_like(g)
+        m_hat, v_hat = (b1 * m + (1 - b1) * g) / (1 - b1 ** t), (b2 * v + (1 - b2) * g * g) / (1 - b2 ** t)
+        root = v_hat.sqrt()
+        d_root = torch.where(root > 0, (1 - b2) / (1 - b2 ** t) * g / root.clamp_min(1e-300), 0.0)
+        slope = ((1 - b1) / (1 - b1 ** t) / (root + eps) - m_hat * d_root / (root + eps) ** 2).abs()
+        delta = SUM_ORDER_ULPS * U * g.abs().max()
+        # an exact zero is a sum of no terms (an embedding row no token used): zero in any order
+        return torch.where(g == 0, 0.0, float(group["lr"]) * delta * slope).float()
 
 
 def assert_close_after_adam(ours: dict, theirs: dict, slack: dict[str, torch.Tensor], tol: float = 1e-6) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
-from adam_rounding import GradientLog, assert_close_after_adam
+from adam_rounding import AdamSlack, assert_close_after_adam
 from spawn import run_ranks
 
 peft = pytest.importorskip("peft")  # the `test` extra pins it
@@ -220,17 +220,15 @@ def runs() -> list[dict]:
 # ---- one process ------------------------------------------------------------------------------------
 def _trained_on_one_process(model: torch.nn.Module) -> dict:
     """The PEFT model trained on the whole batch of each step by one process: losses and final state."""
-    opt, log = torch.optim.AdamW(trainable(model), lr=1e-2), GradientLog(model)
+    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
     losses = []
     for ids in batches():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        log.record()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "slack": log.slack(lr=1e-2)}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 @functools.cache
@@ -238,11 +236,19 @@ def lora_reference() -> dict:
     return _trained_on_one_process(lora_model())
 
 
+def _close(ours: dict, theirs: dict) -> None:
+    """To 1e-6: unlike the DPO case, the LoRA cases' Adam meets no gradient near zero: tests/adam_rounding.py's
+    slack stays under 5e-7 at every element (4e-9 at the rounding measured there)."""
+    assert ours.keys() == theirs.keys()
+    for k in theirs:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def test_peft_lora_trains_at_stage3_on_2_ranks_as_on_one_process_with_the_base_sharded():
     ours, ref = runs(), lora_reference()
     per_step = [sum(r["lora"]["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
-    assert_close_after_adam(ours[0]["lora"]["state"], ref["state"], ref["slack"])
+    _close(ours[0]["lora"]["state"], ref["state"])
     base = ours[0]["lora"]["base_numel"]
     for r in ours:  # each rank holds half of the frozen base (fp32), plus alignment padding
         assert base * 4 / 2 <= r["lora"]["frozen_bytes"] < base * 4 / 2 * 1.1
@@ -261,14 +267,14 @@ def test_peft_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_traine
 def test_peft_lora_stage3_checkpoint_resumes_on_one_rank_base_included():
     runs()
     resumed = run_ranks(_lora_resume, 1, work())[0]
-    # 1 rank accumulating against 2 ranks: summed in another order, as against the reference
-    assert_close_after_adam(resumed["state"], runs()[0]["lora"]["state"], lora_reference()["slack"])
+    _close(resumed["state"], runs()[0]["lora"]["state"])
 
 
 @functools.cache
 def dpo_reference() -> dict:
     policy, reference = llama(), llama().requires_grad_(False)
-    opt, log = torch.optim.AdamW(policy.parameters(), lr=1e-3), GradientLog(policy)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    log = AdamSlack(policy, opt)
     losses, data = [], batches()
     for step in range(STEPS - 1):
         loss = dpo_loss(policy, reference, data[step], data[step + 1])
@@ -278,7 +284,7 @@ def dpo_reference() -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in policy.state_dict().items()},
-            "slack": log.slack(lr=1e-3)}
+            "slack": log.slack}
 
 
 def test_dpo_with_a_frozen_reference_engine_beside_the_policy_equals_one_process():
@@ -314,8 +320,7 @@ def test_peft_model_on_meta_with_the_base_folder_as_weights_trains_on_2_ranks_as
     ours, ref = runs(), meta_reference()
     per_step = [sum(r["meta"]["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
-    # the trained adapter, and the base unchanged
-    assert_close_after_adam(ours[0]["meta"]["state"], ref["state"], ref["slack"])
+    _close(ours[0]["meta"]["state"], ref["state"])  # the trained adapter, and the base unchanged
     assert any("lora_A" in k for k in ref["state"])
     base = sum(v.numel() for k, v in ref["state"].items() if "lora_" not in k)
     # No rank reads, or holds, the whole base: each reads its half of the files, and keeps it sharded.
