@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from zerodp.accelerate_world import check_same_world  # torch-free, as this module must be
 from zerodp.lazy import lazy_names
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import Engine
     from zerodp.engine.summary import log_set_up
-
+    check_same_world()  # a script's Accelerator: every process sees the same two counts, so each refuses alone
     cfg, source, error = _local_inputs(config, weights, model)
     if param_init_fn is None and error is None:  # None still, unless a Hugging Face or PEFT model is on meta
         param_init_fn, error = _default_init_fn(model, source)
