@@ -80,6 +80,7 @@ def assert_close_after_adam(ours: dict, theirs: dict, slack: dict[str, torch.Ten
         if over.any():
             i = int((diff - allowed).argmax())
             at = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), diff.shape))
+            there = slack.get(k, torch.zeros(diff.shape)).flatten()[i].item()
             raise AssertionError(f"{k}: {int(over.sum())} of {diff.numel()} elements apart; the worst at {at}: "
                                  f"{diff.flatten()[i].item():.3g} apart, {allowed.flatten()[i].item():.3g} allowed "
-                                 f"(Adam's slack there {slack.get(k, torch.zeros(diff.shape)).flatten()[i].item():.3g})")
+                                 f"(Adam's slack there {there:.3g})")
