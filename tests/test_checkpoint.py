@@ -328,7 +328,13 @@ def test_reads_a_checkpoint_saved_before_and_writes_it_unchanged(tmp_path):
     expected = torch.load(os.path.join(FIXTURE, "expected.pt"), weights_only=True)
     got = runs()[2]["fixture"][0]
     assert_identical(got["loaded"], expected["saved"])
-    assert_identical(got["after"], expected["after"])
+    # The step after is floating point of this CPU: its bf16 products round otherwise where it has AVX512-BF16
+    # (this Xeon: 19 of 2188 weights off by up to 7.5e-9). One bf16 rounding (2^-8 of a gradient) moves
+    # AdamW's third step by at most lr (1 - b1) / (1 - b1^3) 2^-8 |g| / sqrt(v_hat), |g| / sqrt(v_hat) <= sqrt(3):
+    # 2.5e-6. A state restored wrong moves it by a part of the step itself (the step count one off: 27% of
+    # it, ~1e-4).
+    step_rounding = oracle.LR * 0.1 / (1 - 0.9 ** 3) * 2 ** -8 * 3 ** 0.5
+    assert_close(got["after"], expected["after"], tol=step_rounding)
     old, new = os.path.join(FIXTURE, "ckpt", "step2"), os.path.join(ckpt("fixture"), "step2")
     (tmp_path / "old").mkdir()
     (tmp_path / "new").mkdir()

@@ -68,29 +68,25 @@ def test_documented_estimate_numbers_are_what_the_command_prints(printed, doc):
 
 
 LORA_COMMAND = "zerodp estimate --model benchmarks/llama2-70b --world 8 --stage 2 3 --lora 8 --measure none"
-# The fine-tune section's rows (plan/finetune.py): N, stage, frozen base, trained states, device, host.
-LORA_ROW = re.compile(rf"^\s*8\s+(\d)\s+{SIZE}\s+{SIZE}\s+{SIZE}\s+-\s*$", re.M)
+# The fine-tune table's rows (plan/finetune.py): N, stage, frozen base, trained states, activations, device, host.
+LORA_ROW = re.compile(rf"^\s*8\s+(\d)\s+{SIZE}\s+{SIZE}\s+{SIZE}\s+{SIZE}\s+-\s*$", re.M)
 LORA_QUOTE = ("(`{command}`: rank-8 adapters on every Linear but the head, {trained} of {total} parameters, "
               "{percent}): {frozen2} of frozen base per rank at stage 2, {frozen3} at stage 3, beside {states3} "
-              "of trained states, {device3} on each GPU;")
+              "of trained states and {act} of activations ({batch}), {device3} on each GPU;")
 
 
-def test_documented_lora_numbers_are_what_the_fine_tune_section_prints():
-    """Its section alone (plan/finetune.py's render, what the command prints after its memory tables):
-    the tables before it build the whole 70B on meta, a minute of this test machine's CPU."""
-    from rich.console import Console
-
-    from zerodp.plan import finetune
-    from zerodp.plan.models import PlanModel
-
-    args = estimate.build_parser().parse_args(LORA_COMMAND.split()[2:])
-    out = io.StringIO()
-    finetune.render(args, PlanModel.parse(str(REPO / args.model)), Console(file=out, width=estimate.WIDTH))
-    text = out.getvalue()
+def test_documented_lora_numbers_are_what_the_fine_tune_estimate_prints():
+    """The command as written (run in this process, repo-relative --model): its fine-tune table is the
+    whole estimate, two small meta builds of the 70B."""
+    argv = LORA_COMMAND.split()[2:]
+    argv[argv.index("--model") + 1] = str(REPO / argv[argv.index("--model") + 1])
+    text = _run(*argv)
     rows = {int(m[1]): m.groups()[1:] for m in LORA_ROW.finditer(text)}
-    head = re.search(r"LoRA rank 8 trained \((\S+) of (\S+), (\S+)\)", " ".join(text.split()))
+    head = re.search(r"(micro-batch \d+ x \d+ tokens): LoRA rank 8 trained \((\S+) of (\S+), (\S+)\)",
+                     " ".join(text.split()))
     assert head is not None and set(rows) == {2, 3}, text
-    quote = LORA_QUOTE.format(command=LORA_COMMAND, trained=head[1], total=head[2], percent=head[3],
-                              frozen2=rows[2][0], frozen3=rows[3][0], states3=rows[3][1], device3=rows[3][2])
+    quote = LORA_QUOTE.format(command=LORA_COMMAND, trained=head[2], total=head[3], percent=head[4],
+                              frozen2=rows[2][0], frozen3=rows[3][0], states3=rows[3][1], act=rows[3][2],
+                              batch=head[1], device3=rows[3][3])
     doc = " ".join((REPO / "docs/COMMANDS.md").read_text().split())
     assert quote in doc, f"docs/COMMANDS.md should quote `{LORA_COMMAND}` as: {quote}"

@@ -230,12 +230,31 @@ def test_a_fine_tune_plans_the_frozen_base_whole_below_stage_3_and_one_nth_at_st
                if isinstance(m, torch.nn.Linear) and m.out_features != model.fields["vocab_size"])
     psi = model.num_params()
     estimate.main(["--model", "tiny", "--world", "4", "--stage", "2", "3", "--lora", "4", "--measure", "none"])
-    out = capsys.readouterr().out.split("Fine-tune of")[1]
-    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["4", "2"], ["4", "3"])]
+    printed = capsys.readouterr().out
+    assert printed.lstrip().startswith("Fine-tune of") and "Ψ =" not in printed  # no full-training table
+    rows = [line.split() for line in printed.splitlines() if line.split()[:2] in (["4", "2"], ["4", "3"])]
     frozen = 2 * (psi - lora)
     assert rows[0][2:4] == size(frozen).split() and rows[1][2:4] == size(round(frozen / 4)).split()
     assert rows[1][4:6] == size(formulas.formula(lora, 4, 3)).split()
+    # the device holds the activations too: by default micro-batch 1 x the tiny GPT's whole context
+    seq = model.shape().block_size
+    act = formulas.activation_estimate(model.shape(), 1, seq, "bf16")
+    assert f"micro-batch 1 x {seq} tokens" in " ".join(printed.split()) and rows[1][6:8] == size(act).split()
+    assert rows[1][8:10] == size(round(frozen / 4) + formulas.formula(lora, 4, 3) + act).split()
     assert formulas.finetune(psi, lora, 4, 3, offload_param=True)["host"] == round(frozen / 4) + round(2 * lora / 4)
     estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--trainable-fraction", "0.5",
                    "--measure", "none"])
     assert f"({params_text(round(psi / 2))} of {params_text(psi)}, 50.00%)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_fine_tunes_activations_follow_micro_batch_and_seq_and_fit_is_refused_with_it(capsys):
+    model = PlanModel.parse("tiny")
+    estimate.main(["--model", "tiny", "--world", "4", "--stage", "3", "--lora", "4", "--micro-batch", "3",
+                   "--seq", "100", "--measure", "none"])
+    printed = capsys.readouterr().out
+    row = next(line.split() for line in printed.splitlines() if line.split()[:2] == ["4", "3"])
+    assert "micro-batch 3 x 100 tokens" in " ".join(printed.split())
+    assert row[6:8] == size(memory.activation_estimate(model.shape(), 3, 100, "bf16")).split()
+    with pytest.raises(SystemExit):
+        estimate.main(["--model", "tiny", "--lora", "4", "--fit", "80GiB"])
+    assert "--fit plans full training" in capsys.readouterr().err

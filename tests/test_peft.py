@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import zerodp
+from adam_rounding import AdamSlack, assert_close_after_adam
 from spawn import run_ranks
 
 peft = pytest.importorskip("peft")  # the `test` extra pins it
@@ -236,6 +237,8 @@ def lora_reference() -> dict:
 
 
 def _close(ours: dict, theirs: dict) -> None:
+    """To 1e-6: unlike the DPO case, the LoRA cases' Adam meets no gradient near zero: tests/adam_rounding.py's
+    slack stays under 5e-7 at every element (4e-9 at the rounding measured there)."""
     assert ours.keys() == theirs.keys()
     for k in theirs:
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -271,21 +274,25 @@ def test_peft_lora_stage3_checkpoint_resumes_on_one_rank_base_included():
 def dpo_reference() -> dict:
     policy, reference = llama(), llama().requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    log = AdamSlack(policy, opt)
     losses, data = [], batches()
     for step in range(STEPS - 1):
         loss = dpo_loss(policy, reference, data[step], data[step + 1])
         loss.backward()
+        log.record()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in policy.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in policy.state_dict().items()},
+            "slack": log.slack}
 
 
 def test_dpo_with_a_frozen_reference_engine_beside_the_policy_equals_one_process():
     ours, ref = runs(), dpo_reference()
     per_step = [sum(r["dpo"]["losses"][s] for r in ours) / 2 for s in range(STEPS - 1)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
-    _close(ours[0]["dpo"]["state"], ref["state"])
+    # Adam where a gradient meets zero: tests/adam_rounding.py (lm_head[207, 31] moved 1.2e-6 on AVX-512)
+    assert_close_after_adam(ours[0]["dpo"]["state"], ref["state"], ref["slack"])
     numel = sum(p.numel() for p in llama().parameters())
     for r in ours:  # the reference model is sharded too: half of it on each rank
         assert numel * 4 / 2 <= r["dpo"]["frozen_bytes"] < numel * 4 / 2 * 1.1
@@ -373,22 +380,38 @@ def _config_md_block() -> str:
     return next(b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if "get_peft_model" in b)
 
 
-def test_config_md_peft_on_meta_runs_as_written_and_a_checkpoint_of_it_is_read_adapter_included(tmp_path):
-    scope = {"folder": base_folder()}
+def _whole_trained_as_the_block(folder: str) -> dict:
+    """The block's job as one process runs it without zerodp: the PEFT model of from_pretrained, its steps."""
+    torch.manual_seed(SEED)
+    whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                                peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW(trainable(whole), lr=1e-4)
+    for step in range(4):
+        ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(step))
+        whole(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return whole.state_dict()
+
+
+def test_config_md_peft_on_meta_runs_as_written_saves_its_adapter_and_a_checkpoint_of_it_is_read(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.symlink(base_folder(), tmp_path / "base")  # the block's folder = "base"
+    scope = {"__name__": "__main__"}
     torch.manual_seed(SEED)
     exec(compile(_config_md_block(), "docs/CONFIG.md", "exec"), scope)  # the documented code, as written
-    engine, model = scope["engine"], scope["model"]
-    torch.manual_seed(SEED)
-    whole = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_folder()),
-                                peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    assert engine.full_state_dict().keys() == whole.state_dict().keys()
-    assert all(torch.equal(v, whole.state_dict()[k]) for k, v in engine.full_state_dict().items())
-    ids = PROBE[:, :8]
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
-    engine.save_checkpoint(str(tmp_path))
-    trained = engine.full_state_dict()
+    engine, trained = scope["engine"], scope["engine"].full_state_dict()
+    whole = _whole_trained_as_the_block(base_folder())
+    assert trained.keys() == whole.keys()
+    for k, v in whole.items():  # one rank sums as one process does: no rounding apart
+        torch.testing.assert_close(trained[k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert any(v.any() for k, v in trained.items() if "lora_B" in k)  # trained away from PEFT's zero
+    # The adapter it saved is the trained one, as PEFT loads it onto the base.
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base_folder()),
+                                            str(tmp_path / "adapter"))
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
     again = meta_lora(base_folder(), r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    read = zerodp.initialize(again, torch.optim.AdamW(trainable(again)), config(1), weights=str(tmp_path))
-    assert any(v.any() for k, v in trained.items() if "lora_B" in k)  # trained: read, not initialised again
-    assert all(torch.equal(v, trained[k]) for k, v in read.full_state_dict().items())
+    read = zerodp.initialize(again, torch.optim.AdamW(trainable(again)), config(1), weights=str(tmp_path / "ckpt"))
+    assert all(torch.equal(v, trained[k]) for k, v in read.full_state_dict().items())  # the adapter read, not drawn

@@ -7,6 +7,7 @@ world-2 run shares one fork of two gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -21,6 +22,7 @@ pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("frozen_heap")  # ~20 gc.collect() a rank (conftest.py)
 
+from adam_rounding import AdamSlack, assert_close_after_adam  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 from test_hf_trainer import world_of_one  # noqa: E402
 from zerodp.engine.engine import inside
@@ -112,6 +114,25 @@ def run(module, script: str, model: Path, data: Path, out: Path, per_device: int
         transformers.Trainer.end = end
 
 
+@contextlib.contextmanager
+def adam_slack(into: dict):
+    """The Trainer's AdamW, as it steps: into["slack"] is how far each weight may move apart in another
+    summation order (tests/adam_rounding.py; DPO's gradients are differences of two sums, near zero by cancelling)."""
+    create = transformers.Trainer.create_optimizer
+
+    def creating(self):
+        optimizer = create(self)
+        slack = AdamSlack(self.model, optimizer)
+        optimizer.register_step_pre_hook(lambda *_: slack.record())
+        into["slack"] = slack.slack
+        return optimizer
+    transformers.Trainer.create_optimizer = creating
+    try:
+        yield
+    finally:
+        transformers.Trainer.create_optimizer = create
+
+
 def weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     name = "adapter_model.safetensors" if (out / "adapter_model.safetensors").exists() else "model.safetensors"
@@ -190,9 +211,11 @@ def _all_runs(root: Path) -> tuple[dict, dict]:
     for name, (script, extra, _) in CASES.items():
         if name in DDP_ORACLE:
             continue
-        with world_of_one():
+        recorded: dict = {}
+        with world_of_one(), adam_slack(recorded):
             run(plain_script(script), script, model, data[script], root / f"plain_{name}", 2 * MICRO, extra)
         plain[name] = weights(root / f"plain_{name}")
+        plain[(name, "slack")] = recorded["slack"]
     plain["initial"] = weights(model)
     AcceleratorState._reset_state(True)
     zero = run_ranks(rank_runs, 2, str(model), data, str(root), timeout_s=180)[0]
@@ -212,7 +235,9 @@ def test_trl_script_with_zerodp_class_on_2_ranks_equals_plain_trl_on_one_process
     assert zero[(*case, "built")] == [(f"Zero{SWAP[CASES[case[0]][0]]}", case[1])]
     diff = max_diff(zero[case], want)
     print(f"{case}: max weight difference {diff:.2e}")
-    assert diff < 2e-5, f"{case}: weights differ from plain TRL by {diff}"
+    # 2e-5, and where the one-process AdamW met a gradient near zero, what rounding can move it there
+    # (tests/adam_rounding.py): DPO's weights moved 1.4e-5 apart so, 4.8e-7 elsewhere (this Xeon)
+    assert_close_after_adam(zero[case], want, plain.get((case[0], "slack"), {}), tol=2e-5, rtol=0)
     if want.keys() == plain["initial"].keys():  # the run trained (not a LoRA adapter's file)
         assert max_diff(want, plain["initial"]) > 1e-3
 

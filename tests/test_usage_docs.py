@@ -94,3 +94,45 @@ def test_accelerate_script_runs_as_written_on_two_cpu_processes_and_equals_one(t
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=key)
     assert (tmp_path / "two" / "checkpoints" / "latest").read_text() == "global_step32"
+
+
+def test_accelerate_launch_on_cpus_without_accelerate_use_cpu_is_refused_naming_both_counts(tmp_path):
+    """docs/ACCELERATE.md's GPU line on a machine without GPUs (none visible): Accelerate counts 1 process,
+    torch.distributed 2. zerodp.initialize refuses it before training, so no process writes model.pt."""
+    pytest.importorskip("accelerate")
+    launch = [line for line in bash_lines("ACCELERATE.md") if line.startswith("accelerate launch")]
+    assert launch == ["accelerate launch --multi_gpu --num_processes 2 train.py"]
+    (tmp_path / "train.py").write_text(python_blocks("ACCELERATE.md")[0])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "ACCELERATE_USE_CPU")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(["bash", "-c", launch[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0
+    said = "zerodp.initialize: Accelerate sees 1 process(es) but torch.distributed's world has 2 ranks"
+    fix = "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2"
+    assert said in done.stderr and fix in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "model.pt").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def _initialize_beside_an_accelerate_of_one(rank: int, world: int) -> str:
+    """A rank of a gloo world of 2 whose Accelerate state counts 1 process (made without a launcher's
+    environment); zerodp.initialize's error, if any."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    import zerodp
+    PartialState(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    try:
+        zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"train_micro_batch_size_per_gpu": 1})
+    except ValueError as e:
+        return str(e)
+    finally:
+        AcceleratorState._reset_state(True)
+    return ""
+
+
+def test_every_rank_refuses_an_accelerate_that_counts_other_processes():
+    pytest.importorskip("accelerate")
+    for message in run_ranks(_initialize_beside_an_accelerate_of_one, 2):
+        assert "Accelerate sees 1 process(es) but torch.distributed's world has 2 ranks" in message, message

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Callable
 
+from zerodp.distributed.accelerate import check_same_world  # torch-free, as this module must be
 from zerodp.lazy import lazy_names
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     from zerodp.distributed.comm import DEFAULT_TIMEOUT_S, Comm, init_distributed
     from zerodp.engine.engine import inside, wrap
     from zerodp.engine.summary import log_set_up
-
+    check_same_world()  # a script's Accelerator: every process sees the same two counts, so each refuses alone
     cfg, source, error = _local_inputs(config, weights, model)
     if param_init_fn is None and error is None:  # None still, unless a Hugging Face or PEFT model is on meta
         param_init_fn, error = _default_init_fn(model, source)

@@ -1,6 +1,6 @@
 """What is imported when. A package's public names are imported from their modules on first use
 (PEP 562), so that importing the package imports no torch and every command's --help answers before
-torch loads. The optional dependencies: `pip install zerodp` is the library (torch, pydantic,
+torch loads. The optional dependencies: `pip install -e .` in zerodp's clone is the library (torch, pydantic,
 safetensors, numpy); the commands' tables, progress bars and plots come with `zerodp[train]`, Hugging
 Face models with `zerodp[hf]`; a command checks for what it needs before it starts (`require`), and
 says what to install."""
@@ -44,5 +44,5 @@ def require(command: str, *modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         extras = ",".join(sorted({EXTRA_OF.get(m, "train") for m in missing}))
-        raise SystemExit(f"{command} needs {', '.join(missing)}, which `pip install zerodp` leaves out: "
-                         f"pip install 'zerodp[{extras}]' (or, in a clone, pip install -e '.[{extras}]')")
+        raise SystemExit(f"{command} needs {', '.join(missing)}, which zerodp's extra [{extras}] installs: "
+                         f"pip install -e '.[{extras}]' in zerodp's clone (zerodp is not on PyPI)")

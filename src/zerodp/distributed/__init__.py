@@ -10,4 +10,5 @@
   teardown.py   the groups freed at exit, before the interpreter finalizes.
   said_once.py  an agreed error said by rank 0 in one `zerodp:` line.
   device.py     the one place that talks to the accelerator, through torch.accelerator.
+  accelerate.py a script's Accelerator (Hugging Face Accelerate): its process count against the world's.
 """

@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     _check(ap, args, model)
     console = Console(width=WIDTH)
+    from zerodp.plan import finetune
     from zerodp.plan.tables import fit_table, memory_tables
-    try:
-        for table in ([] if args.tp > 1 else [fit_table(args, model)] if args.fit is not None  # --tp: its section
-                      else memory_tables(args, model, console)):
+    try:  # --tp, --lora, --trainable-fraction: their section is the estimate, and leads
+        for table in ([] if args.tp > 1 or finetune.requested(args) else [fit_table(args, model)]
+                      if args.fit is not None else memory_tables(args, model, console)):
             console.print(table)
     except PlanModelError as e:  # e.g. a factory that is not there: found when the model is built
         ap.error(str(e))
@@ -127,6 +128,9 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None
     if args.measure == "fake" and args.dtype == "fp16":
         ap.error("--measure fake cannot run fp16 (the step's overflow check reads a value, which fake tensors "
                  "do not have); --dtype bf16 has the same sizes")
+    if args.fit is not None and (args.lora is not None or args.trainable_fraction is not None):
+        ap.error("--fit plans full training (the largest micro-batch and model); with --lora or "
+                 "--trainable-fraction the fine-tune's table is the estimate: leave --fit out")
     if args.fit is not None and model.kind == "factory":
         ap.error("--fit scales a GPT or Hugging Face config's width and depth; a factory's shape is unknown")
     if args.offload_param and set(args.stage) != {3}:
