@@ -45,6 +45,7 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     whole_parameters,
 )
+from zerodp.checkpoint.runs import UNNAMED, engine_run, new_run_id, set_engine_run
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -52,8 +53,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     """Write `save_dir/{tag}` (default `global_step{N}`) and point `save_dir/latest` at it.
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
-    keep_last=N then removes all but the N newest checkpoints of save_dir (by global step; never
-    the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
+    keep_last=N then removes all but the N newest checkpoints of this engine's run in save_dir (by global
+    step; never the new one, never another run's: runs.py); None keeps them all. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
     with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
@@ -76,7 +77,9 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
     shards = (tp_rank(engine), {} if manifest is None else tp_shapes(manifest["model"]))
-    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards))
+    # A fresh engine's first save starts a run: rank 0's new name is every rank's.
+    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards, engine_run(engine) or new_run_id()))
+    set_engine_run(engine, first[0][4])
     needed = sum(f[0] for f in first)  # the bytes this save writes, for a "no space" message
     _check_same_everywhere([f[1] for f in first], [f[2] for f in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
@@ -95,6 +98,8 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
         on_rank0(comm, shutil.rmtree, tmp)  # nothing renamed: `latest` and older checkpoints stand
         raise
     if comm.rank == 0:
+        if first[0][4] != UNNAMED:  # an unnamed run's checkpoints stay as they were written before runs had names
+            manifest["run"] = first[0][4]
         manifest["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
         manifest["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
     agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, manifest, keep_last))
