@@ -45,7 +45,7 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     whole_parameters,
 )
-from zerodp.checkpoint.runs import UNNAMED, engine_run, new_run_id, set_engine_run
+from zerodp.checkpoint.runs import UNNAMED, engine_run, new_run_id, run_of, set_engine_run
 
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -84,7 +84,7 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
     _check_same_everywhere([f[1] for f in first], [f[2] for f in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     # The manifest's tp shapes are every tp rank's; then the temp dir, also clearing killed saves' leftovers.
-    agree(comm, on_rank0(comm, _prepare, manifest, [f[3] for f in first], save_dir, tmp))
+    agree(comm, on_rank0(comm, _prepare, manifest, [f[3] for f in first], save_dir, tmp, first[0][4]))
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=comm.group)
         names = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
@@ -106,8 +106,13 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
     return tag
 
 
-def _prepare(manifest: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str) -> None:
+def _prepare(manifest: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str, run: str) -> None:
     join_tp_shapes(manifest["model"], shards)
+    existing = files.saved_manifest(os.path.join(save_dir, manifest["tag"]))
+    if existing is not None and run_of(existing) != run:  # a re-save replaces its tag: only within one run
+        raise CheckpointError(f"'{os.path.join(save_dir, manifest['tag'])}' is a checkpoint of another run "
+                              f"({run_of(existing)}; this engine's run is {run}), which this save would replace; "
+                              "save under another tag or into another directory")
     files.prepare(save_dir, tmp)
 
 
