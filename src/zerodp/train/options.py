@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
-    p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
+    p.add_argument("--keep-last", type=int, help="keep only this run's N newest checkpoints, never "
+                   "another run's (default: all)")
     p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, -tp<N> added with --tp N)")
     add_run_options(p)
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
@@ -97,7 +98,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     """--resume, --move-aside and --resume-from: which run the job continues, or how a new one takes --out."""
     p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
                    help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
-                   "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
+                   "intact one of the same run, with a warning, if latest is broken; from scratch, with a warning, if "
                    "there is none), or from checkpoint TAG; on "
                    "another number of ranks --grad-accum is adjusted to keep the global batch")
     p.add_argument("--move-aside", action="store_true", default=None,
