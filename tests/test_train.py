@@ -479,3 +479,26 @@ def test_keep_last_and_the_fallback_take_only_the_current_runs_checkpoints(run_f
         tag = f"checkpoints/global_step{step}"
         assert {k: v for k, v in snapshot(out).items() if k.startswith(tag)} == \
                {k: v for k, v in s["before"].items() if k.startswith(tag)}
+
+
+def test_move_aside_is_refused_where_it_would_move_what_the_run_reads_or_with_resume(tmp_path):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import choose_resume
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "run", "step": 0, "id": "20260101-000000-abcdef", "model": "tiny"}\n')
+    data = corpus(out)  # the data inside the folder that would move
+    with pytest.raises(SystemExit) as e:
+        choose_resume(parse_options([*TINY, "--data", data, "--out", str(out), "--move-aside"]), 2)
+    assert f"--move-aside would move '{out}', which holds '{data}' (--data) that this run reads" in str(e.value)
+    assert sorted(os.listdir(out)) == ["corpus.txt", "metrics.jsonl"]  # nothing moved
+    with pytest.raises(SystemExit) as e:  # without --move-aside: the run there, named by its metrics
+        choose_resume(parse_options([*TINY, "--data", data, "--out", str(out)]), 2)
+    assert "holds the work of run 20260101-000000-abcdef (tiny, no checkpoint read): metrics.jsonl" in str(e.value)
+    with pytest.raises(SystemExit, match="--move-aside starts a new run .* and --resume continues"):
+        parse_options([*TINY, "--out", str(out), "--move-aside", "--resume"])
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"move_aside": True}))
+    with pytest.raises(SystemExit, match="it is a choice for one command"):
+        parse_options(["--config", str(options)])

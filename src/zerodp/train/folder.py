@@ -75,15 +75,15 @@ def refusal(opts: argparse.Namespace, out: Path, found: list[str]) -> str:
                                 out=opts.out)
     their_steps = saved.get("steps") or opts.steps
     more = their_steps if their_steps > done else done + their_steps
-    n = 2
-    while Path(f"{opts.out}-{n}").exists():
+    base, n = os.path.normpath(opts.out), 2
+    while Path(f"{base}-{n}").exists():
         n += 1
     settings = "its own settings" if "flags" in saved else "this command's settings"
     return (f"zerodp train: '{out}' holds the work of {who}: {', '.join(found)}; a new run there would replace "
             f"it. Choose one:\n"
             f"  continue that run (with {settings}):\n    {command_line(theirs, more)}\n"
-            f"  this new run in another folder:\n    {command_line(opts, opts.steps, False, out=f'{opts.out}-{n}')}\n"
-            f"  this new run here, that run's work first moved to '{opts.out}.moved-<UTC time>':\n"
+            f"  this new run in another folder:\n    {command_line(opts, opts.steps, False, out=f'{base}-{n}')}\n"
+            f"  this new run here, that run's work first moved to '{base}.moved-<UTC time>':\n"
             f"    {command_line(opts, opts.steps, False, move_aside=True)}")
 
 

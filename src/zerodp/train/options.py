@@ -262,6 +262,8 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --keep-last {o['keep_last']!r}: expected a positive integer")
     if not isinstance(o["resume"], (bool, str)):
         raise SystemExit(f"zerodp train: --resume {o['resume']!r}: expected true/false or a checkpoint tag")
+    if o["move_aside"] and o["resume"] and "resume" not in o["flags"]:
+        o["resume"] = False  # --move-aside given for this command wins over a --config file's resume
     if o["move_aside"] and o["resume"]:
         raise SystemExit("zerodp train: --move-aside starts a new run (the folder's old one moved aside) and --resume "
                          "continues the folder's run: pass one of them")
