@@ -851,6 +851,28 @@ def test_a_checkpoint_saved_before_runs_had_names_is_run_unnamed_and_so_is_its_r
     assert json.load(open(tmp_path / "other" / "global_step1" / "zerodp.json"))["run"] != "unnamed"
 
 
+def test_resume_past_an_unreadable_latest_in_a_folder_of_two_runs_takes_the_run_its_metrics_name(tmp_path, capsys):
+    import argparse
+
+    from zerodp.train.resume import choose_resume
+    d = tmp_path / "run" / "checkpoints"
+    d.mkdir(parents=True)
+    for tag, run, step in (("theirs", "20260101-000000-aaaaaa", 9), ("ours", "20260102-000000-bbbbbb", 1)):
+        shutil.copytree(os.path.join(small_checkpoint(), "global_step1"), d / tag)
+        meta = json.loads((d / tag / "zerodp.json").read_text())
+        meta["tag"], meta["run"], meta["counters"]["global_steps"] = tag, run, step
+        (d / tag / "zerodp.json").write_text(json.dumps(meta))
+    (d / "latest").write_text("??")
+    with pytest.raises(ck.CheckpointError, match="holds the checkpoints of 2 runs"):
+        ck.newest_intact(str(d))  # which run is current cannot be told from the checkpoints alone
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"kind": "run", "step": 0, "id": "20260102-000000-bbbbbb"}))
+    opts = argparse.Namespace(resume=True, resume_from=None, out=str(tmp_path / "run"), grad_accum=1,
+                              micro_batch=2, explicit=set(), steps=10, warmup=0, tp=1)
+    choose_resume(opts, 1)
+    assert opts.resume_path == str(d / "ours") and opts.run == "20260102-000000-bbbbbb"  # never step 9 of theirs
+    assert "resuming from the newest intact checkpoint of run 20260102-000000-bbbbbb" in capsys.readouterr().err
+
+
 def test_next_save_removes_the_temp_dirs_of_killed_saves(tmp_path):
     d = tmp_path / "c"
     with world_of_one():
