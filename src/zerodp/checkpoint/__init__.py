@@ -15,7 +15,8 @@ A checkpoint is a directory `save_dir/{tag}` holding:
     tp shard's axis and every tp rank's shape), the tp size, the saved layout, the python/numpy RNG
     of every rank and the size + crc32 of every file.
 `save_dir/latest` names the newest tag. Each checkpoint names its run (runs.py): keep_last and the
-fallback past a broken `latest` choose among one run's checkpoints only. save_dir must be a filesystem every rank sees (DCP's rule):
+fallback past a broken `latest` choose among one run's checkpoints only.
+save_dir must be a filesystem every rank sees (DCP's rule):
 rank 0 renames what all ranks wrote.
 
 One concept per file, read in this order:

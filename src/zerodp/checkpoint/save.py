@@ -54,7 +54,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
     keep_last=N then removes all but the N newest checkpoints of this engine's run in save_dir (by global
-    step; never the new one, never another run's: runs.py); None keeps them all. Returns the tag. A peer that stalls or dies during the save
+    step; never the new one, never another run's: runs.py); None keeps them all. A tag that holds another
+    run's checkpoint is refused, not replaced. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
     with engine.comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):

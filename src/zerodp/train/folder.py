@@ -56,7 +56,8 @@ def move_aside(opts: argparse.Namespace, out: Path) -> Path:
     reads = {"--data": opts.data, "--config": opts.config, "--ds-config": opts.ds_config,
              "--resume-from": opts.resume_from, "--model": opts.model, "the current directory": "."}
     for flag, path in reads.items():
-        if path and os.path.exists(path) and here in (Path(os.path.realpath(path)), *Path(os.path.realpath(path)).parents):
+        real = Path(os.path.realpath(path)) if path and os.path.exists(path) else None
+        if real is not None and here in (real, *real.parents):
             raise SystemExit(f"zerodp train: --move-aside would move '{out}', which holds {path!r} "
                              f"({flag}) that this run reads; move that out of it first, or pass another --out")
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
