@@ -8,8 +8,9 @@ found on load.
 
 Housekeeping, on rank 0 only and never while a save is writing: `prepare` removes the `.tmp.*`
 directories of killed saves (and `.old.*` copies whose re-save completed) before a save writes;
-`prune` keeps the newest `keep_last` checkpoints (by global step, from zerodp.json) after a save has
-committed, never the one `latest` names, never a directory that is not a zerodp checkpoint.
+`prune` keeps the saving run's newest `keep_last` checkpoints (by global step, from zerodp.json) after a
+save has committed, never the one `latest` names, never another run's (runs.py), never a directory that is
+not a zerodp checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import zlib
 
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.manifest import FORMAT, validate  # noqa: F401 - FORMAT is named here with the other file names
+from zerodp.checkpoint.runs import Saved, doomed, run_of
 
 MANIFEST = "zerodp.json"
 LATEST = "latest"
@@ -49,24 +51,32 @@ def finish(save_dir: str, tmp: str, tag: str, manifest: dict, keep_last: int | N
     write_atomic(path, text)
     commit(save_dir, tmp, tag)
     if keep_last is not None:
-        prune(save_dir, keep_last, tag)
+        prune(save_dir, keep_last, tag, run_of(manifest))
 
 
-def prune(save_dir: str, keep_last: int, latest: str) -> list[str]:
-    """Remove the checkpoints of save_dir beyond the newest `keep_last` (by global step, then time),
-    never `latest`; returns the removed tags. Directories that are not zerodp checkpoints stay."""
+def prune(save_dir: str, keep_last: int, latest: str, run: str) -> list[str]:
+    """Remove run `run`'s checkpoints of save_dir beyond its newest `keep_last` (by global step, then time),
+    never `latest`; returns the removed tags. Other runs' checkpoints and directories that are not zerodp
+    checkpoints stay."""
+    gone = doomed(scan(save_dir), keep_last, latest, run)
+    for name in gone:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return gone
+
+
+def scan(save_dir: str) -> list[Saved]:
+    """Every checkpoint directory of save_dir whose zerodp.json is valid (its files unchecked), with its
+    step and run; what keep_last and the fallback choose among."""
     found = []
-    for name in os.listdir(save_dir):
+    for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
         path = os.path.join(save_dir, name)
         if name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
             continue
-        step = saved_step(path)
-        if step is not None:
-            found.append((step, os.path.getmtime(os.path.join(path, MANIFEST)), name))
-    doomed = [name for _, _, name in sorted(found, reverse=True)[keep_last:] if name != latest]
-    for name in doomed:
-        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-    return doomed
+        manifest = saved_manifest(path)
+        if manifest is not None:
+            found.append(Saved(name, manifest["counters"]["global_steps"],
+                               os.path.getmtime(os.path.join(path, MANIFEST)), run_of(manifest)))
+    return found
 
 
 def check_keep_last(keep_last: int | None) -> None:
@@ -75,11 +85,11 @@ def check_keep_last(keep_last: int | None) -> None:
                               "to keep) or None to keep them all")
 
 
-def saved_step(path: str) -> int | None:
-    """The global step of checkpoint directory `path`, or None if it is not a valid zerodp checkpoint."""
+def saved_manifest(path: str) -> dict | None:
+    """The zerodp.json of checkpoint directory `path`, or None if it is not a valid zerodp checkpoint."""
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            return validate(f.read(), path)["counters"]["global_steps"]
+            return validate(f.read(), path)
     except (OSError, ValueError):  # CheckpointError is a ValueError
         return None
 
