@@ -791,7 +791,7 @@ def test_keep_last_keeps_the_newest_by_global_step_and_never_latest(tmp_path):
 
 
 def test_keep_last_and_the_fallback_choose_among_the_current_runs_checkpoints_only():
-    from zerodp.checkpoint.runs import Saved, doomed, newest_first, only_run
+    from zerodp.checkpoint.files import Saved, doomed, newest_first, only_run
 
     theirs = [Saved(f"global_step{n}", n, 1.0, "A") for n in (50, 100, 110)]  # a finished run's: higher steps
     ours = [Saved(f"global_step{n}", n, 2.0 + n, "B") for n in (2, 4, 6)]

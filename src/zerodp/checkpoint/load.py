@@ -36,7 +36,7 @@ from zerodp.checkpoint.pieces import (
     whole_parameters,
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
-from zerodp.checkpoint.runs import run_of, set_engine_run
+from zerodp.checkpoint.files import run_of, set_engine_run
 from zerodp.checkpoint.whole import its_shard, plan
 from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local

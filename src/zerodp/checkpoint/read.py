@@ -6,7 +6,7 @@ followed out of the checkpoint directory: every file named in zerodp.json or in 
 must resolve inside it (no absolute path, `..` or symlink out), checked before any of them is opened.
 No unrestricted unpickling: `.metadata` (a pickle) is read with an unpickler that admits only DCP's
 own metadata classes; tensors are read with torch.load(weights_only=True). `newest_intact` is what a
-resume falls back on when `latest` is broken: the newest intact checkpoint of the same run (runs.py).
+resume falls back on when `latest` is broken: the newest intact checkpoint of the same run (files.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from zerodp.checkpoint.deepspeed import directory_contents
 from zerodp.checkpoint.errors import CheckpointError, failure_text
 from zerodp.checkpoint.files import LATEST, MANIFEST, TAG
 from zerodp.checkpoint.manifest import validate
-from zerodp.checkpoint.runs import Saved, newest_first, only_run, run_of
+from zerodp.checkpoint.files import Saved, newest_first, only_run, run_of
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28

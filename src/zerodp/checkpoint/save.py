@@ -45,7 +45,7 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     whole_parameters,
 )
-from zerodp.checkpoint.runs import UNNAMED, engine_run, new_run_id, run_of, set_engine_run
+from zerodp.checkpoint.files import UNNAMED, engine_run, new_run_id, run_of, set_engine_run
 from zerodp.engine.engine import inside
 
 
@@ -55,7 +55,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
     keep_last=N then removes all but the N newest checkpoints of this engine's run in save_dir (by global
-    step; never the new one, never another run's: runs.py); None keeps them all. A tag that holds another
+    step; never the new one, never another run's: files.py); None keeps them all. A tag that holds another
     run's checkpoint is refused, not replaced. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """

@@ -1,6 +1,6 @@
 """Whose work an --out folder holds: a fresh run never lands in another run's folder by default.
 
-A run's work is its folder's RUN_OUTPUTS: checkpoints/ (each checkpoint names its run, zerodp.checkpoint.runs),
+A run's work is its folder's RUN_OUTPUTS: checkpoints/ (each checkpoint names its run, zerodp.checkpoint.files),
 metrics.jsonl (its "run" records name it too), report.png, final.pt and hf/. A fresh run (no --resume) into
 a folder holding any of them stops before any rank starts, naming the folder, the run there and the three
 ways on, each as the whole command: continue that run (--resume), this run in another folder (a new --out),
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zerodp.checkpoint import CheckpointError, resolve
 from zerodp.checkpoint.read import current_run
-from zerodp.checkpoint.runs import run_of
+from zerodp.checkpoint.files import run_of
 from zerodp.train.options import command_line
 
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "report.png", "final.pt", "hf")

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerodp
 from zerodp.checkpoint.export_engine import save_final
-from zerodp.checkpoint.runs import set_engine_run
+from zerodp.checkpoint.files import set_engine_run
 from zerodp.distributed.device import accelerator_type, can_pin, current
 from zerodp.engine.engine import Engine, inside
 from zerodp.models.build import build_model, hf_description, weights_of

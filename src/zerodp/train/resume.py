@@ -22,7 +22,7 @@ from pathlib import Path
 from zerodp.checkpoint import CheckpointError, deepspeed, newest_intact, resolve
 from zerodp.checkpoint.files import LATEST
 from zerodp.checkpoint.read import current_run
-from zerodp.checkpoint.runs import new_run_id, run_of
+from zerodp.checkpoint.files import new_run_id, run_of
 from zerodp.train.folder import claim, run_record
 from zerodp.train.options import command_line
 
