@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -53,6 +55,32 @@ def _both_scripts_and_zero_features(rank: int, world: int, tmp: str) -> dict:
     engine.step()  # SGD: the update starts from the kept weight 2.0 on every rank
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         out["mid_after_step"] = model.mid.weight.detach().clone()
+    out.update(_release_then_destroy(engine, model, x, y))
+    return out
+
+
+def _release_then_destroy(engine, model, x, y) -> dict:
+    """DeepSpeed's tests' ending, and its zero3 docs' empty_partition_cache, at stage 3."""
+    out = {}
+    held = engine(x, y)  # a forward whose backward never comes: its parameters stay gathered for it
+    out["before"] = {p.ds_status.name for p in model.parameters()}
+    engine.empty_partition_cache()
+    out["after"] = {p.ds_status.name for p in model.parameters()}
+    del held
+    engine.backward(engine(x, y))  # training goes on: the next forward gathers what it needs
+    engine.step()
+    inner = weakref.ref(engine.engine)
+    engine.destroy()
+    out["hooks"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
+                       + len(m._state_dict_hooks) for m in model.modules())
+    out["grad_hooks"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    try:
+        engine.step()
+    except RuntimeError as e:
+        out["after_destroy"] = str(e)
+    del engine
+    gc.collect()
+    out["engine_freed"] = inner() is None  # the model, still held here, no longer keeps the engine alive
     return out
 
 
@@ -67,6 +95,10 @@ def test_deepspeed_script_with_only_its_import_changed_matches_zerodp_initialize
     assert results[0]["deepspeed"][:8] != results[1]["deepspeed"][:8]  # each rank saw its own data
     mid0, mid1 = results[0]["mid_after_step"], results[1]["mid_after_step"]
     assert torch.equal(mid0, mid1) and (mid0 - 2.0).abs().max() < 0.5 and (mid0 != 2.0).any()
+    for r in results:  # empty_partition_cache and destroy, as DeepSpeed's tests and zero3 docs call them
+        assert r["before"] == {"AVAILABLE"} and r["after"] == {"NOT_AVAILABLE"}
+        assert r["hooks"] == 0 and r["grad_hooks"] == 0 and r["engine_freed"]
+        assert "destroyed (engine.destroy())" in r["after_destroy"]
 
 
 # ---- initialize: DeepSpeed's arguments and 4-tuple (world of one, in-process) --------------------

@@ -332,6 +332,12 @@ class Training:
         self.micro_steps = self.stepped_at = global_steps * self.sharded.spec.gas
         self.scale_used = self.scaler.scale
 
+    def remove_hooks(self) -> None:
+        """The gradient hooks and the forward's gather waits removed (DeepSpeed's destroy)."""
+        self.reducer.remove_hooks()
+        if self.forward_order is not None:
+            self.forward_order.remove_hooks()
+
     def weights_from_masters(self) -> None:
         """The working parameters from the fp32 masters, on every rank (collective): after the masters
         were written (a checkpoint loaded)."""
