@@ -67,9 +67,7 @@ class DeepSpeedEngine:
         gathers what it needs. Parameters under stage3_param_persistence_threshold stay whole (zerodp
         keeps them gathered for good, with no hook to gather them again). Below stage 3 parameters are
         whole by design: nothing to release. Local: no collective."""
-        gatherer = inside(self.engine).sharded.gatherer
-        if gatherer is not None:
-            gatherer.release_gathered()
+        inside(self.engine).sharded.release_gathered()
         gc.collect()
         empty_cache(self.device)
 
