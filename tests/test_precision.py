@@ -117,3 +117,15 @@ def test_bf16_masters_and_states_survive_a_checkpoint(tmp_path):
     assert states and all(v.dtype == torch.bfloat16 for v in states)
     report = second.memory_report()
     assert report["fp32_master"] == 0 and report["master_remainders"] > 0
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"bf16": {"bf16_optimizer_states": True}}, "set with bf16.enabled false"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "with zero_optimization.offload_optimizer"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16 masters would lose fp32's range"),
+])
+def test_low_precision_optimizer_keys_refused_where_they_cannot_hold(config, says):
+    from zerodp.config import ConfigError
+    with pytest.raises((ConfigError, ValueError), match=says):
+        load_config(config)
