@@ -52,7 +52,7 @@ class DeepSpeedEngine:
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
         engine = self.__dict__.get("engine")
         if engine is None:
-            if self.__dict__.get("_destroyed"):
+            if self.__dict__.get("_destroyed") and not name.startswith("__"):  # (protocol probes stay AttributeErrors)
                 raise RuntimeError(f"this engine was destroyed (engine.destroy()), and {name!r} was read of it; "
                                    "build a new one with deepspeed.initialize")
             raise AttributeError(name)
