@@ -47,8 +47,11 @@ LOW_RUNS = ([(stage, dtype, offload, world) for world in (1, 2) for stage in STA
 LOW_STATE_STAGES = [1, 2, 3]
 COMPENSATED = ("bf16_master_weights_and_grads", True)
 BF16_STATES = (*COMPENSATED, "bf16_optimizer_states", True)
+# ... and beside the two offloads: bf16 states in host memory (stage 2), compensated masters over host shards (3)
+LOW_STATE_OFFLOAD_JOBS = {"offload_optimizer": (LOW_PRECISION, 2, "bf16", True, 0, "bf16_optimizer_states", True),
+                          "offload_param": (LOW_PRECISION, 3, "bf16", False, 0, "offload_param", True, *COMPENSATED)}
 LOW_STATE_JOBS = [(LOW_PRECISION, stage, "bf16", False, 0, *kw) for stage in LOW_STATE_STAGES
-                  for kw in (COMPENSATED, BF16_STATES)]
+                  for kw in (COMPENSATED, BF16_STATES)] + list(LOW_STATE_OFFLOAD_JOBS.values())
 BUCKET_VARIANTS = {1: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
                    2: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64),
                        ("allgather_bucket_size", 1)],
@@ -318,6 +321,19 @@ def test_bf16_masters_and_optimizer_states_match_fp32_masters_within_their_round
     assert full["fp32_master"] == 2 * half["master_remainders"] == 2 * exact["memory"]["master_remainders"] > 0
     assert full["optimizer_states"] == exact["memory"]["optimizer_states"] == 2 * half["optimizer_states"]
     assert half["optimizer_states"] == 2 * half["master_remainders"]  # m and v, 2 bytes each per element
+
+
+def test_bf16_masters_and_states_beside_offload_match_the_same_offload_with_fp32_ones():
+    runs = engine_runs(2)
+    on_host, fp32_on_host = runs[LOW_STATE_OFFLOAD_JOBS["offload_optimizer"]], runs[(LOW_PRECISION, 2, "bf16", True)]
+    steps = on_host["steps"]
+    bound = oracle.LR * (0.1 / 0.001 ** 0.5) * 3 * 2 ** -8 * steps * (steps + 1) / 2  # as derived above
+    assert_matches(on_host["state"], fp32_on_host["state"], rtol=0, atol=bound)
+    assert 2 * on_host["memory"]["optimizer_states"] == fp32_on_host["memory"]["optimizer_states"]
+    shards_on_host = runs[LOW_STATE_OFFLOAD_JOBS["offload_param"]]
+    plain = runs[(LOW_PRECISION, 3, "bf16", False, 0, "offload_param", True)]
+    for k in plain["state"]:
+        assert torch.equal(shards_on_host["state"][k], plain["state"][k]), k
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")
