@@ -213,6 +213,19 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _low_precision_optimizer(self) -> Config:
+        bf16 = self.bf16
+        if (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states) and not bf16.enabled:
+            raise ValueError("bf16.bf16_master_weights_and_grads / bf16.bf16_optimizer_states are set with "
+                             "bf16.enabled false: they keep the optimizer's masters and states beside bf16 "
+                             "working weights; set bf16.enabled true, or remove them")
+        if bf16.bf16_master_weights_and_grads and self.zero_optimization.offload_optimizer.device == "cpu":
+            raise ValueError("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer is "
+                             "not supported (the remainder lives beside the working shard on the device); "
+                             "offloaded masters cost no device memory: remove one of the two")
+        return self
+
+    @model_validator(mode="after")
     def _refused_values(self) -> Config:
         problems = refusals(self)
         accum = self.data_types.grad_accum_dtype
