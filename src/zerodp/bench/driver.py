@@ -267,8 +267,9 @@ def print_table(title: str, results: list[Result], spreads: dict[str, dict[str, 
     from rich.console import Console
     from rich.table import Table
     table = Table(title=title)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("mode", "status / note") else "right")
+    for col in COLUMNS:  # only the note wraps: a number split over two lines misreads
+        table.add_column(col, justify="left" if col in ("mode", "status / note") else "right",
+                         no_wrap=col != "status / note")
     for r in results:
         own = (spreads or {}).get(r.mode, {})
         loss = f"{r.losses[0]:.3f}→{r.losses[-1]:.3f}" if r.losses else "-"
