@@ -46,11 +46,11 @@ def world1(tmp_path_factory) -> dict:
     one that imported torch and the worker once (~5 CPU s less per process); the default, a fresh interpreter
     per mode, runs in test_multi_rank_modes below."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    printed, progress = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(progress):
         bench.main(TINY + ["--modes", *SUITE_MODES, "--checkpointing", "--fake-world", "8", "--fork",
                            "--repeats", str(ROUNDS), "--json", str(out)])
-    return {**json.loads(out.read_text()), "printed": printed.getvalue()}
+    return {**json.loads(out.read_text()), "printed": printed.getvalue(), "progress": progress.getvalue()}
 
 
 def test_every_mode_is_one_the_worker_builds():
@@ -168,6 +168,12 @@ def test_modes_run_in_rounds_a_b_c_a_b_c(world1):
     """The order the runs really had: sequence numbers, rounds and start times, one mode after another."""
     runs = world1["runs"]
     assert [r["mode"] for r in runs] == SUITE_MODES * ROUNDS
+    # and said so as each ended (stderr): a long run shows its progress, one stopped keeps its numbers
+    lines = [line for line in world1["progress"].splitlines() if line.startswith("round ")]
+    assert len(lines) == len(runs)
+    assert all(line.startswith(f"round {r['round'] + 1}/{ROUNDS}: {r['mode']} ") for line, r in zip(lines, runs))
+    assert lines[-1] == f"round {ROUNDS}/{ROUNDS}: deepspeed2 skipped: {runs[-1]['reason']}" or \
+        lines[-1] == f"round {ROUNDS}/{ROUNDS}: deepspeed2 {runs[-1]['tokens_per_s']:,.0f} tokens/s"
     assert [r["sequence"] for r in runs] == list(range(len(runs)))
     assert [r["round"] for r in runs] == [i for i in range(ROUNDS) for _ in SUITE_MODES]
     assert all(a["ended"] <= b["started"] for a, b in itertools.pairwise(runs)), "a run began before the last ended"

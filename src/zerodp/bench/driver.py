@@ -390,6 +390,9 @@ def run_rounds(modes: list[str], args: argparse.Namespace) -> tuple[list[Result]
             runs.append({"sequence": len(runs), "round": round_, "started": started, "ended": time.time(),
                          **asdict(r)})
             by_mode[mode].append(r)
+            # a line per run as it ends, on stderr: a long run shows its progress, and one stopped keeps its numbers
+            done = f"{r.tokens_per_s:,.0f} tokens/s" if r.status == "ok" else f"{r.status}: {r.reason}"
+            print(f"round {round_ + 1}/{args.repeats}: {mode} {done}", file=sys.stderr, flush=True)
     return [median_result(by_mode[m]) for m in modes], runs
 
 
