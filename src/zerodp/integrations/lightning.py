@@ -45,14 +45,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 import zerodp
-from zerodp.config import ConfigError
+from zerodp.config import Config, ConfigError, Said, load_config
 from zerodp.config.schema import read_config_file
 from zerodp.engine.engine import Engine, inside
 from zerodp.engine.faces import EngineModule, EngineOptimizer, deferred_reduction
 
 STATE_FILE = "lightning_state.pt"  # Lightning's own part of a checkpoint directory, beside zerodp's shards
-# Lightning's precision names that zerodp runs exactly: its config sections (fp32 has none).
-_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+# Lightning's precision names that zerodp runs exactly: the dtype each is in zerodp.
+_PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 _NAMED = {"zerodp": {"stage": 2}, "zerodp_stage_1": {"stage": 1}, "zerodp_stage_2": {"stage": 2},
           "zerodp_stage_3": {"stage": 3},
           "zerodp_stage_2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -71,28 +71,13 @@ def _config_dict(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict
     return dict(config)
 
 
-def _set(config: dict[str, Any], key: str, value: Any, source: str) -> None:
-    """config[key] = value, or an error when the config already says otherwise."""
-    if key in config and config[key] != value:
-        raise ConfigError(f"the zerodp config has {key}={config[key]!r} but {source} says {value!r}; "
-                          f"give it in one place")
-    config[key] = value
-
-
-def _precision_sections(config: dict[str, Any], precision: str) -> None:
-    """Lightning's precision flag as the config's fp16 / bf16 section, or a refusal naming it."""
+def _dtype(precision: str) -> Said:
+    """Lightning's precision flag as the dtype zerodp runs (Config.under_framework), or a refusal naming it."""
     if precision not in _PRECISIONS:
         raise ConfigError(f"precision={precision!r} has no exact zerodp equivalent; ZeroStrategy runs "
                           f"{', '.join(repr(p) for p in _PRECISIONS)} (the last two as the config's bf16 / fp16 "
                           "sections: low-precision weights with fp32 masters)")
-    wanted = _PRECISIONS[precision]
-    for section in ("bf16", "fp16"):
-        enabled = bool(config.get(section, {}).get("enabled", False))
-        if enabled and section != wanted:
-            raise ConfigError(f"the zerodp config enables {section} but Lightning's precision is {precision!r}; "
-                              f"pass precision={'bf16-mixed' if section == 'bf16' else '16-mixed'!r} or drop the section")
-    if wanted is not None:
-        config[wanted] = {**config.get(wanted, {}), "enabled": True}
+    return Said(_PRECISIONS[precision], f"Lightning's precision is {precision!r}")
 
 
 def _save_dir(engine: Engine, path: str, state: dict[str, Any]) -> None:
@@ -190,18 +175,17 @@ class ZeroStrategy(DDPStrategy):
         self.lr_scheduler_configs = schedulers  # stepped by Lightning's loop on the rewired optimizer
         return engine
 
-    def _config_for(self, trainer) -> dict[str, Any]:
-        config = dict(self.config)
+    def _config_for(self, trainer) -> Config:
+        """The strategy's config under the Trainer's accumulation, clipping, batch and precision (Lightning decides
+        them: Config.under_framework's precedence)."""
         if getattr(trainer, "gradient_clip_algorithm", "norm") == "value" and trainer.gradient_clip_val:
             raise ValueError("gradient_clip_algorithm='value' is not supported by ZeroStrategy: the engine clips "
                              "the global norm of its sharded gradients; use gradient_clip_algorithm='norm'")
-        _set(config, "gradient_accumulation_steps", trainer.accumulate_grad_batches, "accumulate_grad_batches")
-        if trainer.gradient_clip_val:
-            _set(config, "gradient_clipping", float(trainer.gradient_clip_val), "gradient_clip_val")
-        if "train_batch_size" not in config:
-            config.setdefault("train_micro_batch_size_per_gpu", _micro_batch(trainer))
-        _precision_sections(config, self.precision_plugin.precision)
-        return config
+        k, clip = trainer.accumulate_grad_batches, trainer.gradient_clip_val
+        return load_config(self.config).under_framework(
+            gradient_accumulation_steps=Said(k, f"accumulate_grad_batches says {k!r}"),
+            gradient_clipping=Said(float(clip), f"gradient_clip_val says {float(clip)!r}") if clip else None,
+            dtype=_dtype(self.precision_plugin.precision), micro_batch_size=_micro_batch(trainer))
 
     def teardown(self) -> None:
         # Lightning's own teardown moves the module to the CPU: its parameters are views into the engine's
@@ -318,10 +302,9 @@ class ZeroFabricStrategy(FabricDDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer):
         if self._module is None or self.engine is not None:
             raise RuntimeError("ZeroFabricStrategy builds one engine: set up one module, then its optimizer")
-        config = dict(self.config)
-        if "train_batch_size" not in config:
-            config.setdefault("train_micro_batch_size_per_gpu", 1)
-        _precision_sections(config, str(self.precision.precision))
+        # The loop is the user's: Fabric decides only the precision (a micro batch of 1 is what zerodp reports).
+        config = load_config(self.config).under_framework(dtype=_dtype(str(self.precision.precision)),
+                                                          micro_batch_size=1)
         self.precision = FabricPrecision()  # no autocast / casts: the engine owns the dtype
         self.engine = zerodp.initialize(self._module, optimizer, config, process_group=torch.distributed.group.WORLD)
         self._wrapped.engine = self.engine
