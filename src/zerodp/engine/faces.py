@@ -58,7 +58,9 @@ class EngineOptimizer:
         self.engine = engine
         self.state: dict = {}  # nothing for a loop to move between devices: the state is sharded in the engine
         self.defaults = getattr(engine.optimizer, "defaults", {})
-        self.last_lr = engine.get_lr()  # the lr the last update used (what a loop logs after it)
+        # The lr the last update used, for an EngineScheduler's get_last_lr: kept only once one exists, since
+        # reading the lr settles a step decided on the device (a wait a loop without one does not pay).
+        self.last_lr: list[float] | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -66,7 +68,8 @@ class EngineOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         result = closure() if closure is not None else None
-        self.last_lr = self.engine.get_lr()
+        if self.last_lr is not None:
+            self.last_lr = self.engine.get_lr()
         self.engine.step()
         return result
 
@@ -88,12 +91,13 @@ class EngineScheduler:
 
     def __init__(self, optimizer: EngineOptimizer) -> None:
         self.optimizer = optimizer
+        optimizer.last_lr = optimizer.engine.get_lr()  # before any update: the lr the first one will use
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def get_last_lr(self) -> list[float]:
-        return self.optimizer.last_lr
+        return list(self.optimizer.last_lr)
 
 
 def defers_reduction(engine: Engine) -> bool:
