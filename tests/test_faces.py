@@ -32,6 +32,8 @@ def test_the_module_face_runs_the_engine_and_names_the_users_model():
     face = EngineModule(engine.module, engine)
     assert torch.equal(face(*_batch()), engine(*_batch()))
     assert face._get_name() == "Toy" and face.module is engine.module
+    with face.no_sync():  # DDP's, as a loop calls it on its model: the engine's deferred reduction
+        assert inside(engine).training.in_no_sync is False  # stage 2 keeps a gradient shard: nothing to defer
     waiting = EngineModule(engine.module, not_built="fabric.forward() before the optimizer is set up")
     with pytest.raises(RuntimeError, match="before the optimizer is set up"):
         waiting(*_batch())
@@ -74,6 +76,8 @@ def test_deferred_reduction_is_no_sync_where_the_engine_keeps_whole_gradients(st
     with deferred_reduction(engine):
         assert inside(engine).training.in_no_sync is defers
         engine.backward(engine(*_batch()))
+    with EngineModule(engine.module, engine).no_sync():
+        assert inside(engine).training.in_no_sync is defers
     engine.backward(engine(*_batch()))
     engine.step()
     assert engine.global_steps == 1

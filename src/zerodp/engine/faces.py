@@ -3,7 +3,7 @@ interfaces, for the compatibility layers (integrations/hf, integrations/lightnin
 that was written for a plain torch module and optimizer.
 
   EngineModule      an nn.Module whose forward runs the engine (input casts, stage 3's gathers): the model the
-                    framework's loop calls.
+                    framework's loop calls; its no_sync is DDP's, by deferred_reduction.
   EngineOptimizer   param_groups / step / zero_grad / state_dict: step() is the engine's step (reduce, clip,
                     update, gather); the real optimizer's state lives sharded in the engine and its checkpoint.
   EngineScheduler   for a loop that steps its scheduler itself: the engine steps the real one after each update
@@ -44,6 +44,13 @@ class EngineModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.engine is not None:
             self.engine.zero_grad()  # gradients live in the engine's buckets, cleared by step()
+
+    def no_sync(self) -> AbstractContextManager:
+        """DDP's no_sync, which a loop calls on the model before an accumulation window's last micro-batch: the
+        engine's deferred reduction (deferred_reduction below)."""
+        if self.engine is None:
+            raise RuntimeError(self._not_built or "the zerodp engine is not built yet")
+        return deferred_reduction(self.engine)
 
     def _get_name(self) -> str:
         # A loop that picks behaviour by the model class's name (a causal label shift) sees the user's model.
