@@ -3,7 +3,8 @@ no import circle between files or between the top-level packages, no function ov
 name taken through a package's __init__.py (its face) from outside the package, nor re-exported by one;
 no folder with more than 15 modules directly, no module over 500 lines, the engine's rooms layered
 (layout < tensor_parallel < setup < sharding < stepping < the engine's root, each importing only rooms
-below it), and every package's docstring naming its modules and sub-packages.
+below it), every package's docstring naming its modules and sub-packages, and each adapter role (the engine as a
+framework's model, optimizer or scheduler) defined once, in engine/faces.py.
 (`--help` importing no torch is test_first_hour.py's first test.)
 
 Every import counts: at module level, inside functions (a late import that dodges a circle at run time
