@@ -23,6 +23,7 @@ from zerodp.checkpoint.files import LATEST
 from zerodp.deepspeed.utils.timer import ThroughputTimer
 from zerodp.distributed.device import empty_cache
 from zerodp.engine.engine import Engine, inside
+from zerodp.engine.faces import defers_reduction
 from zerodp.engine.sharding.module import ShardedModule
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
@@ -126,7 +127,7 @@ class DeepSpeedEngine:
 
     @contextmanager
     def no_sync(self):
-        if inside(self.engine).spec.keeps_gradient_shard:
+        if not defers_reduction(self.engine):  # DeepSpeed's exception and words for it
             raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
                                  f"of ZeRO stage {inside(self.engine).spec.stage}")
         with self.engine.no_sync():

@@ -12,13 +12,16 @@ import json
 import math
 import os
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerodp.models.hf_folder import is_model_folder  # torch-free
 
 # No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
 # zerodp.config are imported inside parse_options, after argparse has run).
 from zerodp.models.sizes import HF_MODELS, SIZES
+
+if TYPE_CHECKING:  # torch underneath: imported where the config is built, after argparse
+    from zerodp.config import Config
 
 # A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
 # passes the code on (defined here, torch-free: the launcher does not import the training loop).
@@ -317,19 +320,11 @@ def _check_tp(o: dict[str, Any]) -> None:
                          "--stage 1, 2 or 3, or --tp 1")
 
 
-def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
-    """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
+def ds_config(opts: argparse.Namespace) -> Config:
+    """The zerodp config: the --ds-config file's, under the job's settled options (Config.for_job's precedence)."""
+    from zerodp.config import load_config
     from zerodp.train.ds_sections import job_world, read_ds_config
-    base = read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else {}
-    # The job builds the optimizer and schedule (ds_sections.py); batch sizes are the job's options.
-    for key in ("optimizer", "scheduler", "train_batch_size"):
-        base.pop(key, None)
-    zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
-    offload = zero.get("offload_optimizer", {})
-    zero["offload_optimizer"] = {**offload, "device": "cpu" if opts.offload else "none"}
-    return {**base, "comm_timeout_s": opts.timeout, "train_micro_batch_size_per_gpu": opts.micro_batch,
-            "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
-            "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},
-            "fp16": {**base.get("fp16", {}), "enabled": opts.dtype == "fp16"},
-            "non_finite": {**base.get("non_finite", {}), "policy": opts.on_non_finite},
-            "zero_optimization": zero}
+    base = load_config(read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else None)
+    return base.for_job(stage=opts.stage, offload_optimizer=opts.offload, dtype=opts.dtype,
+                        micro_batch_size=opts.micro_batch, gradient_accumulation_steps=opts.grad_accum,
+                        gradient_clipping=opts.clip, comm_timeout_s=opts.timeout, non_finite_policy=opts.on_non_finite)
