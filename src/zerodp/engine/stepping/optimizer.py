@@ -16,11 +16,16 @@ host memory and the user's optimizer steps on the CPU; the device keeps only the
 parameters and the gradient buckets. Gradient shards go out and updated weights come back with
 non-blocking copies of one dtype each (offload.py: one host block, casts on the host), and a torch
 Adam/AdamW that chose no implementation steps with its fused CPU kernel.
+
+ZeRO-Infinity's disk tier (`disk`: offload_optimizer "nvme"): the same host step, with the masters and the
+optimizer state in a file of this rank's, streamed through a bounded pool of host buffers one sub-group at a
+time (disk.py); each stepped master is copied to its working shard before it is written back.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 from torch.optim import Optimizer
@@ -30,6 +35,7 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.layout.flat import ALIGN, Bucket
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.stepping.disk import DiskSettings, DiskTier
 from zerodp.engine.stepping.offload import HostShards, use_fused_kernel
 from zerodp.engine.stepping.optimizer_view import OptimizerLike
 from zerodp.engine.stepping.unused import UsedParameters
@@ -41,7 +47,8 @@ class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
-                 used_only: UsedParameters | None = None):
+                 used_only: UsedParameters | None = None, disk: DiskSettings | None = None):
+        offload = offload or disk is not None  # the disk tier steps on the host too
         self.comm, self.offload = comm, offload
         self.sharded = spec.shards_optimizer  # False (stage 0): every rank steps every bucket whole
         self.gathers_after_step = spec.gathers_after_step
@@ -64,7 +71,14 @@ class PartitionedOptimizer(TimedGathers):
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
         pin = offload and pin_memory and can_pin()
         self.host: HostShards | None = None  # offload: masters, gradients and staging in host memory
-        if offload:
+        self.disk: DiskTier | None = None  # offload to disk: masters and optimizer states in this rank's file
+        if disk is not None:
+            if any(b.whole for b in self.buckets):
+                raise ValueError("offload_optimizer \"nvme\" keeps flat fp32 shards on disk; an optimizer that steps "
+                                 "whole parameters (Adafactor, Muon, ...) is not supported there: use \"cpu\"")
+            self.masters = [torch.empty(s.numel(), dtype=torch.float32).copy_(s) for s in fp32_shards]
+            self.disk = DiskTier(self.masters, sub_group_size, layout.rank, disk)
+        elif offload:
             working = self.buckets[0].data.dtype if self.buckets else torch.float32
             self.host = HostShards(fp32_shards, working, pin)
             self.masters = self.host.masters
@@ -89,6 +103,8 @@ class PartitionedOptimizer(TimedGathers):
             opt.register_step_pre_hook(self._only_from_engine)
         # offload: a torch Adam/AdamW that chose no implementation now steps with its fused CPU kernel
         self.fused_on_host = offload and use_fused_kernel(self.optimizer)
+        if self.disk is not None:
+            self.disk.open(self.optimizer)  # the masters (and any initial state) go to disk
 
     def _stepped(self, b: Bucket, m: torch.Tensor) -> list[torch.Tensor]:
         """The tensors the optimizer steps for bucket b, whose master is m (see __init__)."""
@@ -156,7 +172,10 @@ class PartitionedOptimizer(TimedGathers):
             self.optimizer.found_inf = found_inf
         self._stepping = True
         try:
-            self._step_sub_groups(grads, coef, fold)
+            if self.disk is not None:
+                self._step_from_disk(grads, coef, fold)
+            else:
+                self._step_sub_groups(grads, coef, fold)
         finally:
             self._stepping = False
             self.optimizer.__dict__.pop("found_inf", None)
@@ -167,27 +186,42 @@ class PartitionedOptimizer(TimedGathers):
     def _step_sub_groups(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
         """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
-            masters = [self.masters[k] for k in part]
             if not self.offload:
-                for m, k in zip(masters, part):
-                    m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
-            if coef is not None and not fold:
-                torch._foreach_mul_([m.grad for m in masters], coef)
-            whole = [k for k in part if self.buckets[k].whole]
-            for k in whole:
-                self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
-                self._whole_gradients(k)
-            if self.used_only is None:
-                self.optimizer.step()  # parameters whose .grad is None are left alone
-            else:
-                with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
-                    self.optimizer.step()
-            for m in masters:
-                m.grad = None
-            for k in whole:
-                self.whole_over_tp.put_back(k, self.masters[k])
-                for t in self.stepped[k]:
-                    t.grad = None
+                for k in part:
+                    self.masters[k].grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
+            self._step_part(part, coef, fold)
+
+    def _step_from_disk(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
+        """The sub-groups streamed from disk, each stepped and sent to its working shard; an I/O error on any
+        rank is raised on every rank (before the gather that would leave the others waiting)."""
+        error = None
+        try:
+            self.disk.stream(self.optimizer, grads, lambda part: self._step_part(part, coef, fold),
+                             lambda k, m: self.buckets[k].owned.copy_(m))
+        except OSError as e:
+            error = e
+        self.comm.agree(error, "the optimizer step (offload_optimizer \"nvme\")")
+
+    def _step_part(self, part: list[int], coef: torch.Tensor | None, fold: bool) -> None:
+        """One optimizer.step() over masters[part], their gradients set."""
+        masters = [self.masters[k] for k in part]
+        if coef is not None and not fold:
+            torch._foreach_mul_([m.grad for m in masters], coef)
+        whole = [k for k in part if self.buckets[k].whole]
+        for k in whole:
+            self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
+            self._whole_gradients(k)
+        if self.used_only is None:
+            self.optimizer.step()  # parameters whose .grad is None are left alone
+        else:
+            with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
+                self.optimizer.step()
+        for m in masters:
+            m.grad = None
+        for k in whole:
+            self.whole_over_tp.put_back(k, self.masters[k])
+            for t in self.stepped[k]:
+                t.grad = None
 
     def _whole_gradients(self, k: int) -> None:
         """Bucket k's owned parameters get their gradients in their own shape (views of the master's
@@ -219,7 +253,10 @@ class PartitionedOptimizer(TimedGathers):
 
     def step_copy_bytes(self, numels: list[int], grad_dtype: torch.dtype) -> int:
         """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none). With
-        offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards)."""
+        offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards). On disk the
+        gradients go into the pool's buffers (disk.py), counted there."""
+        if self.disk is not None:
+            return 0
         if self.host is not None:
             third = grad_dtype not in (torch.float32, self.host.working)
             on_device = bool(self.buckets) and self.buckets[0].data.device.type != "cpu"
@@ -241,7 +278,10 @@ class PartitionedOptimizer(TimedGathers):
         in_flight = 0
         for k in self.gather_order:
             b, m = self.buckets[k], self.masters[k]
-            if self.host is not None:
+            if self.disk is not None:
+                if not self.disk.sent:  # (a step sent each master as it stepped it)
+                    b.owned.copy_(self.disk.master(k))
+            elif self.host is not None:
                 self.host.send_weights(k, b.owned)
             elif self.separate:
                 b.owned.copy_(m, non_blocking=True)
@@ -253,6 +293,8 @@ class PartitionedOptimizer(TimedGathers):
                 in_flight += b.numel
         if self.host is not None:
             self.host.send_done()
+        if self.disk is not None:
+            self.disk.sent = False
         if not defer:
             self.wait_for_parameters()
 
@@ -262,6 +304,10 @@ class PartitionedOptimizer(TimedGathers):
         them. The other parameters' masters keep their fp32 values; frozen buckets have none."""
         if not self.separate:  # the masters are the working shards themselves
             return
+        with self.in_memory():
+            self._adopt(buckets, params)
+
+    def _adopt(self, buckets: list[Bucket], params: set[int] | None) -> None:
         for b in buckets:
             if b.frozen:
                 continue
@@ -281,8 +327,15 @@ class PartitionedOptimizer(TimedGathers):
         self.gather_order = order
         self.position = {k: i for i, k in enumerate(order)}
 
+    def in_memory(self):
+        """A context in which every master and optimizer state is a tensor in host memory (on disk they are
+        read in, and written back after it): for checkpoints and anything else that reads them as tensors."""
+        return self.disk.resident(self.optimizer) if self.disk is not None else nullcontext()
+
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
+        if self.disk is not None:
+            m = self.disk.master(b.index)
         if not self.sharded:
             return m.detach().clone()
         device = b.data.device
@@ -291,7 +344,10 @@ class PartitionedOptimizer(TimedGathers):
         return full
 
     def bytes(self) -> dict[str, int]:
-        """Bytes of fp32 master and optimizer state; on the host when offloaded."""
+        """Bytes of fp32 master and optimizer state; on the host when offloaded, on disk with the disk tier
+        (then also the file's bytes and the host buffers it streams through)."""
+        if self.disk is not None:
+            return {**self.disk.bytes(), "offload_gradients": 0}
         master = sum(m.numel() * 4 for m in self.masters) if self.separate else 0
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)

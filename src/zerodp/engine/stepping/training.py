@@ -25,6 +25,8 @@ from zerodp.config import Config
 from zerodp.engine.layout.flat import Bucket
 from zerodp.engine.sharding.memory import whole_parameter_shares
 from zerodp.engine.sharding.module import ShardedModule
+from zerodp.distributed.device import can_pin
+from zerodp.engine.stepping.disk import DiskSettings
 from zerodp.engine.stepping.forward_order import ForwardOrder
 from zerodp.engine.stepping.non_finite import (
     NonFiniteError,
@@ -91,9 +93,21 @@ class Training:
                      fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
         zero, s = config.zero_optimization, self.sharded
         offload = zero.offload_optimizer
-        return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
-                                    offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
-                                    self.used_only)
+        if offload.device != "nvme":
+            return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
+                                        offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
+                                        self.used_only)
+        # The disk tier: a missing, unwritable or full nvme_path (or too few buffers) on any rank is raised on
+        # every rank, before the first collective that would leave the others waiting.
+        disk = DiskSettings.from_config(config, offload.pin_memory and can_pin())
+        error = part = None
+        try:
+            part = PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, True, offload.pin_memory,
+                                        zero.allgather_bucket_size, zero.sub_group_size, self.used_only, disk)
+        except (OSError, ValueError) as e:
+            error = e
+        s.comm.agree(error, "zerodp.initialize (offload_optimizer \"nvme\")")
+        return part
 
     def _forward_order(self, config: Config) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
@@ -278,6 +292,13 @@ class Training:
         """This rank's fp32 master of each bucket, by bucket index (the whole bucket in stage 0). Written
         in place, they become the weights at the next weights_from_masters()."""
         return self.partitioned_optimizer.masters
+
+    def model_states_in_memory(self):
+        """A context in which master_shards() and the optimizer's state are tensors in host memory: with the disk
+        tier (offload_optimizer "nvme") they are read in for its body and written back after it, which a
+        checkpoint's save or load needs (this rank's states are then in host memory at once); otherwise they
+        always are."""
+        return self.partitioned_optimizer.in_memory()
 
     def stepped_tensors(self) -> list[list[torch.Tensor]]:
         """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
