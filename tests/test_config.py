@@ -175,16 +175,21 @@ def test_hf_auto_placeholder_is_explained(key, section, expected):
     assert "placeholder the Hugging Face Trainer fills in" in message and expected in message
 
 
-def test_nvme_offload_is_refused_pointing_to_cpu():
+def test_nvme_offload_of_the_optimizer_needs_a_path():
     message = error_of({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
-    assert "'zero_optimization.offload_optimizer.device' = \"nvme\"" in message
-    assert "NVMe offload is not supported" in message and '"cpu"' in message
+    assert 'offload_optimizer.device "nvme" needs offload_optimizer.nvme_path' in message
+
+
+def test_nvme_offload_of_parameters_is_refused_pointing_to_cpu():
+    message = error_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert "'zero_optimization.offload_param.device' = \"nvme\"" in message
+    assert "not implemented" in message and '"cpu"' in message
 
 
 def test_unknown_offload_device_lists_choices():
     message = error_of({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
     assert "'zero_optimization.offload_optimizer.device' = \"gpu\"" in message
-    assert "'none' or 'cpu'" in message
+    assert "'none', 'cpu' or 'nvme'" in message
 
 
 def test_partition_activations_is_refused_explaining_why():

@@ -235,3 +235,64 @@ def test_the_step_holds_only_the_pool_and_the_file_holds_the_states(tmp_path):
     slot = part.disk.slot_bytes[0]
     assert report["nvme_host_buffers"] == 4 * slot and report["nvme_file"] == 8 * 3 * slot
     assert report["disk_model_states"] == 3 * 4 * sum(p.numel() for p in model.parameters())
+
+
+def _events(tmp_path, monkeypatch, **offload) -> list[tuple]:
+    """The transfers started and finished, and the optimizer's steps, in one step over eight sub-groups."""
+    events = []
+    real_start, real_finish = disk_module.DiskTier._start, disk_module.DiskTier._finish
+    monkeypatch.setattr(disk_module.DiskTier, "_start",
+                        lambda self, write, g, slot: events.append(("start", "write" if write else "read", g))
+                        or real_start(self, write, g, slot))
+    monkeypatch.setattr(disk_module.DiskTier, "_finish",
+                        lambda self, doing, g, requests: events.append(("finish", doing[:-3].replace("writ", "write"), g))
+                        or real_finish(self, doing, g, requests))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 4200, "sub_group_size": 4200,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), **offload}}}
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), cfg)
+    engine.optimizer.register_step_pre_hook(lambda *a: events.append(("step",)))
+    events.clear()
+    engine.backward(engine(torch.randn(2, 64)).square().mean())
+    engine.step()
+    return events
+
+
+@pytest.mark.parametrize("read,write", [(False, False), (True, False), (False, True), (True, True)])
+def test_pipeline_read_and_write_overlap_the_transfers_with_the_step(tmp_path, monkeypatch, read, write):
+    """pipeline_read: sub-group 1 is being read while sub-group 0 steps; pipeline_write: sub-group 0 is being
+    written while sub-group 1 steps. Off: each transfer is finished before the next step."""
+    events = _events(tmp_path, monkeypatch, pipeline_read=read, pipeline_write=write, buffer_count=16)
+    first_step = events.index(("step",))
+    assert (("start", "read", 1) in events[:first_step]) == read
+    second_step = events.index(("step",), first_step + 1)
+    assert (events.index(("finish", "write", 0)) > second_step) == write
+    assert events.count(("step",)) == 8 and sum(e[:2] == ("start", "write") for e in events) == 8
+
+
+@pytest.mark.parametrize("single_submit", [False, True])
+def test_aio_keys_shape_the_requests(tmp_path, monkeypatch, single_submit):
+    """block_size cuts a transfer into requests, queue_depth groups them into runs in flight at once (one
+    vectored call each, or one call per request with single_submit), on thread_count threads; what is
+    written reads back."""
+    calls = []
+    real = os.pwritev
+    monkeypatch.setattr(disk_module.os, "pwritev",
+                        lambda fd, bufs, offset: calls.append([len(b) for b in bufs]) or real(fd, bufs, offset))
+    settings = disk_module.DiskSettings(str(tmp_path), 4, False, False, True, block_size=8192, queue_depth=3,
+                                        thread_count=2, single_submit=single_submit, timeout_s=60, pin=False)
+    scratch = disk_module.ScratchFile(str(tmp_path), 0, 10 * 8192, settings)
+    assert scratch.pool._max_workers == 2
+    out = disk_module.aligned_bytes(10 * 8192)
+    out.copy_(torch.randint(0, 255, (10 * 8192,), dtype=torch.uint8))
+    runs = scratch.transfer(True, 0, out)
+    assert len(runs) == 3 and all(r.result() is None for r in runs)  # 10 requests in runs of 4, 4 and 2
+    assert sorted(calls) == ([[8192]] * 10 if single_submit else [[8192] * 2, [8192] * 4, [8192] * 4])
+    back = disk_module.aligned_bytes(10 * 8192)
+    for r in scratch.transfer(False, 0, back):
+        r.result()
+    assert torch.equal(back, out)
+    scratch.close()
+    assert os.listdir(tmp_path) == []

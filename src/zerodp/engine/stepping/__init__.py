@@ -10,6 +10,8 @@ and skips.
   optimizer_view.py  what an optimizer may see (`view_of`, `refusal`), `OptimizerLike`, `Optimizers` (a list
                      stepped as one).
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
+  disk.py            ZeRO-Infinity's disk tier (offload_optimizer "nvme"): `DiskTier`, the masters and states in
+                     a scratch file streamed through a bounded pool of host buffers.
   precision.py       `LossScaler`: fp16's dynamic loss scale.
   non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.
   unused.py          `UsedParameters`: only the parameters that got a gradient are stepped.

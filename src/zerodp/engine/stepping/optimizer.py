@@ -69,22 +69,9 @@ class PartitionedOptimizer(TimedGathers):
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
-        pin = offload and pin_memory and can_pin()
         self.host: HostShards | None = None  # offload: masters, gradients and staging in host memory
         self.disk: DiskTier | None = None  # offload to disk: masters and optimizer states in this rank's file
-        if disk is not None:
-            if any(b.whole for b in self.buckets):
-                raise ValueError("offload_optimizer \"nvme\" keeps flat fp32 shards on disk; an optimizer that steps "
-                                 "whole parameters (Adafactor, Muon, ...) is not supported there: use \"cpu\"")
-            self.masters = [torch.empty(s.numel(), dtype=torch.float32).copy_(s) for s in fp32_shards]
-            self.disk = DiskTier(self.masters, sub_group_size, layout.rank, disk)
-        elif offload:
-            working = self.buckets[0].data.dtype if self.buckets else torch.float32
-            self.host = HostShards(fp32_shards, working, pin)
-            self.masters = self.host.masters
-        else:
-            # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
-            self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
+        self.masters = self._masters(fp32_shards, offload and pin_memory and can_pin(), sub_group_size, disk)
         self.set_gather_order(list(range(len(self.buckets))))
         # Whole parameters that are tensor-parallel shards: stepped as the whole matrix, gathered over tp.
         self.whole_over_tp = WholeOverTp(self.buckets, self.rank, comm, self.masters)
@@ -105,6 +92,24 @@ class PartitionedOptimizer(TimedGathers):
         self.fused_on_host = offload and use_fused_kernel(self.optimizer)
         if self.disk is not None:
             self.disk.open(self.optimizer)  # the masters (and any initial state) go to disk
+
+    def _masters(self, fp32_shards: list[torch.Tensor], pin: bool, sub_group_size: int,
+                 disk: DiskSettings | None) -> list[torch.Tensor]:
+        """The fp32 master of each bucket: in the host block (offload), in host tensors the disk tier empties once
+        the optimizer is built on them (disk), or the fresh shards / the working shards themselves."""
+        if disk is not None:
+            if any(b.whole for b in self.buckets):
+                raise ValueError("offload_optimizer \"nvme\" keeps flat fp32 shards on disk; an optimizer that steps "
+                                 "whole parameters (Adafactor, Muon, ...) is not supported there: use \"cpu\"")
+            masters = [torch.empty(s.numel(), dtype=torch.float32).copy_(s) for s in fp32_shards]
+            self.disk = DiskTier(masters, sub_group_size, self.rank, disk)
+            return masters
+        if self.offload:
+            working = self.buckets[0].data.dtype if self.buckets else torch.float32
+            self.host = HostShards(fp32_shards, working, pin)
+            return self.host.masters
+        # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
+        return [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
 
     def _stepped(self, b: Bucket, m: torch.Tensor) -> list[torch.Tensor]:
         """The tensors the optimizer steps for bucket b, whose master is m (see __init__)."""
