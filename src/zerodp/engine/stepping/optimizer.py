@@ -167,6 +167,7 @@ class PartitionedOptimizer(TimedGathers):
             self.host.receive_gradients(grads)
             for m, h in zip(self.masters, self.host.grads):
                 m.grad = h
+        if self.offload:  # (on disk too) the host steps: its scale is a host tensor
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
