@@ -296,3 +296,30 @@ def test_aio_keys_shape_the_requests(tmp_path, monkeypatch, single_submit):
     assert torch.equal(back, out)
     scratch.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_estimates_disk_bytes_are_the_engines_and_its_buffers_bound_the_pool(tmp_path):
+    """formulas.on_disk (zerodp estimate --offload nvme) against an engine's memory_report: the same bytes on
+    disk, and a pool within the formula's buffers plus each buffer's rounding to 4096 bytes."""
+    from zerodp.plan.formulas import on_disk
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 4200, "sub_group_size": 4200,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), cfg)
+    engine.backward(engine(torch.randn(2, 64)).square().mean())
+    engine.step()
+    report = engine.memory_report()
+    planned = on_disk(sum(p.numel() for p in model.parameters()), 1, 2, "adamw", sub_group_size=4200, buffer_count=4)
+    assert planned["disk"] == report["disk_model_states"]
+    assert report["nvme_host_buffers"] <= planned["host_buffers"] + 4 * 4096
+    assert planned["traffic"] == 2 * planned["disk"]
+
+
+def test_estimate_offload_nvme_prints_the_disk_table(capsys):
+    from zerodp.plan import estimate
+    estimate.main(["--model", "125M", "--world", "8", "--stage", "3", "--measure", "none", "--offload", "nvme",
+                   "--step-time", "2"])
+    out = capsys.readouterr().out
+    assert "Optimizer states on disk" in out and "disk GB/s needed" in out
