@@ -323,3 +323,20 @@ def test_estimate_offload_nvme_prints_the_disk_table(capsys):
                    "--step-time", "2"])
     out = capsys.readouterr().out
     assert "Optimizer states on disk" in out and "disk GB/s needed" in out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_on_disk_trains_as_host_offload_bit_for_bit(tmp_path, dtype):
+    """The same host step as "cpu" offload (casts to the working dtype on the host), the states on disk."""
+    out = {}
+    for device in ("cpu", "nvme"):
+        torch.manual_seed(0)
+        model = oracle.Toy(hidden=60)
+        cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 1.0, dtype: {"enabled": True},
+               "zero_optimization": {"stage": 2, "reduce_bucket_size": 900, "sub_group_size": 1500,
+                                     "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)}}}
+        engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg)
+        _steps(engine, 0, 3)
+        out[device] = engine.full_state_dict()
+    for k in out["cpu"]:
+        assert torch.equal(out["nvme"][k], out["cpu"][k]), k
