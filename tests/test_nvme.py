@@ -65,9 +65,24 @@ def _fault(rank, world, kind, root):
     return "no error", time.monotonic() - start
 
 
+def _save_midway(rank, world, root, ckpt):
+    """4 steps with the states on disk, saved after step 2; the final weights."""
+    case = oracle.Case(gas=1)
+    model = oracle.build(case)
+    cfg = oracle.config_for(case, 2, world, offload_optimizer={"device": "nvme", "nvme_path": root})
+    engine = zerodp.initialize(model, oracle.one_group(model), cfg)
+    for step, micro in enumerate(oracle.batches(world, 1, steps=4)):
+        if step == 2:
+            engine.save_checkpoint(ckpt)
+        mine = slice(rank * oracle.MICRO, (rank + 1) * oracle.MICRO)
+        engine.backward(engine(micro[0][0][mine], micro[0][1][mine]))
+        engine.step()
+    return engine.full_state_dict()
+
+
 def _jobs(rank, world, jobs):
-    return {job: (_train(rank, world, *job[1:]) if job[0] == "train" else _fault(rank, world, *job[1:]))
-            for job in jobs}
+    run = {"train": _train, "fault": _fault, "save": _save_midway}
+    return {job: run[job[0]](rank, world, *job[1:]) for job in jobs}
 
 
 @functools.cache
@@ -97,7 +112,7 @@ def runs(world: int) -> tuple[dict, str, list[str]]:
     jobs = [("train", case, stage, root) for case, stage, w in RUNS if w == world]
     jobs += [("fault", "missing", os.path.join(root, "absent"))]
     if world == 2:
-        jobs += [("fault", "write", root)]
+        jobs += [("fault", "write", root), ("save", root, os.path.join(tempfile.mkdtemp(prefix="zerodp-ckpt-"), "c"))]
         if _mounts() is not None:
             jobs += [("fault", kind, path) for kind, path in _mounts().items()]
     ranks = run_ranks(_jobs, world, jobs, timeout_s=120)
@@ -159,7 +174,8 @@ def _engine(offload: dict, stage: int = 2, seed: int = 0, timeout: float | None 
 
 def _steps(engine, first: int, last: int) -> None:
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(3, oracle.D_IN, generator=g), 5 * torch.randn(3, oracle.D_OUT, generator=g)) for _ in range(last)]
+    data = [(torch.randn(3, oracle.D_IN, generator=g), 5 * torch.randn(3, oracle.D_OUT, generator=g))
+            for _ in range(last)]
     for x, y in data[first:last]:
         engine.backward(engine(x, y))
         engine.step()
@@ -181,6 +197,25 @@ def test_a_checkpoint_resumes_across_nvme_cpu_and_no_offload(tmp_path, saved, re
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
     assert second.global_steps == 4
     assert [f for f in os.listdir(tmp_path) if f != "ckpt"] == []  # the scratch files are never in the directory
+
+
+def test_a_checkpoint_saved_from_disk_on_two_ranks_resumes_on_one_with_host_offload():
+    """Saved midway by 2 ranks with their states on disk, loaded by one process with "cpu" offload and the
+    2 ranks' batch: it ends where the 2 ranks ended."""
+    ranks, root, _ = runs(2)
+    job = next(k for k in ranks[0] if k[0] == "save")
+    case = oracle.Case(gas=1)
+    model = oracle.build(case)
+    cfg = oracle.config_for(case, 2, 1, offload=True)
+    cfg["train_micro_batch_size_per_gpu"] = 2 * oracle.MICRO
+    engine = zerodp.initialize(model, oracle.one_group(model), cfg)
+    engine.load_checkpoint(job[2])
+    for micro in oracle.batches(2, 1, steps=4)[2:]:
+        engine.backward(engine(*micro[0]))
+        engine.step()
+    ended = ranks[0][job]
+    for k, v in engine.full_state_dict().items():
+        torch.testing.assert_close(v, ended[k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 def test_a_stalled_read_is_named_within_comm_timeout_s(tmp_path, monkeypatch):
@@ -237,6 +272,9 @@ def test_the_step_holds_only_the_pool_and_the_file_holds_the_states(tmp_path):
     assert report["disk_model_states"] == 3 * 4 * sum(p.numel() for p in model.parameters())
 
 
+_VERB = {"reading": "read", "writing": "write"}
+
+
 def _events(tmp_path, monkeypatch, **offload) -> list[tuple]:
     """The transfers started and finished, and the optimizer's steps, in one step over eight sub-groups."""
     events = []
@@ -245,7 +283,7 @@ def _events(tmp_path, monkeypatch, **offload) -> list[tuple]:
                         lambda self, write, g, slot: events.append(("start", "write" if write else "read", g))
                         or real_start(self, write, g, slot))
     monkeypatch.setattr(disk_module.DiskTier, "_finish",
-                        lambda self, doing, g, requests: events.append(("finish", doing[:-3].replace("writ", "write"), g))
+                        lambda self, doing, g, requests: events.append(("finish", _VERB[doing], g))
                         or real_finish(self, doing, g, requests))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
