@@ -2,7 +2,7 @@
 
   1. this disk's raw O_DIRECT bandwidth: one stream of 1 MiB requests writing, then reading, a file of
      the states' size under DIR (the physical limit a step with states on disk can approach);
-  2. for each of "none", "cpu" and "nvme" (each in a fresh process, so that its RSS is its own): a stack
+  2. for each of "none", "cpu", "nvme" and "nvme-serial" (nvme without pipeline_read/write; each in a fresh process, so that its RSS is its own): a stack
      of LAYERS Linear(H, H) layers at stage 2 on one rank, AdamW, STEPS steps; per step the time of
      forward + backward (compute) and of engine.step(); the RSS before initialize, after it and after the
      steps; with "nvme", the bytes the step moves (the file read and written once) over the step's time.
@@ -61,7 +61,9 @@ def child(mode: str, root: str, layers: int, h: int, steps: int) -> dict:
     per_layer = h * h + h
     offload = {"none": None, "cpu": {"device": "cpu"},
                "nvme": {"device": "nvme", "nvme_path": root, "pipeline_read": True, "pipeline_write": True,
-                        "buffer_count": 12, "fast_init": True}}[mode]
+                        "buffer_count": 12, "fast_init": True},
+               # the same without the pipeline: each transfer waited for before the next step
+               "nvme-serial": {"device": "nvme", "nvme_path": root, "buffer_count": 4, "fast_init": True}}[mode]
     # Two layers per bucket and per sub-group: the pool is 12 buffers of two layers' shard.
     cfg = {"train_micro_batch_size_per_gpu": 4, "aio": {"thread_count": 2, "queue_depth": 4},
            "zero_optimization": {"stage": 2, "reduce_bucket_size": 2 * per_layer, "sub_group_size": 2 * per_layer,
@@ -79,7 +81,7 @@ def child(mode: str, root: str, layers: int, h: int, steps: int) -> dict:
     report = engine.memory_report()
     out = {"mode": mode, "params": layers * per_layer, "rss_before": before, "rss_after_init": after_init,
            "rss_after_steps": rss(), "compute_s": compute, "step_s": step, "memory_report": report}
-    if mode == "nvme":
+    if mode.startswith("nvme"):
         moved = 2 * report["nvme_file"]  # each step reads the file and writes it back
         out["disk_bytes_per_step"] = moved
         out["step_disk_bandwidth"] = moved / statistics.median(step[1:] or step)
@@ -90,7 +92,7 @@ def main(root: str, layers: int, h: int, steps: int) -> None:
     states = layers * (h * h + h) * 12  # fp32 master + AdamW's two moments
     raw = raw_bandwidth(root, states // MIB * MIB)
     runs = []
-    for mode in ("none", "cpu", "nvme"):
+    for mode in ("none", "cpu", "nvme", "nvme-serial"):
         done = subprocess.run([sys.executable, __file__, "--child", mode, root, str(layers), str(h), str(steps)],
                               capture_output=True, text=True, check=True)
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
