@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -97,22 +98,29 @@ def _mounts() -> dict[str, str] | None:
     return out
 
 
+_MADE: list[str] = []  # the directories the launches made (nvme_path, the checkpoint's), removed at the end
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _unmount():
     yield
     for path in (_mounts() or {}).values():
         subprocess.run(["umount", path], check=False)
         os.rmdir(path)
+    for path in _MADE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @functools.cache
 def runs(world: int) -> tuple[dict, str, list[str]]:
     """Every run of one world size in one launch: (rank 0's results, nvme_path, what is left in it after)."""
     root = tempfile.mkdtemp(prefix="zerodp-nvme-")
+    _MADE.append(root)
     jobs = [("train", case, stage, root) for case, stage, w in RUNS if w == world]
     jobs += [("fault", "missing", os.path.join(root, "absent"))]
     if world == 2:
-        jobs += [("fault", "write", root), ("save", root, os.path.join(tempfile.mkdtemp(prefix="zerodp-ckpt-"), "c"))]
+        _MADE.append(tempfile.mkdtemp(prefix="zerodp-ckpt-"))
+        jobs += [("fault", "write", root), ("save", root, os.path.join(_MADE[-1], "c"))]
         if _mounts() is not None:
             jobs += [("fault", kind, path) for kind, path in _mounts().items()]
     ranks = run_ranks(_jobs, world, jobs, timeout_s=120)
