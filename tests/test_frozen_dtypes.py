@@ -150,7 +150,11 @@ def _qlora_run(rank: int, storage: str, precision: str) -> dict:
     model.save_pretrained(adapter, is_main_process=rank == 0)  # every rank: it gathers
     with torch.no_grad():
         logits = engine(input_ids=PROBE).logits
+        engine.eval()  # bitsandbytes would repack a CPU weight for inference here: zerodp keeps it packed
+        eval_logits = engine(input_ids=PROBE).logits
+        engine.train()
     return {"losses": losses, "state": engine.full_state_dict(), "at_set_up": at_set_up, "logits": logits,
+            "eval_logits": eval_logits,
             "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"]}
 
 
@@ -296,6 +300,7 @@ def test_qlora_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_train
     with torch.no_grad():
         logits = loaded(input_ids=PROBE).logits
     torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours["eval_logits"], ours["logits"], rtol=0, atol=0)
     with torch.no_grad():
         untrained = qlora(storage)(input_ids=PROBE).logits
     assert (untrained - logits).abs().max() > 1e-3, "training must have changed the adapter's logits"
@@ -305,3 +310,55 @@ def test_qlora_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_train
 def test_qlora_stage3_checkpoint_resumes_on_one_rank_packed_base_included(storage):
     resumed = one_rank()[f"resumed/{storage}/fp32"]
     assert_same_state(resumed["state"], runs()[0][f"qlora/{storage}/fp32"]["state"], 1e-6)
+
+
+# ---- refused by name at initialize --------------------------------------------------------------------
+def _initialize(model, precision: str = "fp32"):
+    return zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(3, precision == "bf16"))
+
+
+def test_a_trained_parameter_in_neither_fp32_nor_the_working_precision_is_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"working precision torch\.float32.*'1\.weight' \(torch\.bfloat16\)"):
+        _initialize(model)
+    with pytest.raises(ValueError, match=r"working precision torch\.bfloat16.*'1\.weight' \(torch\.float16\)"):
+        _initialize(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).half()), "bf16")
+
+
+def test_a_trained_4bit_weight_is_refused_by_name():
+    model = qlora("bf16")
+    weight = model.base_model.model.model.layers[0].self_attn.k_proj.weight
+    weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"'base_model\.model\.model\.layers\.0\.self_attn\.k_proj\.weight' is a "
+                                         r"bitsandbytes.*Params4bit, a packed 4-bit weight with requires_grad=True"):
+        _initialize(model)
+
+
+def test_a_4bit_weight_repacked_for_cpu_inference_is_refused_by_name():
+    model = qlora("uint8")
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=PROBE)  # bitsandbytes repacks each 4-bit weight for its CPU kernel (AVX512-BF16)
+    if not any(getattr(p.quant_state, "packing_format_for_cpu", False) for p in frozen(model)
+               if hasattr(p, "quant_state")):
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes does not repack")
+    with pytest.raises(ValueError, match=r"Params4bit, repacked for CPU inference"):
+        _initialize(model)
+
+
+def test_bitsandbytes_int8_weights_are_refused_by_name():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = torch.nn.Sequential(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False), torch.nn.Linear(64, 8))
+    model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"'0\.weight' is a bitsandbytes.*Int8Params, a bitsandbytes format zerodp "
+                                         r"does not carry"):
+        _initialize(model)
+
+
+def test_a_tensor_subclass_with_a_storage_of_its_own_is_refused_by_name():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[1].weight = torch.nn.Parameter(TwoTensor(torch.zeros(8, 8), torch.ones(8, 8)), requires_grad=False)
+    with pytest.raises(ValueError, match=r"'1\.weight' is a .*TwoTensor, a tensor subclass with a storage of its own"):
+        _initialize(model)

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
+from zerodp.engine.layout import formats
 from zerodp.engine.layout.layout import frozen_params
 from zerodp.engine.layout.spec import EngineSpec, OptimizerView
 from zerodp.engine.layout.units import UnitRule, find_units, unit_rule
@@ -75,10 +76,11 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     groups = _trainable_groups(module, optimizer)
     if trains:
         _check_model(module, groups)
-        _check_trained_dtypes(module, groups, config.dtype)
     tensor_parallel.check(module, comm, source is not None)
     views = _views(module, optimizer, groups, None if comm.tp is None else comm.tp.world_size)
     filling = filling_for(module, source, param_init_fn)
+    formats.check(module, {id(p) for g in groups for p in g}, filling.from_source)
+    _check_trained_dtypes(module, groups, config.dtype)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
     device = _device_of(module, comm)
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it

@@ -21,6 +21,7 @@ from torch import nn
 from zerodp.config import Config
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
+from zerodp.engine.layout import formats
 from zerodp.engine.layout.flat import Bucket, local, set_local
 from zerodp.engine.layout.layout import Layout, frozen_params
 from zerodp.engine.layout.spec import EngineSpec
@@ -51,6 +52,7 @@ class ShardedModule:
         self.module = module  # the user's model: its sharded parameters become views into flat buckets
         self.spec = spec  # the facts decided once (decide.local_check)
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load
+        formats.keep_packing(module)  # a 4-bit weight's words stay where the layout puts them
         frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
         self._cast_and_sync_untrained(groups, frozen or [], filling)
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
