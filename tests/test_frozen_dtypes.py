@@ -312,6 +312,21 @@ def test_qlora_stage3_checkpoint_resumes_on_one_rank_packed_base_included(storag
     assert_same_state(resumed["state"], runs()[0][f"qlora/{storage}/fp32"]["state"], 1e-6)
 
 
+@pytest.mark.parametrize("storage", ["bf16", "uint8"])
+def test_qlora_stage3_checkpoint_consolidates_with_the_packed_words_and_quant_state_as_saved(storage):
+    from zerodp.checkpoint.export import consolidate
+
+    runs()
+    state, _ = consolidate(os.path.join(work(), f"ckpt-{storage}-fp32"))
+    words, reference = qlora_reference(storage)["at_set_up"], qlora(storage).state_dict()
+    got = packed(state)
+    assert got.keys() == words.keys()
+    for k in words:
+        assert state[k].dtype == STORAGE[storage] and torch.equal(got[k], words[k]), f"{k}: packed words differ"
+    for k in (k for k in reference if ".quant_" in k or k.endswith(".absmax")):  # bitsandbytes' own entries
+        assert torch.equal(state[k], reference[k]), k
+
+
 # ---- refused by name at initialize --------------------------------------------------------------------
 def _initialize(model, precision: str = "fp32"):
     return zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(3, precision == "bf16"))
