@@ -29,9 +29,10 @@ transformers = pytest.importorskip("transformers")
 MICRO, STEPS, SAVE_AT, SEQ, VOCAB = 2, 4, 2, 12, 300
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 BF16_CASES = [("bf16_base", 2), ("bf16_base", 3)]
-STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8}
-# QLoRA at stage 3: (bnb_4bit_quant_storage, the config's precision)
-QLORA_CASES = [("bf16", "fp32"), ("uint8", "fp32"), ("bf16", "bf16"), ("uint8", "bf16")]
+STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32}
+# QLoRA at stage 3: (bnb_4bit_quant_storage, the config's precision); fp32 words under bf16: packed words are
+# never cast, although an fp32 frozen parameter is
+QLORA_CASES = [("bf16", "fp32"), ("uint8", "fp32"), ("bf16", "bf16"), ("uint8", "bf16"), ("fp32", "bf16")]
 PROBE = torch.arange(SEQ).view(1, SEQ) * 7 % VOCAB
 
 
@@ -131,11 +132,14 @@ def _bf16_run(rank: int, stage: int) -> dict:
             "dtypes": dtypes}
 
 
-def _qlora_run(rank: int, storage: str, precision: str) -> dict:
+def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
     model = qlora(storage)
     base_bytes = sum(p.numel() * p.element_size() for p in frozen(model))
     engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2),
-                               config(3, bf16=precision == "bf16"))
+                               config(stage, bf16=precision == "bf16"))
+    if stage != 3:
+        return {**_train(engine, rank), "state": engine.full_state_dict(), "base_bytes": base_bytes,
+                "held": sum(p.numel() * p.element_size() for p in frozen(model))}
     at_set_up = packed(engine.full_state_dict())
     losses = []
     for step, ids in enumerate(batches()):
@@ -158,19 +162,32 @@ def _qlora_run(rank: int, storage: str, precision: str) -> dict:
             "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"]}
 
 
+def _train(engine, rank: int) -> dict:
+    losses = []
+    for ids in batches():
+        ids = ids[rank * MICRO:(rank + 1) * MICRO]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
 def _jobs(rank: int, world: int) -> dict:
     out = {f"{kind}/{stage}": _bf16_run(rank, stage) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
+    out["qlora-stage2/uint8/fp32"] = _qlora_run(rank, "uint8", "fp32", stage=2)
     return out
 
 
 def _qlora_one_process(rank: int, world: int) -> dict:
     """On one rank: each bf16-config QLoRA case trained by zerodp as one process (its 2 micro-batches
-    accumulated), and each case resumed from the 2-rank checkpoint to the end."""
+    accumulated: the reference of a bf16 config, which casts the model's fp32 buffers), and each fp32-config
+    case resumed from the 2-rank checkpoint to the end."""
     out = {}
     for storage, precision in QLORA_CASES:
         ckpt = os.path.join(work(), f"ckpt-{storage}-{precision}")
-        for resume in (False, True):
+        for resume in ((True,) if precision == "fp32" else (False,)):  # fp32's reference is plain torch
             model = qlora(storage)
             engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2),
                                        {**config(3, bf16=precision == "bf16"), "gradient_accumulation_steps": 2})
@@ -377,3 +394,11 @@ def test_a_tensor_subclass_with_a_storage_of_its_own_is_refused_by_name():
     model[1].weight = torch.nn.Parameter(TwoTensor(torch.zeros(8, 8), torch.ones(8, 8)), requires_grad=False)
     with pytest.raises(ValueError, match=r"'1\.weight' is a .*TwoTensor, a tensor subclass with a storage of its own"):
         _initialize(model)
+
+
+def test_qlora_at_stage2_keeps_the_packed_base_whole_on_every_rank_and_trains_as_one_process():
+    ours, ref = [r["qlora-stage2/uint8/fp32"] for r in runs()], qlora_reference("uint8")
+    per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
+    assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
+    assert_same_state(ours[0]["state"], ref["state"], 1e-6)
+    assert all(r["held"] == r["base_bytes"] for r in ours)
