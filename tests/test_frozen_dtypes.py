@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 MICRO, STEPS, SAVE_AT, SEQ, VOCAB = 2, 4, 2, 12, 300
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-BF16_CASES = [("bf16_base", 2), ("bf16_base", 3)]
+BF16_CASES = [("bf16_base", 2), ("bf16_base", 3), ("bf16_base_offload", 3)]  # offload_param: shards on the host
 STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32}
 # QLoRA at stage 3: (bnb_4bit_quant_storage, the config's precision); fp32 words under bf16: packed words are
 # never cast, although an fp32 frozen parameter is
@@ -114,10 +114,13 @@ def frozen(model) -> list[torch.nn.Parameter]:
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------
-def _bf16_run(rank: int, stage: int) -> dict:
+def _bf16_run(rank: int, stage: int, offload: bool = False) -> dict:
     model = bf16_lora()
     base_bytes = sum(p.numel() * p.element_size() for p in frozen(model))
-    engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), config(stage))
+    cfg = config(stage)
+    if offload:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": False}
+    engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2), cfg)
     held = (engine.memory_report()["frozen_params"] if stage == 3
             else sum(p.numel() * p.element_size() for p in frozen(model)))
     dtypes = {p.dtype for p in frozen(model)}
@@ -174,7 +177,7 @@ def _train(engine, rank: int) -> dict:
 
 
 def _jobs(rank: int, world: int) -> dict:
-    out = {f"{kind}/{stage}": _bf16_run(rank, stage) for kind, stage in BF16_CASES}
+    out = {f"{kind}/{stage}": _bf16_run(rank, stage, kind.endswith("offload")) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
     out["qlora-stage2/uint8/fp32"] = _qlora_run(rank, "uint8", "fp32", stage=2)
     return out
@@ -253,9 +256,9 @@ def assert_same_state(ours: dict, theirs: dict, tol: float) -> None:
         torch.testing.assert_close(ours[k], theirs[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_bf16_base_with_fp32_lora_under_an_fp32_config_trains_as_one_process_base_kept_bf16(stage):
-    ours = [r[f"bf16_base/{stage}"] for r in runs()]
+@pytest.mark.parametrize("kind,stage", BF16_CASES)
+def test_bf16_base_with_fp32_lora_under_an_fp32_config_trains_as_one_process_base_kept_bf16(kind, stage):
+    ours = [r[f"{kind}/{stage}"] for r in runs()]
     ref = bf16_reference()
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
