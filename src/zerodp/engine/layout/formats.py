@@ -5,7 +5,9 @@ lays out one flat group per storage dtype). That is exact for a plain tensor, a 
 bitsandbytes' `Params4bit` (QLoRA's NF4/FP4 base): its `.data` is the packed 4-bit words, in whatever
 `bnb_4bit_quant_storage` dtype, and its quantisation state (`quant_state`: absmax, the code, the shape)
 is an attribute of the parameter object, which zerodp never replaces, so it stays beside the words on
-every rank (whole: it is 1/32 of the words' size or less) and bitsandbytes writes it into each state_dict.
+every rank, whole (an fp32 absmax per 64-weight block: 1/8 of the words' bytes, about 1/32 with
+bnb_4bit_use_double_quant; not sharded yet, and not counted by memory_report), and bitsandbytes writes it
+into each state_dict.
 
 Refused by name at initialize, on every rank before any collective:
   * a trained Params4bit: 4-bit words have no gradient; train adapters on it (LoRA) instead;
