@@ -40,8 +40,9 @@ class Reading:
 
 def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str = "master/") -> Reading:
     """The Reading of model entries `entries` (zerodp.json's, no aliases): a trained one from its pieces
-    `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32, and so a frozen one stage 3
-    sharded from its pieces `frozen/{name}@{start}`; the rest from `model/{name}`, a floating one in fp32.
+    `{prefix}{name}@{start}` (prefix "master/" or "optim/{key}/"), in fp32; a frozen one stage 3
+    sharded from its pieces `frozen/{name}@{start}`; the rest from `model/{name}`; a frozen parameter in its
+    own dtype (its bits), a floating buffer in fp32.
     Everything missing is found here, before the first value is read."""
     md = metadata.state_dict_metadata
     pieces = saved_pieces(metadata, prefix)
@@ -50,7 +51,8 @@ def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str =
     for e in entries:
         name = e["name"]
         parts[name] = _parts(path, e)
-        dtype = torch.float32
+        # a frozen parameter keeps its own dtype (its bits: a bf16 base, packed 4-bit words); the rest in fp32
+        dtype = _dtype_named(e["dtype"]) if e["kind"] == "frozen" else torch.float32
         for i, (saved_as, part) in enumerate(parts[name].items()):
             if e["kind"] == "trained" or e.get("sharded"):
                 found = sorted((frozen_pieces if e.get("sharded") else pieces).get(saved_as, []))
@@ -65,13 +67,22 @@ def plan(path: str, manifest: dict, metadata, entries: list[dict], prefix: str =
                 if key not in md:
                     raise CheckpointError(f"checkpoint '{path}' is corrupt: '{saved_as}' is not saved")
                 saved_dtype = md[key].properties.dtype
-                dtype = torch.float32 if saved_dtype.is_floating_point else saved_dtype
+                if e["kind"] != "frozen":
+                    dtype = torch.float32 if saved_dtype.is_floating_point else saved_dtype
                 owner[key] = (name, i, None)
                 keys.append(key)
         shapes[name] = (torch.Size(e["shape"]), dtype)
     tp_dims = {e["name"]: e["tp"]["dim"] for e in entries if e.get("tp")}
     tp_parts = {e["name"]: e["tp"].get("parts", 1) for e in entries if e.get("tp")}
     return Reading(keys, owner, shapes, parts, tp_dims, tp_parts)
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    """The torch dtype a manifest names ("torch.bfloat16")."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"a checkpoint entry names dtype {name!r}, which is not a torch dtype")
+    return dtype
 
 
 def _parts(path: str, e: dict) -> dict[str, torch.Size]:
@@ -96,7 +107,7 @@ def _assemble(chunks: Iterator[dict[str, torch.Tensor]], r: Reading) -> Iterator
         for key, t in chunk.items():
             n, i, start = r.owner[key]
             if start is None and n not in r.tp_dims:  # saved whole
-                yield n, t.float() if t.is_floating_point() else t
+                yield n, t.to(r.shapes[n][1])
                 continue
             shard_shapes = list(r.parts[n].values())
             if current is None or current[0] != n:

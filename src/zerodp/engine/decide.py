@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from zerodp.config import BatchSizes, Config, ConfigError
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import device_of_backend
+from zerodp.engine.layout import formats
 from zerodp.engine.layout.layout import frozen_params
 from zerodp.engine.layout.spec import EngineSpec, OptimizerView
 from zerodp.engine.layout.units import UnitRule, find_units, unit_rule
@@ -78,6 +79,8 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     tensor_parallel.check(module, comm, source is not None)
     views = _views(module, optimizer, groups, None if comm.tp is None else comm.tp.world_size)
     filling = filling_for(module, source, param_init_fn)
+    formats.check(module, {id(p) for g in groups for p in g}, filling.from_source)
+    _check_trained_dtypes(module, groups, config.dtype)
     units = find_units(module, unit_rule(zero, stage3_unit)) if stage == 3 else None
     device = _device_of(module, comm)
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
@@ -136,6 +139,21 @@ def _check_model(module: nn.Module, groups: list[list[nn.Parameter]]) -> None:
         raise ValueError("the model has no trainable parameters (none has requires_grad=True, or the "
                          "optimizer holds none), so there is nothing to train; set requires_grad=True on "
                          "the parameters to train before zerodp.initialize")
+
+
+def _check_trained_dtypes(module: nn.Module, groups: list[list[nn.Parameter]], working: torch.dtype) -> None:
+    """A trained parameter is fp32 (its values start the fp32 master; under bf16/fp16 its working copy is cast
+    as the config asks) or already the working precision. Any other dtype (a bf16 parameter trained under an
+    fp32 config, an fp16 one under bf16) would be cast without being asked: refused by name."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    odd = [f"'{names.get(id(p), '?')}' ({p.dtype})" for g in groups for p in g
+           if p.dtype not in (torch.float32, working)]
+    if odd:
+        raise ValueError(f"{len(odd)} trained parameter(s) are in a dtype that is neither fp32 nor the working "
+                         f"precision {working} (the config's bf16/fp16 section; fp32 without one): "
+                         f"{', '.join(odd[:3])}. zerodp would have to cast them; make them fp32 (PEFT: "
+                         "autocast_adapter_dtype=True, the default) or set the config's precision to theirs. "
+                         "Frozen parameters may keep any dtype (docs/CONFIG.md, 'Dtypes').")
 
 
 def _device_of(module: nn.Module, comm: Comm) -> torch.device:

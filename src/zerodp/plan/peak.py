@@ -233,8 +233,7 @@ def _label_engine(tracker: ZeroTracker, engine, batch) -> ZeroTracker:
     from zerodp.engine.engine import inside
     parts = inside(engine)
     tracker.track_external(engine.module)
-    frozen = [parts.layout.frozen] if parts.layout.frozen is not None else []  # stage 3's frozen shards
-    for g in parts.layout.groups + frozen:
+    for g in [*parts.layout.groups, *parts.layout.frozen]:  # stage 3's frozen shards too
         if g.data is not None:
             tracker.label(g.data, Ref.PARAM)
         for b in g.buckets if parts.spec.gathers_per_unit else ():

@@ -5,5 +5,8 @@
   flat.py     flat padded buffers: `Bucket`, `Slot`, `FlatGroup`, `lay_out` (parameters into buckets,
               partitioned over the shard group) and the tp helpers a slot needs (`tp_parts`, `tp_duplicate`).
   units.py    stage 3's units (`find_units`, `unit_rule`) and their buckets (`layout`).
-  layout.py   `Layout`, the bucket layout made once with this rank's shard, for everything that reads it.
+  layout.py   `Layout`, the bucket layout made once with this rank's shard, for everything that reads it
+              (stage 3's frozen parameters in one group per storage dtype).
+  formats.py  the parameter storage formats carried exactly (plain, DTensor, bitsandbytes' Params4bit) and
+              the refusal, by name, of the others (`check`); `keep_packing` (no CPU repack of 4-bit words).
 """

@@ -175,6 +175,9 @@ class FlatGroup:
     buckets: list[Bucket]
     numel: int
     data: torch.Tensor | None = None
+    # the dtype its buffers hold: None, the working precision (trained groups); a frozen group's own storage
+    # dtype (Layout.build: one frozen group per dtype), whose bits are moved and never cast
+    dtype: torch.dtype | None = None
 
     def allocate(self, dtype: torch.dtype, fp32_buckets: Iterable[torch.Tensor], rank: int,
                     sharded: bool = False, host_shards: bool = False, pin: bool = False) -> None:

@@ -9,10 +9,13 @@ of a trained parameter's shape asks `shape_of` (a stage-3 parameter between uses
 so its own `.shape` says nothing). Tensor parallelism puts a parameter's local shard here: `build` lays
 out what this rank holds, and `shape_of` is where a local shape and the global one part.
 
-Frozen parameters at stage 3 (`frozen`): one more flat group, laid out by the same units, whose buckets
-come after every trained one (`buckets` and the bucket indices the reducer and the optimizer use are the
-trained ones alone). Stage 3 gathers `gathered` (both); nothing reduces or steps a frozen bucket, and it
-has no master: its working shard is its only copy. Below stage 3 frozen parameters are whole on every rank.
+Frozen parameters at stage 3 (`frozen`): more flat groups, one per storage dtype (EngineSpec.kept_dtype: a
+bf16 base under an fp32 config stays bf16, a 4-bit base's packed words stay packed), laid out by the same
+units, whose buckets come after every trained one (`buckets` and the bucket indices the reducer and the
+optimizer use are the trained ones alone). Stage 3 gathers `gathered` (both); nothing reduces or steps a
+frozen bucket, and it has no master: its working shard is its only copy, moved as raw bytes (FSDP2 and
+DeepSpeed ZeRO-3 ask for one storage dtype per group for the same reason: a gather moves one dtype). Below
+stage 3 frozen parameters are whole on every rank.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ class Layout:
 
     groups: list[FlatGroup]    # one flat buffer of buckets per optimizer param group
     rank: int                  # this rank's shard of every bucket (0 in stage 0, which shards nothing)
-    # stage 3's frozen parameters, sharded and gathered like the rest (no gradient, master or optimizer
-    # state); None: frozen parameters are whole on every rank, outside the flat buffers (stages 0-2)
-    frozen: FlatGroup | None = None
+    # stage 3's frozen parameters, one group per storage dtype (FlatGroup.dtype), sharded and gathered like
+    # the rest (no gradient, master or optimizer state); empty: frozen parameters are whole on every rank,
+    # outside the flat buffers (stages 0-2)
+    frozen: tuple[FlatGroup, ...] = ()
     buckets: list[Bucket] = field(init=False)  # every trained group's buckets, by index (launch order)
     gathered: list[Bucket] = field(init=False)  # stage 3: every bucket, trained then frozen, by index
 
@@ -52,24 +56,27 @@ class Layout:
     def build(cls, param_groups: list[list[nn.Parameter]], spec: EngineSpec, comm: Comm, zero: ZeroConfig,
               frozen: list[nn.Parameter] | None = None) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
-        (units.layout), `frozen` (EngineSpec.shards_frozen) in a group of their own after the trained
-        ones. A group whose optimizer steps whole parameters (EngineSpec.whole_parameters) has each
-        parameter whole in one shard (optimizer_view.py); the frozen group is never stepped, so never
-        whole. Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        (units.layout), `frozen` (EngineSpec.shards_frozen) in groups of their own after the trained ones,
+        one per storage dtype (EngineSpec.kept_dtype). A group whose optimizer steps whole parameters
+        (EngineSpec.whole_parameters) has each parameter whole in one shard (optimizer_view.py); a frozen
+        group is never stepped, so never whole. Allocates nothing: setup/fill.py's fill() makes the buffers."""
         whole = tuple(spec.whole_parameters(g) for g in range(len(param_groups)))
         if not spec.gathers_per_unit:
             shards, rank = (comm.shard_size, comm.shard_rank) if spec.shards_optimizer else (1, 0)
             return cls(lay_out(param_groups, shards, zero.reduce_bucket_size, whole=whole), rank)
-        groups = stage3_layout(param_groups + ([frozen] if frozen is not None else []), spec.units,
-                               comm.shard_size, zero, whole)
-        if frozen is None:
-            return cls(groups, comm.shard_rank)
-        return cls(groups[:-1], comm.shard_rank, groups[-1])
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in frozen or ():
+            by_dtype.setdefault(spec.kept_dtype(p), []).append(p)
+        groups = stage3_layout(param_groups + list(by_dtype.values()), spec.units, comm.shard_size, zero, whole)
+        trained = len(param_groups)
+        for g, dtype in zip(groups[trained:], by_dtype):
+            g.dtype = dtype
+        return cls(groups[:trained], comm.shard_rank, tuple(groups[trained:]))
 
     @property
     def frozen_buckets(self) -> list[Bucket]:
         """Stage 3's buckets of frozen parameters (none below stage 3)."""
-        return self.frozen.buckets if self.frozen is not None else []
+        return [b for g in self.frozen for b in g.buckets]
 
     def frozen_slots(self) -> Iterator[tuple[Bucket, Slot]]:
         """Every sharded frozen parameter's slot with its bucket, in bucket order."""

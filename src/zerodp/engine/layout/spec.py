@@ -13,6 +13,7 @@ from enum import Enum
 import torch
 
 from zerodp.config import BatchSizes
+from zerodp.engine.layout.formats import is_params4bit
 from zerodp.engine.layout.units import Units
 
 
@@ -68,6 +69,15 @@ class EngineSpec:
         """Stages 1-2: each rank steps its shard, then the updated parameters are all-gathered to every
         rank (stage 0 steps everything everywhere; stage 3 gathers per unit instead)."""
         return self.shards_optimizer and not self.gathers_per_unit
+
+    def kept_dtype(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype an untrained tensor (a frozen parameter, a floating buffer) is kept in: its own, bits
+        untouched (a bf16 base under an fp32 config stays bf16; packed 4-bit words stay packed), except an fp32
+        one under a 16-bit working precision, which the config's bf16/fp16 section asks for (DeepSpeed's
+        `module.bfloat16()`). Packed words (bitsandbytes' Params4bit, even in fp32 storage) are never cast."""
+        if t.dtype == torch.float32 and self.dtype != torch.float32 and not is_params4bit(t):
+            return self.dtype
+        return t.dtype
 
     def whole_parameters(self, group: int) -> bool:
         """Whether param group `group`'s optimizer steps whole parameters (OptimizerView)."""

@@ -7,8 +7,8 @@ Weights may leave some parameters to the initialisers (`ParameterSource.initiali
 a pretrained base, which no file of the base holds): those are read from the modules' initialisers, run
 only for the modules that hold them, and every other parameter from the weights.
 
-Stage 3's frozen parameters are in flat buffers of their own (layout.Layout.frozen), filled like the
-trained ones. Parameters outside the flat buffers (frozen ones below stage 3) and buffers are kept whole
+Stage 3's frozen parameters are in flat buffers of their own (layout.Layout.frozen, one per storage dtype),
+filled like the trained ones but in their own dtype: their bits are copied, never cast through fp32. Parameters outside the flat buffers (frozen ones below stage 3) and buffers are kept whole
 on every rank, as for a model built whole: frozen parameters from the source, buffers from their modules'
 initialisers (initialisers.ModuleInit).
 """
@@ -140,22 +140,24 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
 
 def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype: torch.dtype,
          device: torch.device, sharded: bool, host_shards: bool, pin: bool,
-         frozen: FlatGroup | None = None) -> list[torch.Tensor]:
+         frozen: tuple[FlatGroup, ...] = ()) -> list[torch.Tensor]:
     """Materialise every group's flat buffer bucket by bucket; returns this rank's fp32 shard of each
     trained bucket (the masters start from these): fresh tensors, or, in fp32 with the shards on the
     device, views of the working shards themselves (the fp32 master is the working shard; no second copy).
-    `frozen` (stage 3's frozen parameters) is filled the same way last; it has no master."""
+    `frozen` (stage 3's frozen parameters, a group per storage dtype) is filled the same way last, in its own
+    dtype (its values are moved, never cast); it has no master."""
     names = {id(p): n for n, p in filling.module.named_parameters()}
     shards: list[torch.Tensor] = []
     fresh = dtype != torch.float32 or host_shards
-    for g in layout + ([frozen] if frozen is not None else []):
-        trained = g is not frozen
+    for g in [*layout, *frozen]:
+        trained, kept = g.dtype is None, g.dtype or dtype
         for b in g.buckets:
             for s in b.slots:
                 if s.param.is_meta:  # a real tensor to hold the flat-buffer view (the object is kept)
-                    swap_tensors(s.param, _parameter(s.param, torch.empty(0, dtype=dtype, device=device)))
-        g.allocate(dtype, _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh and trained else None),
-                   rank, sharded=sharded, host_shards=host_shards, pin=pin)
+                    swap_tensors(s.param, _parameter(s.param, torch.empty(0, dtype=kept, device=device)))
+        values = _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh and trained else None,
+                                torch.float32 if trained else kept)
+        g.allocate(kept, values, rank, sharded=sharded, host_shards=host_shards, pin=pin)
         if not fresh and trained:
             shards += [b.owned for b in g.buckets]
     if filling.inits is not None:
@@ -173,17 +175,19 @@ def _parameter(like: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
 
 
 def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharded: bool,
-                   names: dict[int, str], shards: list[torch.Tensor] | None) -> Iterator[torch.Tensor]:
-    """Each bucket's fp32 values in turn: whole, or only this rank's shard (stage 3 from a source); with
-    `shards`, a fresh copy of this rank's shard of each is added to it."""
+                   names: dict[int, str], shards: list[torch.Tensor] | None,
+                   dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """Each bucket's values in `dtype` (fp32 for a trained group, a frozen group's own: its bits moved as they
+    are) in turn: whole, or only this rank's shard (stage 3 from a source); with `shards`, a fresh copy of this
+    rank's shard of each is added to it."""
     for b in g.buckets:
         if not filling.from_source:
-            values = b.flatten(torch.float32)
+            values = b.flatten(dtype)
             comm.broadcast(values)  # every rank starts from rank 0's weights
         elif sharded:
-            values = _bucket_elements(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling, names)
+            values = _bucket_elements(b, rank * b.shard_numel, (rank + 1) * b.shard_numel, filling, names, dtype)
         else:
-            values = _bucket_elements(b, 0, b.numel, filling, names)
+            values = _bucket_elements(b, 0, b.numel, filling, names, dtype)
         if shards is not None:
             shards.append(values if values.numel() == b.shard_numel else b.shard(values, rank).clone())
         yield values
@@ -191,9 +195,10 @@ def _bucket_values(g: FlatGroup, filling: Filling, comm: Comm, rank: int, sharde
         return_freed_host_memory()  # the bucket's staging and its initialisers' stand-ins
 
 
-def _bucket_elements(b: Bucket, lo: int, hi: int, filling: Filling, names: dict[int, str]) -> torch.Tensor:
-    """Elements [lo, hi) of bucket b, padding zero, each parameter's range asked of the source."""
-    out = torch.zeros(hi - lo, dtype=torch.float32)
+def _bucket_elements(b: Bucket, lo: int, hi: int, filling: Filling, names: dict[int, str],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Elements [lo, hi) of bucket b in `dtype`, padding zero, each parameter's range asked of the source."""
+    out = torch.zeros(hi - lo, dtype=dtype)
     for s in reversed(b.slots):  # registration order: a module initialiser's source runs each unit once
         a, z = max(lo, s.offset), min(hi, s.offset + s.numel)
         if a < z:

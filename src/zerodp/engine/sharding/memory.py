@@ -51,11 +51,10 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     layout, module, spec = sharded.layout, sharded.module, sharded.spec
     flat = {**layout.by_param(), **layout.by_frozen_param()}
     untrained = {id(t): t for t in list(module.parameters()) + list(module.buffers()) if id(t) not in flat}
-    frozen = layout.frozen
     report = {
         "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
-        "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
+        "frozen_params": sum(_nbytes(g.data) for g in layout.frozen if g.data is not None),
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),

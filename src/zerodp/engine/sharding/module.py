@@ -21,6 +21,7 @@ from torch import nn
 from zerodp.config import Config
 from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
+from zerodp.engine.layout import formats
 from zerodp.engine.layout.flat import Bucket, local, set_local
 from zerodp.engine.layout.layout import Layout, frozen_params
 from zerodp.engine.layout.spec import EngineSpec
@@ -51,6 +52,7 @@ class ShardedModule:
         self.module = module  # the user's model: its sharded parameters become views into flat buckets
         self.spec = spec  # the facts decided once (decide.local_check)
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load
+        formats.keep_packing(module)  # a 4-bit weight's words stay where the layout puts them
         frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
         self._cast_and_sync_untrained(groups, frozen or [], filling)
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
@@ -69,16 +71,17 @@ class ShardedModule:
     # ---- set-up -----------------------------------------------------------------------------------
     def _cast_and_sync_untrained(self, groups: list[list[nn.Parameter]], sharded: list[nn.Parameter],
                                  filling: Filling) -> None:
-        """Frozen parameters kept whole (stages 0-2) and floating buffers: working precision, rank 0's
-        values (frozen parameters read from weights are every rank's already: fill.start read them).
-        The `sharded` frozen parameters (stage 3) are the flat buffers', filled like the trained ones."""
+        """Frozen parameters kept whole (stages 0-2) and floating buffers: in EngineSpec.kept_dtype (their own,
+        but fp32 under a 16-bit working precision), rank 0's values (frozen parameters read from weights are
+        every rank's already: fill.start read them). The `sharded` frozen parameters (stage 3) are the flat
+        buffers', filled like the trained ones."""
         trained = {id(p) for g in groups + [sharded] for p in g}
         read = {id(p) for p in self.module.parameters()} if filling.from_files else set()
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             if id(t) in trained:
                 continue
-            if t.is_floating_point() and t.dtype != self.spec.dtype:
-                set_local(t, local(t).data.to(self.spec.dtype))
+            if t.is_floating_point() and t.dtype != self.spec.kept_dtype(t):
+                set_local(t, local(t).data.to(self.spec.kept_dtype(t)))
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
@@ -195,13 +198,14 @@ class ShardedModule:
         return values
 
     def full_frozen(self, b: Bucket) -> torch.Tensor:
-        """Stage 3's frozen bucket b, whole, in fp32, from every rank's working shard (collective)."""
+        """Stage 3's frozen bucket b, whole, in its own dtype (its bits), from every rank's shard (collective)."""
         full = torch.empty(b.numel, dtype=b.owned.dtype, device=self.spec.device)
         self.comm.shard_gather(full, b.owned.to(self.spec.device))
-        return full.float()
+        return full
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights keyed like module.state_dict(), in fp32, each tensor whole (joined over the tp group
+        """The weights keyed like module.state_dict(), trained ones in fp32 (their masters), frozen ones in
+        their own dtype (engine_weights), each tensor whole (joined over the tp group
         under tensor parallelism; collective). It gathers the whole model on every rank: files are written
         without that (zerodp.checkpoint.export_engine, from `weights()`, one bucket at a time)."""
         return collect(self.weights())

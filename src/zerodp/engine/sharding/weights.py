@@ -5,7 +5,8 @@ known before any value (a file's layout is fixed first), the names that share a 
 (ties), and the values, each once, in whatever order they become available. `engine_weights` gives
 a trained engine's: the fp32 master values bucket by bucket (each bucket's shards gathered from its
 owners, so every rank takes part and holds one bucket at a time), stage 3's frozen parameters the
-same way from their working shards, then the buffers and the frozen parameters every rank holds whole.
+same way from their working shards (in their own dtype: their bits), then the buffers and the frozen
+parameters every rank holds whole.
 `Engine.full_state_dict` is the same values all at once.
 
 Tensor parallelism: a bucket gathered over dp holds this rank's tp shard of each parameter; each
@@ -70,13 +71,18 @@ class _Split:
 
 def engine_weights(module: nn.Module, comm: Comm, layout: Layout, values: Callable[[Bucket], torch.Tensor]
                    ) -> Weights:
-    """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters,
-    floating buffers and frozen parameters in fp32, the rest as they are; under tensor parallelism every
-    tensor whole. Iterating the stream is a collective (stages 1-3 gather each bucket from its owners,
-    tp joins each shard over the tp group): every rank must iterate it to the end. Under tp, making the
-    Weights is one too (the shards' sizes, for the whole shapes): call it on every rank. `values(b)`: bucket
-    b whole in fp32 (the trained ones' masters, the frozen ones' working shards), gathered from every rank."""
-    slots = {**layout.by_param(), **layout.by_frozen_param()}
+    """The engine's weights keyed like module.state_dict(): trained parameters as their fp32 masters, frozen
+    parameters in their own dtype (their bits: a bf16 base stays bf16, packed 4-bit words stay packed),
+    floating buffers in fp32, the rest as they are; under tensor parallelism every tensor whole. Iterating
+    the stream is a collective (stages 1-3 gather each bucket from its owners, tp joins each shard over the
+    tp group): every rank must iterate it to the end. Under tp, making the Weights is one too (the shards'
+    sizes, for the whole shapes): call it on every rank. `values(b)`: bucket b whole (the trained ones' fp32
+    masters, the frozen ones' working shards in their dtype), gathered from every rank."""
+    trained, frozen = layout.by_param(), layout.by_frozen_param()
+    slots = {**trained, **frozen}
+    params = {id(p) for p in module.parameters()}
+    # One state_dict, kept for the stream: entries a module makes anew on each call (bitsandbytes' quant
+    # state) are known by their objects only in this one.
     state = module.state_dict(keep_vars=True)
     held = {id(t): layout.shape_of(slots[id(t)][1]) if id(t) in slots else local(t).shape for t in state.values()}
     splits = _splits(comm, state, held)  # a local check, then the tp ranks' sizes (collective)
@@ -86,12 +92,24 @@ def engine_weights(module: nn.Module, comm: Comm, layout: Layout, values: Callab
         if id(t) in splits:
             split = splits[id(t)]
             shape = shape[:split.dim] + (sum(split.sizes),) + shape[split.dim + 1:]
-        shapes[name] = (torch.Size(shape), torch.float32 if id(t) in slots or t.is_floating_point() else t.dtype)
+        shapes[name] = (torch.Size(shape), _dtype(t, id(t) in trained, frozen.get(id(t)), id(t) in params))
         if id(t) in first:
             ties[name] = first[id(t)]
         else:
             first[id(t)] = name
-    return Weights(shapes, ties, _stream(module, comm.tp, layout, values, first, splits))
+    return Weights(shapes, ties, _stream(state, params, comm.tp, layout, values, first, splits))
+
+
+def _dtype(t: torch.Tensor, trained: bool, frozen: tuple[Bucket, object] | None, param: bool) -> torch.dtype:
+    """The dtype an entry is written in: a trained parameter's fp32 master; a frozen parameter's own (stage 3's
+    the dtype of its bucket); a floating buffer in fp32; anything else as it is."""
+    if trained:
+        return torch.float32
+    if frozen is not None:
+        return frozen[0].data.dtype
+    if param or not t.is_floating_point():
+        return t.dtype
+    return torch.float32
 
 
 def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Size]) -> dict[int, _Split]:
@@ -109,8 +127,9 @@ def _splits(comm: Comm, state: dict[str, torch.Tensor], held: dict[int, torch.Si
     return {i: _Split(d, [theirs[k] for theirs in sizes], parts[i]) for k, (i, d) in enumerate(dims.items())}
 
 
-def _stream(module: nn.Module, tp: Comm | None, layout: Layout, values: Callable[[Bucket], torch.Tensor],
-            first: dict[int, str], splits: dict[int, _Split]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(state: dict[str, torch.Tensor], params: set[int], tp: Comm | None, layout: Layout,
+            values: Callable[[Bucket], torch.Tensor], first: dict[int, str], splits: dict[int, _Split]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
     trained = set()
     for b in layout.gathered:  # stage 3's frozen buckets last: their working values, no master
         full = values(b)
@@ -121,10 +140,10 @@ def _stream(module: nn.Module, tp: Comm | None, layout: Layout, values: Callable
             yield first[id(s.param)], value if split is None else join(tp, value, split)
             del value  # a view of the bucket: held, it would keep the bucket alive beside the next one
         del full
-    for name, t in module.state_dict(keep_vars=True).items():
+    for name, t in state.items():
         if id(t) not in trained and first.get(id(t)) == name:
             value = local(t).detach()
-            value = value.float() if value.is_floating_point() else value
+            value = value.float() if value.is_floating_point() and id(t) not in params else value
             split = splits.get(id(t))
             yield name, value if split is None else join(tp, value, split)
 
