@@ -44,7 +44,9 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. Reduce buckets, the step's transient fp32 gradient copy and
-    checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
+    checkpointed activations are listed beside it; CUDA allocator figures when on CUDA. Stage 3's gathered
+    copies: gathered_params (the buckets gathered now) and gather_pool_idle (host memory the gather pool
+    keeps for the next gathers, sharding/pool.py; 0 on an accelerator, whose caching allocator keeps it).
     """
     layout, module, spec = sharded.layout, sharded.module, sharded.spec
     flat = {**layout.by_param(), **layout.by_frozen_param()}
@@ -57,10 +59,10 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),
-        # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": (0 if not spec.gathers_per_unit else
-                            sum(b.data.untyped_storage().nbytes() for b in layout.gathered)),
     }
+    # Stage 3: the gathered copies held right now (persistent buckets between steps), and the memory kept
+    # for gathers that none uses now (host memory: the pool's idle slots, sharding/pool.py)
+    report["gathered_params"], report["gather_pool_idle"] = sharded.gathered_bytes()
     report.setdefault("step_transient", 0)
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     host = {"fp32_master": optimizer_on_host, "master_remainders": False, "optimizer_states": optimizer_on_host,
