@@ -128,6 +128,8 @@ class Pooled:
 
 
 def gather_memory(device: torch.device, fake: bool, buckets: list[Bucket]) -> Pooled | Resized:
-    """Pooled for host memory; Resized on an accelerator, whose caching allocator pools already, and on
-    fake tensors (`zerodp estimate`), whose tracker follows resizes."""
-    return Pooled() if device.type == "cpu" and not fake else Resized(buckets)
+    """Pooled for host memory; Resized on an accelerator, whose caching allocator pools already, on fake
+    tensors (`zerodp estimate`), whose tracker follows resizes, and with a torch that cannot swap a storage's
+    memory (`_swap_data_ptr_`, in torch 2.13)."""
+    swaps = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(torch._C, "_storage_Use_Count")
+    return Pooled() if device.type == "cpu" and not fake and swaps else Resized(buckets)
