@@ -5,7 +5,10 @@ kept equal, streamed out; it trains nothing (stepping/ adds training).
                      writes through it (`adopted`), the weights stream, memory_report; `zerodp.shard` returns it.
 
   gather.py          `Gatherer`: stage 3's per-unit all-gather before use and release after, with prefetch
-                     and a bounded wait (`BucketState`).
+                     and a bounded wait; one `BucketRecord` per bucket (`BucketState`).
+  pool.py            where gathered buckets get their memory: a pool of host slots allocated once
+                     (`Pooled`), or storage resize_ on an accelerator (`Resized`).
+  whereabouts.py     `Whereabouts`: what a stage-3 gather is for, named when one times out.
   gathered_state.py  `GatheredStateDict`: module.state_dict() at stage 3, its parameters gathered.
   buffers.py         `BufferSync`: rank 0's floating buffers broadcast before each forward.
   weights.py         `engine_weights`: the model's values as a stream, one bucket at a time, for export.

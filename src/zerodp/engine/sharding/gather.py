@@ -2,50 +2,62 @@
 
 A unit is a block of modules (units.py): by default each repeated child of the model (a transformer
 block) and the model itself for the rest. Its buckets (flat.lay_out) hold whole units, several small
-ones coalesced up to `stage3_prefetch_bucket_size`. A gathered buffer keeps its tensor object but
-its storage is resized to zero between uses, so any autograd graph that saved views of it stays
-valid and sees the data again once it is gathered back. While released, the parameters point at an
-empty tensor, so stray reads fail loudly instead of reading freed memory (a view of freed storage
-would crash the process):
-  forward pre-hook   gather the unit's buckets (and start prefetching the next ones);
-  forward post-hook  release each bucket once every unit sharing it has run, and arrange for a
-                     gather when backward reaches the unit (prefetching the ones before it);
-  gradient hook      (reducer, gradients_done) once all of a bucket's gradients are in, release it;
-  end of backward    release whatever is still gathered.
-A `gathered_parameters` block holds its buckets gathered against all of these until it exits, then
-gives each bucket new storage: the old one stays with any view a script kept of it, or is freed.
-Every forward's gathers are collectives, so every rank must run the same forwards; an `uneven_forwards`
-block (UnevenForwards) lets ranks run different numbers (generate() of different lengths): each unit's
-gather is agreed first, and a rank that has left the block answers the others' until none is left. A
-gather that times out names what this rank was doing (`Whereabouts`: the forward's number, the unit,
-the phase and the step) and where the other ranks are (Comm.peer_failure).
+ones coalesced up to `stage3_prefetch_bucket_size`. A gathered buffer keeps its tensor and storage
+objects for life; between uses its storage holds no bytes (pool.py: the memory is lent from a pool of
+host slots, or the storage resized), so any autograd graph that saved views of it stays valid and sees
+the data again once it is gathered back. While released, the parameters point at an empty tensor, so
+stray reads fail loudly instead of reading freed memory (a view of freed storage would crash the process).
+
+Each bucket has one record (`BucketRecord`, FSDP2's FSDPParamGroup): its `BucketState` and the counts
+its transitions read (`holds`, `unfinished`, `done`). The rules:
+  RELEASED -> GATHERING   `_start`: memory for its storage, its parameters on their views, its all_gather
+                          launched (`work`); `unfinished` := every unit that reads it. Forward pre-hook:
+                          the unit's buckets, then prefetch of the next ones in the first forward's order
+                          (`place`); in the backward, the ones before (a `done` bucket is not prefetched).
+  GATHERING -> GATHERED   `_wait`, before its parameters are read (a timeout names where this rank was).
+  GATHERED -> GATHERING   its values refreshed in place: after a step (persistent or held buckets), or
+                          another rank's gather joined (UnevenForwards); nothing else about it changes.
+  -> RELEASED             `release` (waiting first), unless the bucket is persistent (kept whole, no
+                          hooks: under `stage3_param_persistence_threshold` the collectives would cost
+                          more than the memory) or `holds` > 0 (gathered_parameters blocks): when a unit's
+                          forward ends and `unfinished` empties (forward post-hook), when all its
+                          gradients are in (reducer, gradients_done) or every unit reading it is through
+                          the backward (frozen buckets: `done`), and at the end of the backward
+                          (release_all, which clears `done`).
+A `gathered_parameters` block holds its buckets (`holds`) against all of these until it exits, then
+gives each bucket new storage: the old one stays with any view a script kept of it, or is freed or pooled.
 The model's own unit stays gathered into the backward, which needs it first (FSDP2's root), and so
 does the last unit of the forward when it fits in the prefetch budget (FSDP2's
 reshard_after_forward=False for the last block): a 6.7B GPT's 0.4 GB block would otherwise add to the
 peak at the start of the backward. A bucket shared with a unit that does not run stays gathered
-until the end of the backward. Buckets of units under `stage3_param_persistence_threshold` elements
-stay gathered, with no hooks: the collectives for them would cost more than their memory. The hot
-path does no Python work per parameter: the views are made once and swapped in and out by C-level
-maps.
+until the end of the backward.
+Every forward's gathers are collectives, so every rank must run the same forwards; an `uneven_forwards`
+block (UnevenForwards) lets ranks run different numbers (generate() of different lengths): each unit's
+gather is agreed first, and a rank that has left the block answers the others' until none is left. A
+gather that times out names what this rank was doing (whereabouts.py) and where the other ranks are
+(Comm.peer_failure). The hot path does no Python work per parameter: the views are made once and
+swapped in and out by C-level maps.
 """
-
 from __future__ import annotations
 
 import bisect
-from collections import Counter, deque
+from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from zerodp.distributed.comm import Comm
-from zerodp.distributed.failures import DIVERGENCE
 from zerodp.engine.layout.flat import Bucket, local_setter
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.units import Units
+from zerodp.engine.sharding.pool import gather_memory
+from zerodp.engine.sharding.whereabouts import Whereabouts
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 
@@ -74,85 +86,60 @@ def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) 
     return len(moving) + len(again), sum(b.numel for b in moving + again)
 
 
-# What a divergence of stage-3 forwards looks like, and what to do instead (a timed-out forward gather says it).
-FORWARDS_DIVERGED = (
-    "ranks that run different numbers of forwards (an eval loop over data that does not divide the ranks, "
-    "generate() stopping at different lengths) diverge at stage 3, where each forward gathers every unit "
-    "from every rank: run them inside `with engine.gathered_parameters():` (the whole model gathered once, "
-    "where it fits) or `with engine.uneven_forwards():` (ranks that finish early answer the others' gathers)")
-
-
-class Whereabouts:
-    """What this rank's gathers are for, named when one times out: each unit's forwards counted per phase
-    ("forward": training, with gradients; "eval": no gradients or module.eval()) since the last step."""
-
-    def __init__(self, unit_names: list[str]):
-        self.unit_names = unit_names  # unit -> its root module's name, for the message
-        self.forwards: Counter[tuple[str, int]] = Counter()  # (phase, unit) -> forwards since the last step
-        self.steps = 0  # optimizer steps taken (engine.global_steps)
-        self.doing: tuple[str, int, int] | str = "a gather"  # (phase, unit, forward number), or what else
-
-    def forward(self, unit: int, training: bool) -> None:
-        phase = "forward" if training and torch.is_grad_enabled() else "eval"
-        self.forwards[phase, unit] += 1
-        self.doing = (phase, unit, self.forwards[phase, unit])
-
-    def stepped(self, steps: int) -> None:
-        self.steps = steps
-        self.forwards.clear()
-
-    def where(self) -> tuple[str, str, str]:
-        """(where, the collective, what a divergence looks like) for Comm.peer_failure."""
-        if isinstance(self.doing, str):
-            return f"{self.doing} after step {self.steps}", "all_gather", DIVERGENCE
-        phase, unit, n = self.doing
-        name = f"unit {unit} ({repr(self.unit_names[unit]) if self.unit_names[unit] else 'the model'})"
-        if phase == "backward":
-            return f"for the backward of {name} at step {self.steps + 1}", "all_gather", DIVERGENCE
-        when = f"at step {self.steps + 1}" if phase == "forward" else f"after step {self.steps}"
-        return f"for forward {n} of {name} in {phase} {when}", "all_gather", FORWARDS_DIVERGED
-
-
 class BucketState(Enum):
     """Where a bucket's gathered copy is; what `Gatherer.watch` reports at each change."""
 
-    RELEASED = "released"    # storage freed; its parameters point at empty tensors
+    RELEASED = "released"    # its storage holds no bytes; its parameters point at empty tensors
     GATHERING = "gathering"  # parameters point at their views; the all_gather is in flight
     GATHERED = "gathered"    # whole on this rank
+
+
+@dataclass(eq=False)
+class BucketRecord:
+    """One gathered bucket's state and the few counts its transitions read (FSDP2's FSDPParamGroup)."""
+
+    bucket: Bucket
+    users: frozenset[int]  # the units whose forward reads it
+    params: list[nn.Parameter]  # its parameters, pointed at its views while gathered
+    point: Callable  # flat.set_local for these parameters (C-level when none is a DTensor)
+    empty: list[torch.Tensor]  # what its parameters point at while it is released
+    state: BucketState = BucketState.RELEASED
+    work: object | None = None  # its all_gather, while in flight
+    holds: int = 0  # gathered_parameters blocks holding it gathered
+    unfinished: set[int] = field(default_factory=set)  # while gathered: its units yet to finish this forward
+    done: bool = False  # this backward is done with it (gradients all in, or its units gone through)
+    place: int | None = None  # its place in the first forward's gather order (prefetch)
+
+    @property
+    def releasable(self) -> bool:
+        return self.state is not BucketState.RELEASED and not self.bucket.persistent and not self.holds
 
 
 class Gatherer(TimedGathers):
     def __init__(self, units: Units, layout: Layout, comm: Comm, prefetch_numel: int,
                  host_shards: bool = False, unit_names: list[str] | None = None):
         self.comm = comm
-        buckets = layout.gathered  # trained and frozen (Layout.frozen): gathered alike
-        # Frozen buckets get no gradient that would tell the backward is done with them: a hook on the
-        # unit's inputs' gradients does (_after_unit_backward).
-        self.frozen = {b.index for b in layout.frozen_buckets if not b.persistent}
+        buckets = layout.gathered  # trained and frozen (Bucket.frozen): gathered alike, index = position
+        self.buckets = buckets
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
         self.prefetch_numel = prefetch_numel
-        self.persistent = {b.index for b in buckets if b.persistent}
-        self.gathered: set[int] = set()
-        self.pending: dict[int, object] = {}        # bucket index -> async all_gather in flight
-        self.held: Counter[int] = Counter()         # bucket index -> gathered_parameters blocks holding it
+        # where a gathered bucket's memory comes from: a pool of host slots, or storage resize_ (pool.py)
+        self.memory = gather_memory(buckets[0].data.device, comm.is_fake(), buckets)
         self.watcher: Callable[[Bucket, BucketState], None] | None = None  # see watch()
+        self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
+        users: dict[int, set[int]] = {}
+        for u, bs in enumerate(self.unit_buckets):
+            for b in bs:
+                users.setdefault(b.index, set()).add(u)
+        params = [[s.param for s in b.slots] for b in buckets]
+        # bucket index -> its record: one state per bucket (the rules: the module's docstring)
+        self.records = [BucketRecord(b, frozenset(users.get(b.index, ())), ps, local_setter(ps),
+                                     [b.data.new_empty(0)] * len(b.slots)) for b, ps in zip(buckets, params)]
         self.order: list[Bucket] = []       # first-forward gather order, for prefetch
-        self.position: dict[int, int] = {}  # bucket index -> place in self.order
         self.prefix = [0]                   # prefix[i]: elements of order[:i], for the prefetch window
         self.window = (-1, 0)               # (place of the last prefetch, end of the window it covered)
         self.back_window = (len(buckets) + 1, len(buckets) + 1)  # the same, walking back in the backward
-        self.buckets = buckets
-        self.params = {b.index: [s.param for s in b.slots] for b in buckets}
-        self._set = {k: local_setter(params) for k, params in self.params.items()}  # flat.set_local, per bucket
-        self._empty = {b.index: [b.data.new_empty(0)] * len(b.slots) for b in buckets}
-        self.unit_buckets = unit_buckets(units, buckets)  # unit -> the buckets its forward reads
-        self.users: dict[int, set[int]] = {}                # bucket index -> the units whose forward reads it
-        for u, bs in enumerate(self.unit_buckets):
-            for b in bs:
-                self.users.setdefault(b.index, set()).add(u)
-        self.unfinished: dict[int, set[int]] = {}   # gathered bucket -> its units yet to finish this forward
-        self.reduced: set[int] = set()              # buckets this backward is done with (gradients all in)
-        self.through: set[int] = set()              # units this backward has gone through (frozen buckets)
+        self.through: set[int] = set()      # units this backward has gone through (frozen buckets)
         self.outer = units.outer  # the model's own unit (None when the model is no unit's root)
         self.unit_order: dict[int, None] = {}  # units in the order of their first forward
         self.traced = False                 # a whole forward and backward have run: the order is known
@@ -162,12 +149,22 @@ class Gatherer(TimedGathers):
         self.uneven: UnevenForwards | None = None  # inside an uneven_forwards block: its gathers are agreed
         self._handles = []
         for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
-            if any(b.index not in self.persistent for b in bs):  # a unit always gathered needs no hooks
+            if not all(b.persistent for b in bs):  # a unit always gathered needs no hooks
                 self._handles.append(root.register_forward_pre_hook(self._pre_hook(u, bs), with_kwargs=True))
                 self._handles.append(root.register_forward_hook(self._post_hook(u, bs)))
-        for b in buckets:
-            self._free(b)
+        for r in self.records:
+            self._free(r)
         self.refresh_persistent()
+
+    def is_gathered(self, b: Bucket) -> bool:
+        """Whether b's parameters point at its gathered buffer (whole, or its all_gather in flight)."""
+        return self.records[b.index].state is not BucketState.RELEASED
+
+    def gathered_bytes(self) -> tuple[int, int]:
+        """(bytes of the buckets gathered now, bytes held for gathers that none uses now: the pool's idle slots)."""
+        held = sum(r.bucket.data.untyped_storage().nbytes() for r in self.records
+                   if r.state is not BucketState.RELEASED)
+        return held, self.memory.idle_bytes()
 
     # ---- hooks ----------------------------------------------------------------------------------
     # torch.compile must not trace these hooks: a storage resize, a `p.data` swap and an async
@@ -175,7 +172,7 @@ class Gatherer(TimedGathers):
     # graph saved for backward ("modified by an inplace operation"). Disabled, each hook runs eagerly
     # between the compiled pieces of the forward (one graph break per unit).
     def _pre_hook(self, unit: int, buckets: list[Bucket]):
-        frozen = [b for b in buckets if b.index in self.frozen]
+        frozen = [b for b in buckets if b.frozen and not b.persistent]
 
         @torch.compiler.disable
         def hook(module, args, kwargs):
@@ -202,8 +199,9 @@ class Gatherer(TimedGathers):
 
     def _backward_done(self, unit: int, frozen: list[Bucket]) -> None:
         self.through.add(unit)
-        done = [b for b in frozen if self.users[b.index] <= self.through]
-        self.reduced.update(b.index for b in done)
+        done = [b for b in frozen if self.records[b.index].users <= self.through]
+        for b in done:
+            self.records[b.index].done = True
         self.release(done)
 
     def _post_hook(self, unit: int, buckets: list[Bucket]):
@@ -222,10 +220,10 @@ class Gatherer(TimedGathers):
     def _finished(self, unit: int, units: list[Bucket], keep: bool) -> None:
         """A unit's forward ended: release each of its buckets that no other unit still needs."""
         for b in units:
-            left = self.unfinished.get(b.index)
-            if left is not None:
-                left.discard(unit)
-                if not left and not keep:
+            r = self.records[b.index]
+            if r.state is not BucketState.RELEASED:
+                r.unfinished.discard(unit)
+                if not r.unfinished and not keep:
                     self.release([b])
 
     def _backward_gather(self, unit: int, units: list[Bucket]) -> None:
@@ -237,55 +235,60 @@ class Gatherer(TimedGathers):
     @gather_phase
     def gather(self, units: list[Bucket]) -> None:
         for b in units:
-            if b.index not in self.position:
-                self.position[b.index] = len(self.order)
+            r = self.records[b.index]
+            if r.place is None:
+                r.place = len(self.order)
                 self.order.append(b)
                 self.prefix.append(self.prefix[-1] + b.numel)
-            if b.index not in self.gathered:
-                self._start(b)
+            if r.state is BucketState.RELEASED:
+                self._start(r)
         for b in units:
-            self._wait(b)
+            self._wait(self.records[b.index])
 
-    def _start(self, b: Bucket) -> None:
-        storage, nbytes = b.data.untyped_storage(), b.numel * b.data.element_size()
-        if storage.nbytes() != nbytes:  # (a resize reallocates and copies, even to the same size)
-            storage.resize_(nbytes)
-        deque(map(self._set[b.index], self.params[b.index], b.views), maxlen=0)
-        self.gathered.add(b.index)
-        self.unfinished[b.index] = set(self.users.get(b.index, ()))
-        self._launch(b)
+    def _start(self, r: BucketRecord) -> None:
+        """RELEASED (or GATHERED, refreshed) -> GATHERING: memory, the parameters on their views, the all_gather."""
+        b = r.bucket
+        self.memory.fill(b)
+        deque(map(r.point, r.params, b.views), maxlen=0)
+        r.unfinished = set(r.users)
+        self._launch(r)
         if self.watcher is not None:
             self.watcher(b, BucketState.GATHERING)
 
     def regather(self, b: Bucket) -> None:
         """Join a gather of a bucket this rank holds gathered already (UnevenForwards: another rank needs
         it): into its buffer in place, the same values, nothing else about it changed."""
-        self._wait(b)
-        self._launch(b)
+        r = self.records[b.index]
+        self._wait(r)
+        self._launch(r)
 
-    def _launch(self, b: Bucket) -> None:
-        source = b.owned
+    def _launch(self, r: BucketRecord) -> None:
+        b, source = r.bucket, r.bucket.owned
         if self.host_shards:  # the host shard goes to its own place in the device bucket, gathered in place
             source = b.shard(b.data, self.comm.shard_rank)
             source.copy_(b.owned, non_blocking=True)
-        self.pending[b.index] = self.comm.shard_gather(b.data, source, async_op=True)
+        r.work = self.comm.shard_gather(b.data, source, async_op=True)
+        r.state = BucketState.GATHERING
 
-    def _wait(self, b: Bucket) -> None:
-        work = self.pending.pop(b.index, None)
-        if work is not None:
-            try:
-                work.wait()
-            except RuntimeError as e:  # a timeout names this rank's forward and where the others are
-                failure = self.comm.shard.peer_failure(e, *self.whereabouts.where())
-                if failure is None:
-                    raise
-                raise failure from e
-            if self.watcher is not None:
-                self.watcher(b, BucketState.GATHERED)
+    def _wait(self, r: BucketRecord) -> None:
+        """GATHERING -> GATHERED once its all_gather is done (a timeout names where this rank was)."""
+        work, r.work = r.work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as e:  # a timeout names this rank's forward and where the others are
+            failure = self.comm.shard.peer_failure(e, *self.whereabouts.where())
+            if failure is None:
+                raise
+            raise failure from e
+        r.state = BucketState.GATHERED
+        if self.watcher is not None:
+            self.watcher(r.bucket, BucketState.GATHERED)
 
     def _prefetch_after(self, last: Bucket) -> None:
         """Start gathering the buckets that came next in the first forward, up to the prefetch size."""
-        start = self.position.get(last.index)
+        start = self.records[last.index].place
         if self.prefetch_numel <= 0 or start is None:
             return
         # The window: the buckets after `start` whose sizes fit in the prefetch budget. It only moves
@@ -296,34 +299,36 @@ class Gatherer(TimedGathers):
         last_start, covered = self.window
         first = start + 1 if start < last_start else max(start + 1, covered)
         for b in self.order[first:end]:
-            if b.index not in self.gathered:
-                self._start(b)
+            if self.records[b.index].state is BucketState.RELEASED:
+                self._start(self.records[b.index])
         self.window = (start, max(end, first))
 
     def _prefetch_before(self, first: Bucket) -> None:
         """In the backward: start gathering the buckets that came just before in the forward, which the
         backward reaches next, up to the prefetch size."""
-        end = self.position.get(first.index)
+        end = self.records[first.index].place
         if self.prefetch_numel <= 0 or end is None:
             return
         begin = bisect.bisect_left(self.prefix, self.prefix[end] - self.prefetch_numel)
         last_end, covered = self.back_window  # as in _prefetch_after, only the part not yet looked at
         stop = end if end > last_end else min(end, covered)
         for b in reversed(self.order[begin:stop]):
-            if b.index not in self.gathered and b.index not in self.reduced:
-                self._start(b)
+            r = self.records[b.index]
+            if r.state is BucketState.RELEASED and not r.done:
+                self._start(r)
         self.back_window = (end, min(begin, stop))
 
     def release(self, units: list[Bucket]) -> None:
         for b in units:
-            if b.index in self.gathered and b.index not in self.persistent and b.index not in self.held:
-                self._wait(b)
-                self._free(b)
+            r = self.records[b.index]
+            if r.releasable:
+                self._wait(r)
+                self._free(r)
 
     def release_gathered(self) -> None:
         """Every bucket gathered now and held by no gathered_parameters block is released (persistent ones
         stay whole: no hook would gather them again). Between steps: DeepSpeed's empty_partition_cache."""
-        self.release([self.buckets[i] for i in sorted(self.gathered)])
+        self.release([r.bucket for r in self.records if r.state is not BucketState.RELEASED])
 
     def remove_hooks(self) -> None:
         """No unit gathers any more (the engine is being destroyed); what is gathered is released first."""
@@ -334,46 +339,44 @@ class Gatherer(TimedGathers):
 
     def gradients_done(self, b: Bucket) -> None:
         """(reducer) All of b's gradients of this backward are in: release it, and prefetch it no more."""
-        self.reduced.add(b.index)
+        self.records[b.index].done = True
         self.release([b])
 
     def release_all(self) -> None:
         """At the end of a backward (and before a step): nothing stays gathered but persistent buckets."""
-        self.reduced.clear()
+        for r in self.records:
+            r.done = False
         self.through.clear()
-        self.release([self.buckets[i] for i in list(self.gathered)])
+        self.release_gathered()
+        self.memory.trim()
         if self.unit_order and not self.traced:  # the first forward is over: its order is known
             self.traced = True
             last = next(reversed(self.unit_order))
             self.last_unit = kept_last(last, self.unit_buckets[last], self.prefetch_numel)
 
-    def _free(self, b: Bucket) -> None:
-        b.data.untyped_storage().resize_(0)
-        deque(map(self._set[b.index], self.params[b.index], self._empty[b.index]), maxlen=0)
-        self.gathered.discard(b.index)
-        self.unfinished.pop(b.index, None)
+    def _free(self, r: BucketRecord) -> None:
+        """-> RELEASED: its memory back (to the pool), its parameters on empty tensors."""
+        self.memory.empty(r.bucket)
+        deque(map(r.point, r.params, r.empty), maxlen=0)
+        r.state, r.unfinished = BucketState.RELEASED, set()
         if self.watcher is not None:
-            self.watcher(b, BucketState.RELEASED)
+            self.watcher(r.bucket, BucketState.RELEASED)
 
-    def _free_detached(self, b: Bucket) -> None:
+    def _free_detached(self, r: BucketRecord) -> None:
         """As _free, but the gathered storage is left to whoever still holds a view of it, and the
         bucket gets a new one. A script may keep what it read inside a gathered_parameters block
         (`p.data.cpu()` is p's storage itself on a CPU); freed in place, that view would read freed
-        memory (a crash). Without such a view the old storage is freed here all the same."""
-        self._wait(b)
-        dtype, device = b.data.dtype, b.data.device
-        deque(map(self._set[b.index], self.params[b.index], self._empty[b.index]), maxlen=0)
-        b.data, b.views = None, []  # the last references this engine holds to the old storage
-        b.data = torch.empty(b.numel, dtype=dtype, device=device)  # views are made while it is whole
-        b.views = [b.data[s.offset:s.offset + s.numel].view(s.shape) for s in b.slots]
-        self._free(b)
+        memory (a crash). Without such a view the old storage is freed (or pooled) here all the same."""
+        self._wait(r)
+        deque(map(r.point, r.params, r.empty), maxlen=0)
+        self.memory.renew(r.bucket)
+        self._free(r)
 
     def watch(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
         """watcher(bucket, state) now for every bucket, then at each change of a bucket's state."""
         self.watcher = watcher
-        for b in self.buckets:
-            watcher(b, BucketState.RELEASED if b.index not in self.gathered else
-                    BucketState.GATHERING if b.index in self.pending else BucketState.GATHERED)
+        for r in self.records:
+            watcher(r.bucket, r.state)
 
     @contextmanager
     def gathered_parameters(self, buckets: list[Bucket] | None = None):
@@ -385,35 +388,36 @@ class Gatherer(TimedGathers):
                                "the uneven block would not join its gathers; use one of the two")
         self.whereabouts.doing = "entering engine.gathered_parameters()"
         self.gather(buckets)
-        self.held.update(b.index for b in buckets)
+        records = [self.records[b.index] for b in buckets]
+        for r in records:
+            r.holds += 1
         try:
             yield
         finally:
-            self.held.subtract(b.index for b in buckets)
-            self.held = +self.held  # drops the buckets no block holds any more
-            for b in buckets:
-                if b.index in self.gathered and b.index not in self.persistent and b.index not in self.held:
-                    self._free_detached(b)
+            for r in records:
+                r.holds -= 1
+            for r in records:
+                if r.releasable:
+                    self._free_detached(r)
 
     @gather_phase
     def refresh_persistent(self) -> None:
         """After a step (and at start): persistent buckets, and those a gathered_parameters block holds,
         hold the new weights of every rank."""
         self.whereabouts.doing = "refreshing the parameters kept whole, in engine.step()"
-        for i in list(self.pending):
-            self._wait(self.buckets[i])
-        stale = [b for b in self.buckets if b.index in self.persistent or b.index in self.held]
-        for b in stale:
-            self.gathered.discard(b.index)
-            self._start(b)
-        for b in stale:
-            self._wait(b)
+        for r in self.records:
+            self._wait(r)
+        stale = [r for r in self.records if r.bucket.persistent or r.holds]
+        for r in stale:
+            self._start(r)
+        for r in stale:
+            self._wait(r)
 
     @contextmanager
     def uneven_forwards(self):
         """Forwards inside may differ in number between ranks (see UnevenForwards). Collective at exit:
         every rank waits there until every rank has left its block."""
-        if self.held or self.uneven is not None:
+        if any(r.holds for r in self.records) or self.uneven is not None:
             raise RuntimeError("engine.uneven_forwards() inside engine.gathered_parameters() or inside itself: "
                                "a rank that left the block would not join the gathers of the other; use one")
         self.uneven = UnevenForwards(self)
@@ -458,7 +462,7 @@ class UnevenForwards:
         g = self.gatherer
         need = torch.zeros(self.n + 1, device=self.device)
         need[0] = running
-        need[[i + 1 for i in indices if i not in g.persistent]] = 1
+        need[[i + 1 for i in indices if not g.buckets[i].persistent]] = 1
         try:
             g.comm.shard.all_reduce(need)
         except RuntimeError as e:
@@ -473,12 +477,12 @@ class UnevenForwards:
     def _gather(self, need: list[float], mine: set[int]) -> None:
         g = self.gatherer
         wanted = [g.buckets[i] for i, n in enumerate(need[1:]) if n > 0]
-        before = set(g.gathered)
+        before = {b.index for b in wanted if g.is_gathered(b)}
         for b in wanted:
             if b.index in before:
                 g.regather(b)
             else:
-                g._start(b)
+                g._start(g.records[b.index])
         for b in wanted:
-            g._wait(b)
+            g._wait(g.records[b.index])
         g.release([b for b in wanted if b.index not in mine and b.index not in before])

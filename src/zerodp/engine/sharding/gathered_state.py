@@ -108,7 +108,7 @@ class GatheredStateDict:
         needed = {b.index: b for b in (self.bucket_of[id(p)] for _, p in own)}
         self.gatherer.release([b for b in self.mine if b.index not in needed])
         self.mine = [b for b in self.mine if b.index in needed]
-        missing = [b for b in needed.values() if b.index not in self.gatherer.gathered]
+        missing = [b for b in needed.values() if not self.gatherer.is_gathered(b)]
         self.gatherer.whereabouts.doing = "in module.state_dict()"
         self.gatherer.gather(missing)
         self.mine += missing
@@ -123,8 +123,7 @@ class GatheredStateDict:
         self.mine, self.copies, self.root = [], {}, None
 
     def _has_released(self, module: nn.Module) -> bool:
-        gathered = self.gatherer.gathered
-        return any((b := self.bucket_of.get(id(p))) is not None and b.index not in gathered
+        return any((b := self.bucket_of.get(id(p))) is not None and not self.gatherer.is_gathered(b)
                    for p in module.parameters())
 
     def entering(self, call: str) -> None:

@@ -45,8 +45,11 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. With
     offload_optimizer "nvme" the masters and states are disk_model_states instead (nvme_file: the file's bytes,
-    slots rounded to 4096), and host_model_states holds the buffers they stream through (nvme_host_buffers). Reduce buckets, the step's transient fp32 gradient copy and
-    checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
+    slots rounded to 4096), and host_model_states holds the buffers they stream through (nvme_host_buffers).
+    Reduce buckets, the step's transient fp32 gradient copy and checkpointed activations are listed beside it;
+    CUDA allocator figures when on CUDA. Stage 3's gathered copies: gathered_params (the buckets gathered now)
+    and gather_pool_idle (host memory the gather pool keeps for the next gathers, sharding/pool.py; 0 on an
+    accelerator, whose caching allocator keeps it).
     """
     layout, module, spec = sharded.layout, sharded.module, sharded.spec
     flat = {**layout.by_param(), **layout.by_frozen_param()}
@@ -58,10 +61,10 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),
-        # Stage 3: the gathered copies held right now (persistent buckets between steps).
-        "gathered_params": (0 if not spec.gathers_per_unit else
-                            sum(b.data.untyped_storage().nbytes() for b in layout.gathered)),
     }
+    # Stage 3: the gathered copies held right now (persistent buckets between steps), and the memory kept
+    # for gathers that none uses now (host memory: the pool's idle slots, sharding/pool.py)
+    report["gathered_params"], report["gather_pool_idle"] = sharded.gathered_bytes()
     report.setdefault("step_transient", 0)
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file

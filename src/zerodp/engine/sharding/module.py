@@ -147,7 +147,7 @@ class ShardedModule:
         wanted = None if params is None else {id(p) for p in params}
         buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
-        if self.gatherer is not None and any(b.index not in self.gatherer.gathered for b in buckets):
+        if self.gatherer is not None and not all(map(self.gatherer.is_gathered, buckets)):
             self.gathered_state.entering("a gathered_parameters block")  # a lone state_dict() elsewhere learns of it
         with self.gatherer.gathered_parameters(buckets) if self.gatherer is not None else nullcontext():
             yield
@@ -229,6 +229,10 @@ class ShardedModule:
             self.gatherer.watcher = None
         if self.gathered_state is not None:
             self.gathered_state.remove_hooks()
+
+    def gathered_bytes(self) -> tuple[int, int]:
+        """Stage 3: (bytes of the buckets gathered now, bytes kept for gathers that none uses now); (0, 0) below."""
+        return self.gatherer.gathered_bytes() if self.gatherer is not None else (0, 0)
 
     def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
         """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
