@@ -58,3 +58,21 @@ def test_the_engine_reads_its_facts_from_one_frozen_spec():
     assert spec.units is not None and not spec.offload_param and spec.batch.train_batch_size == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.stage = 2
+
+
+def test_each_slot_carries_its_parameters_tensor_parallel_facts_read_once_at_layout():
+    """layout/flat.py's TpPlacement: made by placement_of when a parameter is laid out, read after by the norm's
+    row flags, the owned-elements count and the whole-matrix gather instead of asking the parameter again."""
+    from zerodp.engine.engine import inside
+    from zerodp.engine.layout.flat import TpPlacement, placement_of
+
+    plain, column, unsaid = (torch.nn.Parameter(torch.zeros(4, 6)) for _ in range(3))
+    column.tensor_model_parallel, column.partition_dim = True, 0  # Megatron's column-parallel shard
+    unsaid.model_parallel = True                                  # DeepSpeed's marking, no partition_dim
+    assert placement_of(plain) == TpPlacement(duplicate=True)
+    assert placement_of(column) == TpPlacement(duplicate=False, parts=1, dim=0)
+    assert placement_of(unsaid) == TpPlacement(duplicate=False, parts=1, dim=None)
+    model = Toy()
+    engine = zerodp.initialize(model, one_group(model), {**CFG, "zero_optimization": {"stage": 2}})
+    slots = [s for _, s in inside(engine).layout.slots()]
+    assert slots and all(s.tp == placement_of(s.param) == TpPlacement() for s in slots)

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 # Every parameter and every shard starts on a 64-element boundary (128 B in bf16): aligned views
 # keep vectorised kernels and tensor-core GEMMs on their fast paths.
@@ -98,14 +98,39 @@ def place_tp_shard(whole: torch.Tensor, shard: torch.Tensor, dim: int, offset: i
         whole.narrow(dim, j * part_size + offset // parts, piece.shape[dim]).copy_(piece)
 
 
+@dataclass(frozen=True)
+class TpPlacement:
+    """A parameter's tensor-parallel facts, read once from the parameter when it is laid out (`placement_of`)
+    and by every part after: the norm's row flags, the owned-elements count, the whole-matrix gather, the
+    checkpoint's pieces."""
+
+    duplicate: bool = True   # every tp rank holds the same values (tp_duplicate): counted once, never joined
+    parts: int = 1           # tp_parts: a fused q | k | v's parts, each split over tp
+    dim: int | None = None   # the dimension the tp shards join along, where the parameter says it; None if not
+
+
+def placement_of(p: torch.Tensor) -> TpPlacement:
+    """p's TpPlacement. A marked shard that does not say its dimension gets dim None: the set-up checks that
+    need it (tensor_parallel.placements.shard_dim) raise there, naming the parameter."""
+    if tp_duplicate(p):
+        return TpPlacement()
+    if isinstance(p, DTensor):
+        dim = next((pl.dim % p.dim() for pl in p.placements if isinstance(pl, Shard)), None)
+    else:
+        dim = getattr(p, "partition_dim", None)
+        dim = dim % p.dim() if isinstance(dim, int) and -p.dim() <= dim < p.dim() else None
+    return TpPlacement(duplicate=False, parts=tp_parts(p), dim=dim)
+
+
 @dataclass
 class Slot:
-    """One parameter's place in its bucket."""
+    """One parameter's place in its bucket, with its tensor-parallel facts."""
 
     param: nn.Parameter
     offset: int
     numel: int          # of local(param): a tensor-parallel parameter's local shard
     shape: torch.Size
+    tp: TpPlacement = TpPlacement()  # read once, at layout (placement_of)
 
 
 @dataclass
@@ -154,7 +179,7 @@ class Bucket:
         rows = torch.zeros(self.shard_numel // ALIGN, dtype=torch.bool)
         first = rank * self.shard_numel
         for _, s, lo, hi in self.owned_slots(rank):
-            if tp_duplicate(s.param):
+            if s.tp.duplicate:
                 rows[(lo - first) // ALIGN:_round_up(hi - first, ALIGN) // ALIGN] = True
         return rows
 
@@ -253,7 +278,7 @@ def lay_out(param_groups: list[list[nn.Parameter]], partitions: int, bucket_nume
                                  whole=is_whole)
                 index += 1
             for p in run:
-                current.slots.append(Slot(p, _fill(current), local(p).numel(), local(p).shape))
+                current.slots.append(Slot(p, _fill(current), local(p).numel(), local(p).shape, placement_of(p)))
         if current is not None:
             start = _close(current, start, loads)
             buckets.append(current)

@@ -28,7 +28,7 @@ from torch import nn
 
 from zerodp.config import ZeroConfig
 from zerodp.distributed.comm import Comm
-from zerodp.engine.layout.flat import Bucket, FlatGroup, Slot, lay_out, tp_duplicate
+from zerodp.engine.layout.flat import Bucket, FlatGroup, Slot, lay_out
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.layout.units import layout as stage3_layout
 
@@ -114,7 +114,7 @@ class Layout:
         out = [0] * (self.buckets[0].partitions if self.buckets else 1)
         for b in self.buckets:
             for r in range(b.partitions):
-                out[r] += sum((hi - lo) * (tp_size if b.whole and not tp_duplicate(s.param) else 1)
+                out[r] += sum((hi - lo) * (tp_size if b.whole and not s.tp.duplicate else 1)
                               for _, s, lo, hi in b.owned_slots(r))
         return out
 

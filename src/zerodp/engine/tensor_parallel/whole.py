@@ -84,16 +84,16 @@ class WholeOverTp:
         for b, m in zip(buckets, masters):
             first = rank * b.shard_numel
             for j, (_, s, lo, hi) in enumerate(b.owned_slots(rank) if b.whole else ()):
-                if tp_duplicate(s.param):
+                if s.tp.duplicate:
                     continue
-                dim = shard_dim("", s.param, len(s.shape))  # (refusal checked it with the name, at set-up)
+                dim = s.tp.dim  # (refusal checked it, naming the parameter, at set-up)
                 shape = list(s.shape)
                 shape[dim] *= size
                 whole = torch.empty(shape, dtype=m.dtype, device=m.device)
                 whole.untyped_storage().resize_(0)
                 self.matrices.setdefault(b.index, {})[j] = _Matrix(lo - first, hi - first, s.shape, dim,
-                                                                    tp_parts(s.param), whole)
-        if any(b.whole and not tp_duplicate(s.param) for b in buckets for s in b.slots):
+                                                                    s.tp.parts, whole)
+        if any(b.whole and not s.tp.duplicate for b in buckets for s in b.slots):
             self._check_alike(buckets, comm)
 
     def _check_alike(self, buckets: list[Bucket], comm: Comm) -> None:
