@@ -9,7 +9,7 @@ consecutive buckets of at most sub_group_size elements (one bucket when larger),
 contiguous range of the file, read and written in one transfer (aio's block_size requests, split into at most
 queue_depth runs on thread_count threads; os.preadv/os.pwritev release the GIL).
 
-The pool: `Slot`s, each one sub-group's master, gradient and S states (2 + S buffers of the largest sub-group,
+The pool: `Buffers`, each one sub-group's master, gradient and S states (2 + S buffers of the largest sub-group,
 DeepSpeed's counting: Adam's 4). With pipeline_read the next sub-groups are read while one steps (as many as
 the pool has slots for), with pipeline_write one is written back while the next steps; buffer_count bounds the
 slots. The page cache is kept out by O_DIRECT; a filesystem that refuses it (some network filesystems) is read
@@ -165,7 +165,7 @@ def _check_directory(root: str) -> None:
                             f"(uid {os.getuid()}): each rank creates its scratch file there")
 
 
-class Slot:
+class Buffers:
     """One sub-group's buffers in the pool: its masters and states (as laid out in the file) and its gradients."""
 
     def __init__(self, state_bytes: int, grad_bytes: int, pin: bool):
@@ -187,7 +187,7 @@ class DiskTier:
         self.keys: list[str] = []  # the state names in slot order (learned at the first step)
         self.on_disk: list[set[str]] = [set() for _ in masters]  # the states bucket k has written
         self.file: ScratchFile | None = None
-        self.slots: list[Slot] = []
+        self.slots: list[Buffers] = []
         self.read_ahead = 0  # sub-groups read while one steps (pipeline_read)
         self.sent = False  # the last step copied its masters to the working shards already
         self._resident = 0  # depth of resident() contexts
@@ -212,7 +212,7 @@ class DiskTier:
             self.base.append(self.base[-1] + (1 + self.n_states) * b)
         self.file = ScratchFile(self.s.nvme_path, self.rank, self.base[-1], self.s)
         spans = [(self.base[g[-1] + 1] - self.base[g[0]], sum(self.slot_bytes[k] for k in g)) for g in self.groups]
-        self.slots = [Slot(max(a for a, _ in spans), max(b for _, b in spans), self.s.pin)
+        self.slots = [Buffers(max(a for a, _ in spans), max(b for _, b in spans), self.s.pin)
                       for _ in range(1 + self.read_ahead + self.s.pipeline_write)] if spans else []
         with torch.no_grad():
             self._write_out(optimizer, initial=True)
@@ -270,7 +270,7 @@ class DiskTier:
                 self._finish(*slot.busy)
         self.sent = True
 
-    def _bind(self, optimizer: Optimizer, g: int, slot: Slot, grads: list[torch.Tensor]) -> None:
+    def _bind(self, optimizer: Optimizer, g: int, slot: Buffers, grads: list[torch.Tensor]) -> None:
         offset = 0
         for k in self.groups[g]:
             m = self.masters[k]
@@ -283,7 +283,7 @@ class DiskTier:
             for key in self.on_disk[k]:
                 state[key] = self._view(slot, g, k, 1 + self.keys.index(key))
 
-    def _unbind(self, optimizer: Optimizer, g: int, slot: Slot) -> None:
+    def _unbind(self, optimizer: Optimizer, g: int, slot: Buffers) -> None:
         for k in self.groups[g]:
             m = self.masters[k]
             state = optimizer.state.get(m, {})
@@ -311,16 +311,16 @@ class DiskTier:
                 self.keys.append(key)
         return keys
 
-    def _view(self, slot: Slot, g: int, k: int, j: int) -> torch.Tensor:
+    def _view(self, slot: Buffers, g: int, k: int, j: int) -> torch.Tensor:
         """Bucket k's slot j (0: master, 1 + i: state keys[i]) in `slot`, which holds sub-group g."""
         start = self.base[k] - self.base[self.groups[g][0]] + j * self.slot_bytes[k]
         return slot.states[start:start + 4 * self.numels[k]].view(torch.float32)
 
-    def _transfer(self, write: bool, g: int, slot: Slot) -> list[Future]:
+    def _transfer(self, write: bool, g: int, slot: Buffers) -> list[Future]:
         lo, hi = self.base[self.groups[g][0]], self.base[self.groups[g][-1] + 1]
         return self.file.transfer(write, lo, slot.states[:hi - lo])
 
-    def _start(self, write: bool, g: int, slot: Slot) -> None:
+    def _start(self, write: bool, g: int, slot: Buffers) -> None:
         slot.busy = ("writing" if write else "reading", g, self._transfer(write, g, slot))
 
     def _finish(self, doing: str, g: int, requests: list[Future]) -> None:
@@ -362,7 +362,7 @@ class DiskTier:
             finally:
                 self._resident -= 1
             return
-        whole = Slot(self.base[-1], 0, False)
+        whole = Buffers(self.base[-1], 0, False)
         self._finish("reading", 0, self.file.transfer(False, 0, whole.states))
         with torch.no_grad():
             for k, m in enumerate(self.masters):
