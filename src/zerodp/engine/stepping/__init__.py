@@ -9,6 +9,8 @@ and skips.
                      all-gather of the result.
   optimizer_view.py  what an optimizer may see (`view_of`, `refusal`), `OptimizerLike`, `Optimizers` (a list
                      stepped as one).
+  torch_state.py     `TorchFormat`: optimizer.state_dict() / load_state_dict() in a plain optimizer's format over
+                     the model's parameters (gathered from every rank; cut into shards on load).
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
   precision.py       `LossScaler`: fp16's dynamic loss scale.
   non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.

@@ -80,7 +80,17 @@ class PartitionedOptimizer(TimedGathers):
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
-        self.optimizer = _rewired(optimizer, per_group, {id(s.param): layout.shape_of(s) for _, s in layout.slots()})
+        # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
+        # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
+        self.user_params: list[list[torch.Tensor]] = (
+            [list(g["params"]) for g in optimizer.param_groups] if isinstance(optimizer, Optimizer)
+            else [[s.param for b in g.buckets for s in b.slots] for g in layout.groups])
+        shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
+        # An optimizer that has stepped or loaded a state (a DDP script's resume, before initialize as
+        # nanoGPT does): its state in torch's format, loaded again onto the shards (torch_state.py).
+        self.carried: dict | None = (optimizer.state_dict() if isinstance(optimizer, Optimizer)
+                                     and _initial_state(optimizer, shapes) is None else None)
+        self.optimizer = _rewired(optimizer, per_group, shapes)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -308,10 +318,9 @@ def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shap
         if not isinstance(built, Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
         return built
-    initial = _initial_state(optimizer, shapes)  # Adagrad's accumulators, made at construction
-    if initial is None:
-        raise ValueError("the optimizer already has state; pass a freshly built optimizer "
-                         "(load optimizer state through engine.load_checkpoint)")
+    # Adagrad's accumulators, made at construction; None: a state it has stepped or loaded, which the
+    # engine loads again in torch_state.py's format once the optimizer steps the shards
+    initial = _initial_state(optimizer, shapes) or [{} for _ in per_group]
     optimizer.state.clear()
     for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
         group["params"] = tensors

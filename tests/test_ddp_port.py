@@ -1,0 +1,142 @@
+"""A DDP script ported to zerodp by the lines docs/USAGE.md's "Porting a DDP script" gives trains as DDP
+does, and its own checkpoint (model.state_dict() and optimizer.state_dict(), saved from rank 0) resumes on
+another world size (2 ranks -> 1) equal to the uninterrupted run. The DDP idioms the port drops are refused
+or named where they would silently do nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerodp
+from spawn import run_ranks
+from test_deepspeed_scripts import load
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+USAGE = os.path.join(os.path.dirname(__file__), "..", "docs", "USAGE.md")
+CONFIG = ('{"train_batch_size": BATCH, "gradient_accumulation_steps": ACCUMULATION, '
+          '"zero_optimization": {"stage": 2}}')
+SAVED = '"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1'
+# (the DDP script's text, its zerodp form): USAGE.md's porting table, applied to tests/scripts/ddp_train.py
+PORT = [
+    ("from torch.nn.parallel import DistributedDataParallel as DDP\n", "import zerodp\n"),
+    ("    scaler = torch.amp.GradScaler(\"cpu\", enabled=False)\n", ""),
+    ("    model = DDP(model)\n", f"    model = zerodp.initialize(model, optimizer, {CONFIG})\n"),
+    ("            model.require_backward_grad_sync = micro == ACCUMULATION - 1\n", ""),
+    ("                loss = loss / ACCUMULATION\n", ""),
+    ("            scaler.scale(loss).backward()\n", "            model.backward(loss)\n"),
+    ("        scaler.unscale_(optimizer)\n", ""),
+    ("        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)\n",
+     "        norm = model.clip_grad_norm_(0.5)\n"),
+    ("        scaler.step(optimizer)\n", "        model.step()\n"),
+    ("        scaler.update()\n", ""),
+    ("            if rank == 0:\n                checkpoint = {" + SAVED + "}\n",
+     "            checkpoint = {" + SAVED + "}\n            if rank == 0:\n"),
+]
+# Each zerodp form (and each dropped DDP line) as docs/USAGE.md's table writes it.
+IN_USAGE = ["zerodp.initialize(model, optimizer, config)", "model.require_backward_grad_sync",
+            "loss = loss / ACCUMULATION", "engine.backward(loss)", "scaler.unscale_(optimizer)",
+            "engine.clip_grad_norm_(max_norm)", "engine.step()", "optimizer.state_dict()",
+            "torch.autocast", "if rank == 0:", "no_sync"]
+
+
+def ported(out_dir: str) -> str:
+    with open(os.path.join(SCRIPTS, "ddp_train.py"), encoding="utf-8") as f:
+        source = f.read()
+    for ddp, ours in PORT:
+        assert source.count(ddp) == 1, ddp
+        source = source.replace(ddp, ours)
+    path = os.path.join(out_dir, "ddp_train_zerodp.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    return path
+
+
+def _two_ranks(rank: int, world: int, tmp: str) -> dict:
+    ckpt = os.path.join(tmp, "ckpt.pt")
+    ddp = load(os.path.join(SCRIPTS, "ddp_train.py")).main(["--steps", "4"])
+    ours = load(os.path.join(tmp, "ddp_train_zerodp.py")).main(["--steps", "4", "--save_at", "2", "--ckpt", ckpt])
+    return {"ddp": ddp, "ours": ours, "refused": _refusals(rank)}
+
+
+def _refusals(rank: int) -> dict:
+    """What the DDP idioms a port would keep by mistake say (2 ranks, stage 1, comm_timeout_s 3)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()),
+                               {"train_micro_batch_size_per_gpu": 1, "comm_timeout_s": 3,
+                                "zero_optimization": {"stage": 1}})
+    out = {}
+    with pytest.raises(AttributeError) as e:
+        engine.require_backward_grad_sync = False
+    out["require_backward_grad_sync"] = str(e.value)
+    with pytest.raises(AttributeError) as e:
+        engine.parameters()
+    out["parameters"] = str(e.value)
+    engine.backward(engine(torch.randn(1, 4)).sum())
+    out["torch_clip"] = float(torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0))
+    engine.step()
+    if rank == 0:  # nanoGPT's checkpoint: optimizer.state_dict() under `if master_process:`
+        with pytest.raises(RuntimeError) as e:
+            engine.optimizer.state_dict()
+        out["lone_state_dict"] = str(e.value)
+    return out
+
+
+def _resume_on_one_rank(rank: int, world: int, tmp: str) -> dict:
+    script = load(os.path.join(tmp, "ddp_train_zerodp.py"))
+    return script.main(["--steps", "4", "--ckpt", os.path.join(tmp, "ckpt.pt"), "--resume"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ddp_port"))
+    ported(tmp)
+    two = run_ranks(_two_ranks, 2, tmp)
+    one = run_ranks(_resume_on_one_rank, 1, tmp)[0]
+    return two, one, tmp
+
+
+def test_the_porting_table_in_usage_gives_every_line_the_port_changes():
+    with open(USAGE, encoding="utf-8") as f:
+        usage = f.read()
+    section = usage[usage.index("## Porting a DDP script"):]
+    missing = [text for text in IN_USAGE if text not in section]
+    assert not missing, missing
+
+
+def test_the_ported_script_trains_as_its_ddp_original(runs):
+    two, _, _ = runs
+    ddp, ours = two[0]["ddp"], two[0]["ours"]
+    assert max(ddp["norms"]) > 0.5  # clipping acts
+    # The same sums in another order (zerodp's flat buckets, DDP's buckets): fp32 rounding, after 4 AdamW steps.
+    torch.testing.assert_close(ours["norms"], ddp["norms"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours["evals"], ddp["evals"], rtol=1e-5, atol=0)
+    for name, w in ddp["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_its_own_optimizer_checkpoint_resumes_on_one_rank_equal_to_the_uninterrupted_run(runs):
+    two, one, tmp = runs
+    saved = torch.load(os.path.join(tmp, "ckpt.pt"))
+    plain = torch.optim.AdamW(load(os.path.join(SCRIPTS, "ddp_train.py")).Net().parameters())
+    plain.load_state_dict(saved["optimizer"])  # torch's own format: a plain optimizer reads it
+    assert sorted(saved["optimizer"]["state"]) == [0, 1, 2, 3]
+    assert saved["optimizer"]["state"][0]["exp_avg"].shape == (24, 6)
+    uninterrupted = two[0]["ours"]
+    torch.testing.assert_close(one["norms"], uninterrupted["norms"][2:], rtol=1e-5, atol=0)
+    for name, w in uninterrupted["weights"].items():
+        torch.testing.assert_close(one["weights"][name], w, rtol=1e-5, atol=1e-6)
+
+
+def test_the_ddp_idioms_a_port_keeps_by_mistake_say_the_zerodp_way(runs):
+    two, _, _ = runs
+    refused = two[0]["refused"]
+    assert "engine.backward(loss) and engine.step()" in refused["require_backward_grad_sync"]
+    assert "engine.clip_grad_norm_(max_norm)" in refused["parameters"]
+    assert refused["torch_clip"] == 0.0  # what USAGE.md warns of: torch's clip sees no gradient
+    assert "only 1 of them called it" in refused["lone_state_dict"]
+    assert "call optimizer.state_dict() on every rank" in refused["lone_state_dict"]
+    assert "lone_state_dict" not in two[1]["refused"]
