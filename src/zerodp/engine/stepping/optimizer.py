@@ -82,9 +82,7 @@ class PartitionedOptimizer(TimedGathers):
                      for g in layout.groups]
         # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
         # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
-        self.user_params: list[list[torch.Tensor]] = (
-            [list(g["params"]) for g in optimizer.param_groups] if isinstance(optimizer, Optimizer)
-            else [[s.param for b in g.buckets for s in b.slots] for g in layout.groups])
+        self.user_params: list[list[torch.Tensor]] = _user_params(optimizer, layout)
         shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
         # An optimizer that has stepped or loaded a state (a DDP script's resume, before initialize as
         # nanoGPT does): its state in torch's format, loaded again onto the shards (torch_state.py).
@@ -307,6 +305,12 @@ class PartitionedOptimizer(TimedGathers):
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
         return {"fp32_master": master, "optimizer_states": state, **host}
+
+
+def _user_params(optimizer: OptimizerLike, layout: Layout) -> list[list[torch.Tensor]]:
+    if isinstance(optimizer, Optimizer):
+        return [list(g["params"]) for g in optimizer.param_groups]
+    return [[s.param for b in g.buckets for s in b.slots] for g in layout.groups]
 
 
 def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shapes: dict[int, torch.Size]
