@@ -58,7 +58,32 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict:
     ckpt = os.path.join(tmp, "ckpt.pt")
     ddp = load(os.path.join(SCRIPTS, "ddp_train.py")).main(["--steps", "4"])
     ours = load(os.path.join(tmp, "ddp_train_zerodp.py")).main(["--steps", "4", "--save_at", "2", "--ckpt", ckpt])
-    return {"ddp": ddp, "ours": ours, "refused": _refusals(rank)}
+    return {"ddp": ddp, "ours": ours, "refused": _refusals(rank), "stages": _state_at_each_stage()}
+
+
+def _state_at_each_stage() -> dict:
+    """optimizer.state_dict() after 2 steps on the same data on every rank, and a plain AdamW's after the
+    same steps in this process, at stages 0, 1 and 3 (stage 2: the script above)."""
+    out = {}
+    for stage in (0, 1, 3):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        plain_net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        plain_net.load_state_dict(net.state_dict())
+        plain = torch.optim.AdamW(plain_net.parameters(), lr=0.01)
+        engine = zerodp.initialize(net, torch.optim.AdamW(net.parameters(), lr=0.01),
+                                   {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+                                       "stage": stage, "reduce_bucket_size": 64,
+                                       "stage3_param_persistence_threshold": 0}})
+        for i in range(2):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(i))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            plain.zero_grad()
+            plain_net(x).square().mean().backward()
+            plain.step()
+        out[stage] = (engine.optimizer.state_dict(), plain.state_dict())
+    return out
 
 
 def _refusals(rank: int) -> dict:
@@ -140,3 +165,15 @@ def test_the_ddp_idioms_a_port_keeps_by_mistake_say_the_zerodp_way(runs):
     assert "only 1 of them called it" in refused["lone_state_dict"]
     assert "call optimizer.state_dict() on every rank" in refused["lone_state_dict"]
     assert "lone_state_dict" not in two[1]["refused"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_optimizer_state_dict_is_a_plain_optimizers_at_stage(runs, stage):
+    two, _, _ = runs
+    for rank in (0, 1):
+        ours, plain = two[rank]["stages"][stage]
+        assert ours["param_groups"] == plain["param_groups"]
+        assert ours["state"].keys() == plain["state"].keys() == {0, 1, 2, 3}
+        for i, state in plain["state"].items():
+            for key, v in state.items():  # every rank the same data: the mean of equal gradients is exact
+                torch.testing.assert_close(ours["state"][i][key], v, rtol=1e-6, atol=1e-9)

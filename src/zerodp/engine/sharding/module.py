@@ -12,6 +12,7 @@ nothing to train). The Engine (engine.py) adds training to one: its stepping par
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable
 
@@ -23,6 +24,7 @@ from zerodp.distributed.comm import Comm
 from zerodp.distributed.device import can_pin, seed_everything
 from zerodp.engine.layout.flat import Bucket, local, set_local
 from zerodp.engine.layout.layout import Layout, frozen_params
+from zerodp.engine.layout.units import nothing_partitioned
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling
@@ -88,6 +90,9 @@ class ShardedModule:
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm, spec = self.config.zero_optimization, self.comm, self.spec
         layout = Layout.build(groups, spec, comm, zero, frozen)
+        note = nothing_partitioned(layout.gathered, zero) if spec.gathers_per_unit and comm.shard_size > 1 else None
+        if note is not None and comm.everyone.rank == 0:
+            print(note, file=sys.stderr, flush=True)
         fp32_shards = fill.fill(layout.groups, filling, comm, layout.rank, spec.dtype, spec.device,
                                 spec.gathers_per_unit, spec.offload_param,
                                 zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
