@@ -105,8 +105,11 @@ class ShardedModule:
             return None
         names = {id(m): n for n, m in self.module.named_modules()}
         units = self.spec.units
-        return Gatherer(units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                        self.spec.offload_param, unit_names=[names.get(id(root), "") for root in units.roots])
+        gatherer = Gatherer(units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
+                            self.spec.offload_param, unit_names=[names.get(id(root), "") for root in units.roots])
+        if self.comm.notice is not None:  # a long wait in a gather names its phase, unit and step
+            self.comm.notice.describe = lambda: gatherer.whereabouts.where()[0]
+        return gatherer
 
     def take_fp32_shards(self) -> list[torch.Tensor]:
         """(training, once) this rank's fp32 values of each trained bucket, which its masters start from."""
