@@ -13,7 +13,37 @@ def _f(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _ratio(s: dict | None) -> str:
+    return "-" if s is None else f"{s['median']:.2f} ({s['low']:.2f}-{s['high']:.2f})"
+
+
+def spread_table(report: dict) -> str:
+    """A report with spreads (`zerodp bench` with rounds): each mode's median and range of tokens/s, its
+    ratios to DDP and FSDP2 round by round, and the verdicts."""
+    load = ", ".join(f"{x:.1f}" for x in report.get("load_average_at_start") or [])
+    lines = [f"`{report['command']}`", "",
+             f"device: {report['device']}, torch {report['torch']}, commit {report.get('zerodp_commit')}, "
+             f"load average at the start: {load}; at the end: "
+             f"{', '.join(f'{x:.1f}' for x in report.get('load_average') or [])}", "",
+             "| mode | world | tokens/s (median) | tokens/s min-max | vs DDP (median of rounds, min-max) "
+             "| vs FSDP2 (median of rounds, min-max) | vs plain | loss first → last | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        own = report["spread"].get(r["mode"], {})
+        tokens = own.get("tokens_per_s")
+        span = "-" if tokens is None else f"{tokens['low']:,.0f}-{tokens['high']:,.0f}"
+        loss = f"{r['losses'][0]:.3f} → {r['losses'][-1]:.3f}" if r["losses"] else "-"
+        note = "; ".join(filter(None, [r["status"] if r["status"] != "ok" else "", r["reason"], r["note"]]))
+        lines.append(f"| {r['mode']} | {r['world']} | {_f(r['tokens_per_s'], ',.0f')} | {span} "
+                     f"| {_ratio(own.get('ddp'))} | {_ratio(own.get('fsdp2'))} | {_f(r['ratio_to_plain'], '.2f')} "
+                     f"| {loss} | {note} |")
+    lines += [""] + [f"- {v['sentence']}" for v in report["verdicts"]]
+    return "\n".join(lines)
+
+
 def table(report: dict) -> str:
+    if "spread" in report:
+        return spread_table(report)
     lines = [f"`{report['command']}`", "",
              f"device: {report['device']}, torch {report['torch']}, load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in report.get('load_average') or [])}", "",

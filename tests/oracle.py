@@ -233,11 +233,12 @@ def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload:
         zero["offload_param"] = {"device": "cpu"}
     if stage == 3:  # gather and release every module, unless a test asks for persistence
         zero.setdefault("stage3_param_persistence_threshold", 0)
+    low = {k: zero.pop(k) for k in [k for k in zero if k.startswith("bf16_")]}  # the bf16 section's optimizer keys
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
            "gradient_clipping": case.clip,
            "zero_optimization": {"stage": stage, **case.config, **zero}}
     if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, **low}
     if dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
@@ -270,7 +271,8 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
         norms.append(engine.grad_norm)
     with engine.gathered_parameters():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps, "params": params}
+    return {"state": engine.full_state_dict(), "norms": norms, "steps": engine.global_steps, "params": params,
+            "memory": engine.memory_report()}
 
 
 def train_reference(name: str, world: int, seed: int = 0, step_unused: bool = False) -> dict:

@@ -2,13 +2,17 @@
 
 Speed itself is never asserted here (DESIGN.md: speed is measured by benchmarks, not timed tests);
 what is asserted is the harness: one row per requested mode, plain PyTorch as the baseline of the
-same run, the same model and batch everywhere (identical fp32 losses), JSON that says how it was made.
+same run, the same model and batch everywhere (identical fp32 losses), the modes run in rounds (A B C,
+A B C), each mode's spread and its round-by-round ratios recomputable from the JSON's runs, the verdict
+rule on planted numbers, and JSON that says how it was made.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
+import itertools
 import json
 import os
 import signal
@@ -21,9 +25,11 @@ from pathlib import Path
 import pytest
 
 from zerodp import bench
+from zerodp.bench import driver, spread
 
 TINY = ["--model", "tiny", "--micro-batch", "2", "--seq", "32", "--steps", "2", "--warmup", "1",
-        "--dtype", "fp32", "--threads", "1", "--world", "1"]
+        "--dtype", "fp32", "--threads", "1", "--world", "1", "--repeats", "1"]
+ROUNDS = 2  # the fixture's: A B C A B C, the least that shows the order
 
 
 # One mode of each kind the worker builds (a process each, ~5 s of the suite's time): zerodp0/1/2 differ from
@@ -35,12 +41,16 @@ SUITE_MODES = ["plain", "ddp", "fsdp2", "zerodp3", "zerodp2-offload", "deepspeed
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory) -> dict:
-    """One invocation (a process per mode): a mode of each kind, and the fake world. --fork (a user's option
-    on a CPU): each mode's process is forked from one that imported torch and the worker once (8 processes:
-    ~45 s of CPU less); the default, a fresh interpreter per mode, runs in test_multi_rank_modes below."""
+    """One invocation (a process per mode and round): a mode of each kind in ROUNDS rounds, and the fake world,
+    with what it printed under "printed". --fork (a user's option on a CPU): each mode's process is forked from
+    one that imported torch and the worker once (~5 CPU s less per process); the default, a fresh interpreter
+    per mode, runs in test_multi_rank_modes below."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    bench.main(TINY + ["--modes", *SUITE_MODES, "--checkpointing", "--fake-world", "8", "--fork", "--json", str(out)])
-    return json.loads(out.read_text())
+    printed, progress = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(progress):
+        bench.main(TINY + ["--modes", *SUITE_MODES, "--checkpointing", "--fake-world", "8", "--fork",
+                           "--repeats", str(ROUNDS), "--json", str(out)])
+    return {**json.loads(out.read_text()), "printed": printed.getvalue(), "progress": progress.getvalue()}
 
 
 def test_every_mode_is_one_the_worker_builds():
@@ -152,6 +162,127 @@ def test_repeats_report_the_median_and_keep_every_sample():
     assert chosen.tokens_per_s == 20.0 and chosen.samples == [30.0, 10.0, 20.0]
     failed = bench.Result("zerodp2", "failed", reason="exit 1")
     assert bench.median_result([runs[0], failed]) is failed
+
+
+def test_modes_run_in_rounds_a_b_c_a_b_c(world1):
+    """The order the runs really had: sequence numbers, rounds and start times, one mode after another."""
+    runs = world1["runs"]
+    assert [r["mode"] for r in runs] == SUITE_MODES * ROUNDS
+    # and said so as each ended (stderr): a long run shows its progress, one stopped keeps its numbers
+    lines = [line for line in world1["progress"].splitlines() if line.startswith("round ")]
+    assert len(lines) == len(runs)
+    assert all(line.startswith(f"round {r['round'] + 1}/{ROUNDS}: {r['mode']} ") for line, r in zip(lines, runs))
+    assert lines[-1] == f"round {ROUNDS}/{ROUNDS}: deepspeed2 skipped: {runs[-1]['reason']}" or \
+        lines[-1] == f"round {ROUNDS}/{ROUNDS}: deepspeed2 {runs[-1]['tokens_per_s']:,.0f} tokens/s"
+    assert [r["sequence"] for r in runs] == list(range(len(runs)))
+    assert [r["round"] for r in runs] == [i for i in range(ROUNDS) for _ in SUITE_MODES]
+    assert all(a["ended"] <= b["started"] for a, b in itertools.pairwise(runs)), "a run began before the last ended"
+
+
+def test_every_spread_and_ratio_can_be_recomputed_from_the_runs(world1):
+    """A reader with the JSON's raw runs gets the table's spreads: each mode's tokens/s, lowest, median (the
+    lower middle) and highest over the rounds, and its ratio to DDP and to FSDP2 round by round."""
+    by_mode = {m: [r["tokens_per_s"] for r in world1["runs"] if r["mode"] == m and r["status"] == "ok"]
+               for m in SUITE_MODES}
+    measured = [m for m, v in by_mode.items() if len(v) == ROUNDS]
+    assert set(measured) >= {"plain", "ddp", "fsdp2", "zerodp3"} and set(world1["spread"]) == set(measured)
+    for mode in measured:
+        own = world1["spread"][mode]
+        low, *_, high = sorted(by_mode[mode])
+        assert own["tokens_per_s"] == {"n": ROUNDS, "low": low, "median": low, "high": high}  # 2: the lower one
+        for base in ("ddp", "fsdp2"):
+            ratios = sorted(a / b for a, b in zip(by_mode[mode], by_mode[base]))
+            assert own[base] == {"n": ROUNDS, "low": ratios[0], "median": ratios[0], "high": ratios[-1]}
+    row = next(r for r in world1["results"] if r["mode"] == "zerodp3")
+    assert row["samples"] == by_mode["zerodp3"] and row["tokens_per_s"] == min(by_mode["zerodp3"])
+
+
+def test_printed_table_carries_the_spreads_and_says_what_cannot_be_told_apart(world1):
+    printed, own = world1["printed"], world1["spread"]["zerodp3"]
+    for column in ("tokens/s min-max", "vs ddp (rounds)", "vs fsdp2 (rounds)"):
+        assert column in printed
+    zerodp3_row = next(line for line in printed.splitlines() if line.startswith("│ zerodp3 "))
+    tokens, ddp = own["tokens_per_s"], own["ddp"]
+    assert f"{tokens['low']:,.0f}-{tokens['high']:,.0f}" in zerodp3_row
+    assert f"{ddp['median']:.2f} ({ddp['low']:.2f}-{ddp['high']:.2f})" in zerodp3_row
+    for other in ("ddp", "fsdp2"):  # 2 rounds: too few to tell, whatever the numbers
+        assert f"zerodp3 vs {other}: " in printed and "cannot be told apart with 2 repeats (3 needed)" in printed
+    assert [(v["mode"], v["other"], v["told_apart"]) for v in world1["verdicts"]] == \
+        [(m, other, False) for m in ("zerodp3", "zerodp2-offload") for other in ("ddp", "fsdp2")]
+
+
+def test_spread_is_lowest_lower_middle_and_highest():
+    assert spread.spread([30.0, 10.0, 40.0, 20.0]) == spread.Spread(4, 10.0, 20.0, 40.0)
+    assert spread.spread([5.0]) == spread.Spread(1, 5.0, 5.0, 5.0)
+    with pytest.raises(ValueError, match="at least one measured repeat"):
+        spread.spread([])
+
+
+def test_modes_whose_ranges_do_not_overlap_are_told_apart():
+    """Planted: zerodp2 is faster than DDP in every repeat, by more than either's spread."""
+    fast, slow = [100.0, 104.0, 98.0, 101.0, 99.0], [90.0, 91.0, 89.0, 95.0, 88.0]
+    v = spread.tell_apart("zerodp2", fast, "ddp", slow)
+    assert v.told_apart and v.chance_if_equal == pytest.approx(2 / 252)
+    assert v.ratio == spread.spread([a / b for a, b in zip(fast, slow)])
+    assert "told apart: zerodp2 is faster" in v.sentence() and "98-104 against 88-95 tokens/s" in v.sentence()
+    assert spread.tell_apart("ddp", slow, "zerodp2", fast).sentence().count("zerodp2 is faster") == 1
+
+
+def test_modes_whose_ranges_overlap_cannot_be_told_apart():
+    """Planted: a 5% gain in the medians inside a spread of 25%: not a difference this bench can see."""
+    mine, theirs = [105.0, 84.0, 110.0, 100.0, 95.0], [100.0, 82.0, 95.0, 108.0, 88.0]
+    v = spread.tell_apart("zerodp2", mine, "ddp", theirs)
+    assert not v.told_apart
+    assert v.sentence().endswith("cannot be told apart (ranges 84-110 against 82-108 tokens/s overlap)")
+    # apart, but only 2 repeats: 1 chance in 3 were they equal, so not called
+    v = spread.tell_apart("zerodp2", [200.0, 210.0], "ddp", [100.0, 110.0])
+    assert not v.told_apart and "cannot be told apart with 2 repeats (3 needed)" in v.sentence()
+
+
+@pytest.mark.parametrize("m,n", [(3, 3), (3, 4), (4, 4)])
+def test_chance_of_ranges_apart_is_counted_over_every_split(m, n):
+    """2 / C(m + n, m): of all the ways m + n interchangeable values split into m and n, those with one side
+    wholly above the other, counted."""
+    splits = list(itertools.combinations(range(m + n), m))
+    apart = sum(max(s) < min(set(range(m + n)) - set(s)) or min(s) > max(set(range(m + n)) - set(s)) for s in splits)
+    assert spread.chance_if_equal(m, n) == pytest.approx(apart / len(splits))
+
+
+def test_round_ratios_need_one_value_per_round_from_each():
+    assert spread.round_ratios([2.0, 3.0], [1.0, 6.0]) == [2.0, 0.5]
+    with pytest.raises(ValueError, match="one value per round"):
+        spread.round_ratios([1.0, 2.0], [1.0])
+
+
+def test_each_zerodp_mode_is_weighed_against_ddp_and_fsdp2():
+    assert spread.pairs_that_matter(["plain", "ddp", "fsdp2", "zerodp1", "zerodp3", "deepspeed2"]) == \
+        [("zerodp1", "ddp"), ("zerodp1", "fsdp2"), ("zerodp3", "ddp"), ("zerodp3", "fsdp2")]
+    assert spread.pairs_that_matter(["plain", "ddp", "zerodp2"]) == [("zerodp2", "ddp")]
+    rows = [bench.Result("ddp", "ok", samples=[10.0, 20.0, 30.0]), bench.Result("fsdp2", "failed", reason="exit 1"),
+            bench.Result("zerodp2", "ok", samples=[5.0, 30.0, 15.0])]
+    assert driver.mode_spreads(rows)["zerodp2"] == {"tokens_per_s": spread.Spread(3, 5.0, 15.0, 30.0),
+                                                     "ddp": spread.Spread(3, 0.5, 0.5, 1.5)}
+    assert [(v.mode, v.other) for v in driver.verdicts(rows)] == [("zerodp2", "ddp")]
+
+
+def _shape(argv: list[str]):
+    args = driver.parser().parse_args(argv)
+    driver.apply_shape(args)
+    return args.model, args.micro_batch, args.seq
+
+
+def test_shape_sets_issue_44s_shapes_and_the_train_jobs(monkeypatch):
+    assert _shape(["--shape", "2x64"]) == ("small", 2, 64)
+    assert _shape(["--shape", "4x256", "--seq", "256"]) == ("small", 4, 256)  # the same value given: no conflict
+    assert _shape(["--shape", "train"]) == ("small", 8, 256)  # zerodp train's default: small's 256-token context
+    from zerodp.train import options
+    monkeypatch.setitem(options.DEFAULTS, "micro_batch", 16)  # read from the job's defaults, not copied
+    assert _shape(["--shape", "train"]) == ("small", 16, 256)
+
+
+def test_shape_refuses_a_flag_that_contradicts_it():
+    with pytest.raises(SystemExit, match="--shape 2x64 sets --seq 64, and --seq 128 was given: drop --seq or --shape"):
+        _shape(["--shape", "2x64", "--seq", "128"])
 
 
 def test_multi_rank_modes_run_under_torchrun_on_2_gloo_ranks(tmp_path):

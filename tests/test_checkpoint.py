@@ -790,6 +790,96 @@ def test_keep_last_keeps_the_newest_by_global_step_and_never_latest(tmp_path):
     assert ck.resolve(d)[0] == str(d / "rewound")
 
 
+def test_keep_last_and_the_fallback_choose_among_the_current_runs_checkpoints_only():
+    from zerodp.checkpoint.files import Saved, doomed, newest_first, only_run
+
+    theirs = [Saved(f"global_step{n}", n, 1.0, "A") for n in (50, 100, 110)]  # a finished run's: higher steps
+    ours = [Saved(f"global_step{n}", n, 2.0 + n, "B") for n in (2, 4, 6)]
+    assert doomed(theirs + ours, 2, "global_step6", "B") == ["global_step2"]
+    # Rewound to step 4 (`latest`): its step 6 is newer and stays, `latest` is never removed.
+    assert doomed(theirs + ours, 1, "global_step4", "B") == ["global_step2"]
+    assert doomed(theirs + ours, 5, "global_step6", "B") == []
+    assert [s.name for s in newest_first(theirs + ours, "B")] == ["global_step6", "global_step4", "global_step2"]
+    again = Saved("rewound", 4, 99.0, "B")  # the same step saved later: newer
+    assert [s.name for s in newest_first([*ours, again], "B")][:2] == ["global_step6", "rewound"]
+    assert only_run(ours, "d") == "B"
+    with pytest.raises(ck.CheckpointError, match=r"'d' holds the checkpoints of 2 runs and its 'latest' does not say "
+                       r"which is the current one \(run A: global_step110, global_step100, global_step50; run B: "
+                       r"global_step6, global_step4, global_step2\); pick one by its tag"):
+        only_run(theirs + ours, "d")
+
+
+def _train_and_save(engine, d, steps: int, **kw) -> None:
+    for _ in range(steps):
+        train(engine, 0, 1, range(engine.global_steps, engine.global_steps + 1))
+        engine.save_checkpoint(d, **kw)
+
+
+def test_keep_last_in_a_folder_shared_with_another_run_keeps_that_runs_checkpoints(tmp_path):
+    """engine.save_checkpoint(keep_last=N) beside another run's global_stepN (a finished run of more steps):
+    this run's N newest stay, the other run's all stay, and the fallback never takes the other run's."""
+    d = str(tmp_path / "c")
+    with world_of_one():
+        first = make_engine(1, 2)
+        _train_and_save(first, d, 4, tag=None)  # global_step1..4 of one run
+        for step in (1, 2):  # the names a second run will use: the first run's go by other names
+            os.rename(os.path.join(d, f"global_step{step}"), os.path.join(d, f"first{step}"))
+        second = make_engine(1, 2, seed=1)  # a fresh engine: its first save starts a run
+        _train_and_save(second, d, 2, keep_last=1)
+        with pytest.raises(ck.CheckpointError, match=r"global_step3' is a checkpoint of another run .*which this "
+                           "save would replace; save under another tag"):
+            _train_and_save(second, d, 1)
+    assert sorted(os.listdir(d)) == ["first1", "first2", "global_step2", "global_step3", "global_step4", "latest"]
+    runs = {name: json.load(open(os.path.join(d, name, "zerodp.json")))["run"] for name in os.listdir(d)
+            if name != "latest"}
+    assert len(set(runs.values())) == 2 and runs["global_step2"] != runs["global_step4"]
+    _truncate(os.path.join(d, "global_step2"))
+    with pytest.raises(ck.CheckpointError, match=f"no intact checkpoint of run {runs['global_step2']} in .*"
+                       r"truncated.*\(other runs' checkpoints there, not taken: first1, first2, global_step3, "
+                       r"global_step4\)"):
+        ck.newest_intact(d)  # the run `latest` names: its one checkpoint is broken
+    assert ck.newest_intact(d, runs["global_step4"])[0] == os.path.join(d, "global_step4")
+
+
+def test_a_checkpoint_saved_before_runs_had_names_is_run_unnamed_and_so_is_its_resume(tmp_path):
+    from zerodp.checkpoint.read import current_run
+
+    d = tmp_path / "c"
+    shutil.copytree(os.path.join(FIXTURE, "ckpt"), d)
+    assert current_run(str(d)) == "unnamed"
+    with world_of_one():
+        engine = make_engine(1, 2, "bf16", seed=1)
+        engine.load_checkpoint(str(d))
+        _train_and_save(engine, str(d), 2, keep_last=2)  # steps 3 and 4: the same run as the fixture's step2
+        fresh = make_engine(1, 2, "bf16", seed=1)
+        _train_and_save(fresh, str(tmp_path / "other"), 1)
+    assert sorted(os.listdir(d)) == ["global_step3", "global_step4", "latest"]  # step2, of the same run, pruned
+    assert "run" not in json.load(open(d / "global_step4" / "zerodp.json"))
+    assert json.load(open(tmp_path / "other" / "global_step1" / "zerodp.json"))["run"] != "unnamed"
+
+
+def test_resume_past_an_unreadable_latest_in_a_folder_of_two_runs_takes_the_run_its_metrics_name(tmp_path, capsys):
+    import argparse
+
+    from zerodp.train.resume import choose_resume
+    d = tmp_path / "run" / "checkpoints"
+    d.mkdir(parents=True)
+    for tag, run, step in (("theirs", "20260101-000000-aaaaaa", 9), ("ours", "20260102-000000-bbbbbb", 1)):
+        shutil.copytree(os.path.join(small_checkpoint(), "global_step1"), d / tag)
+        meta = json.loads((d / tag / "zerodp.json").read_text())
+        meta["tag"], meta["run"], meta["counters"]["global_steps"] = tag, run, step
+        (d / tag / "zerodp.json").write_text(json.dumps(meta))
+    (d / "latest").write_text("??")
+    with pytest.raises(ck.CheckpointError, match="holds the checkpoints of 2 runs"):
+        ck.newest_intact(str(d))  # which run is current cannot be told from the checkpoints alone
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"kind": "run", "step": 0, "id": "20260102-000000-bbbbbb"}))
+    opts = argparse.Namespace(resume=True, resume_from=None, out=str(tmp_path / "run"), grad_accum=1,
+                              micro_batch=2, explicit=set(), steps=10, warmup=0, tp=1)
+    choose_resume(opts, 1)
+    assert opts.resume_path == str(d / "ours") and opts.run == "20260102-000000-bbbbbb"  # never step 9 of theirs
+    assert "resuming from the newest intact checkpoint of run 20260102-000000-bbbbbb" in capsys.readouterr().err
+
+
 def test_next_save_removes_the_temp_dirs_of_killed_saves(tmp_path):
     d = tmp_path / "c"
     with world_of_one():

@@ -486,3 +486,58 @@ def test_hyperparameters_that_cannot_be_right_are_refused_naming_the_key(config,
 def test_torch_rejecting_one_optimizer_value_names_its_key():
     message = error_of(_with_opt(betas=[0.9, 1.5], eps=1e-8))
     assert "'optimizer.params.betas' = [0.9, 1.5] rejected by torch.optim.AdamW" in message
+
+
+# ---- typed overlays: a framework's or a job's settings over the user's config ----------------------------
+
+def test_under_framework_fills_what_the_config_left_unset_and_keeps_the_rest():
+    user = load_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000},
+                        "bf16": {"enabled": True, "immediate_grad_update": True}})
+    from zerodp.config import Said
+    config = user.under_framework(gradient_accumulation_steps=Said(4, "accumulate_grad_batches says 4"),
+                                  gradient_clipping=Said(0.5, "gradient_clip_val says 0.5"),
+                                  dtype=Said("bf16", "the precision is 'bf16-mixed'"), micro_batch_size=3)
+    assert (config.gradient_accumulation_steps, config.gradient_clipping, config.train_micro_batch_size_per_gpu) == (
+        4, 0.5, 3)
+    assert config.bf16.enabled and config.bf16.immediate_grad_update and not config.fp16.enabled
+    assert (config.zero_optimization.stage, config.zero_optimization.reduce_bucket_size) == (3, 1000)
+    assert user.gradient_accumulation_steps is None  # the user's config is left alone
+    # a batch size the config gives is the config's: the framework's loader size only fills an absent one
+    assert load_config({"train_batch_size": 8}).under_framework(micro_batch_size=3).train_micro_batch_size_per_gpu is None
+    assert load_config({"train_micro_batch_size_per_gpu": 2}).under_framework(
+        micro_batch_size=3).train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.parametrize("given, said, words", [
+    ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": (3, "accumulate_grad_batches says 3")},
+     "the zerodp config has gradient_accumulation_steps=2 but accumulate_grad_batches says 3; give it in one place"),
+    ({"gradient_clipping": 1.0}, {"gradient_clipping": (0.5, "gradient_clip_val says 0.5")},
+     "the zerodp config has gradient_clipping=1.0 but gradient_clip_val says 0.5; give it in one place"),
+    ({"fp16": {"enabled": True}}, {"dtype": ("bf16", "the precision is 'bf16-mixed'")},
+     "the zerodp config enables fp16 but the precision is 'bf16-mixed'"),
+    ({"bf16": {"enabled": True}}, {"dtype": ("fp32", "the precision is '32-true'")},
+     "the zerodp config enables bf16 but the precision is '32-true'"),
+])
+def test_under_framework_refuses_a_config_that_contradicts_the_framework_naming_both(given, said, words):
+    from zerodp.config import Said
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(given).under_framework(**{k: Said(*v) for k, v in said.items()})
+    load_config(given).under_framework(**{k: Said(given.get(k, v[0]), v[1]) for k, v in said.items()
+                                          if k != "dtype"})  # the same value repeated is no conflict
+
+
+def test_for_job_puts_the_jobs_settled_options_over_the_file_and_drops_what_the_job_builds():
+    ds = load_config({"train_batch_size": 32, "gradient_clipping": 2.0, "steps_per_print": 5,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                      "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                            "reduce_bucket_size": 1000}})
+    config = ds.for_job(stage=2, offload_optimizer=False, dtype="bf16", micro_batch_size=4,
+                        gradient_accumulation_steps=2, gradient_clipping=1.0, comm_timeout_s=30.0,
+                        non_finite_policy="skip")
+    assert (config.train_batch_size, config.optimizer, config.scheduler) == (None, None, None)
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (4, 2)
+    assert (config.gradient_clipping, config.comm_timeout_s, config.non_finite.policy) == (1.0, 30.0, "skip")
+    assert config.bf16.enabled and not config.fp16.enabled and config.steps_per_print == 5
+    zero = config.zero_optimization
+    assert (zero.stage, zero.offload_optimizer.device, zero.offload_optimizer.pin_memory) == (2, "none", True)
+    assert zero.reduce_bucket_size == 1000

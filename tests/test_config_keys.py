@@ -44,6 +44,10 @@ EFFECTS = {
     "fp16.consecutive_hysteresis": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",
     "fp16.min_loss_scale": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",
     "bf16.enabled": "test_initialize.py::test_bf16_engine_casts_inputs_and_keeps_fp32_masters",
+    "bf16.bf16_master_weights_and_grads":
+        "test_engine.py::test_bf16_masters_and_optimizer_states_match_fp32_masters_within_their_rounding",
+    "bf16.bf16_optimizer_states":
+        "test_engine.py::test_bf16_masters_and_optimizer_states_match_fp32_masters_within_their_rounding",
     "zero_optimization.stage": "test_engine.py::test_matches_single_process_fp32",
     "zero_optimization.reduce_bucket_size": "test_engine.py::test_bucketed_overlapped_and_single_bucket_runs_are_identical",
     "zero_optimization.allgather_bucket_size":

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import zerodp.deepspeed as deepspeed
 from oracle import Toy
@@ -26,6 +29,47 @@ SCRIPT_CONFIG = {
                           "contiguous_gradients": True},
 }
 MICRO = {"train_micro_batch_size_per_gpu": 4}
+
+
+class SelfInitialised(nn.Module):
+    """A model as DeepSpeed's tests and HF build it: its constructor sets its values (its layers'
+    reset_parameters, then self.apply(self._init_weights) through `.data` and nn.init, a trunc_normal_, fills)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(17, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 5)
+        self.norm = nn.LayerNorm(16)
+        self.apply(self._init_weights)
+        self.fc2.bias.data.fill_(0.25)
+        with torch.no_grad():
+            self.norm.weight.fill_(2.0)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            m.weight.data.normal_(mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.trunc_normal_(m.weight, std=0.1)
+
+    def forward(self, x):
+        return self.fc2(self.norm(torch.relu(self.fc1(self.emb(x))))).float().pow(2).mean()
+
+
+def _constructor_values_under_zero_init(rank: int) -> dict:
+    """DeepSpeed's zero.Init at stage 3: the values the constructor set are what trains (rank 0's: a
+    whole build's with the same seed), module by module."""
+    torch.manual_seed(0)
+    with deepspeed.zero.Init():
+        model = SelfInitialised()
+    engine, *_ = deepspeed.initialize(model=model, config={**MICRO, "zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        kept = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.backward(engine(torch.arange(4 * rank, 4 * rank + 4).view(4, 1)))
+    engine.step()
+    return {"kept": kept}
 
 
 def _both_scripts_and_zero_features(rank: int, world: int, tmp: str) -> dict:
@@ -53,6 +97,33 @@ def _both_scripts_and_zero_features(rank: int, world: int, tmp: str) -> dict:
     engine.step()  # SGD: the update starts from the kept weight 2.0 on every rank
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         out["mid_after_step"] = model.mid.weight.detach().clone()
+    out.update(_release_then_destroy(engine, model, x, y))
+    out.update(_constructor_values_under_zero_init(rank))
+    return out
+
+
+def _release_then_destroy(engine, model, x, y) -> dict:
+    """DeepSpeed's tests' ending, and its zero3 docs' empty_partition_cache, at stage 3."""
+    out = {}
+    held = engine(x, y)  # a forward whose backward never comes: its parameters stay gathered for it
+    out["before"] = {p.ds_status.name for p in model.parameters()}
+    engine.empty_partition_cache()
+    out["after"] = {p.ds_status.name for p in model.parameters()}
+    del held
+    engine.backward(engine(x, y))  # training goes on: the next forward gathers what it needs
+    engine.step()
+    inner = weakref.ref(engine.engine)
+    engine.destroy()
+    out["hooks"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
+                       + len(m._state_dict_hooks) for m in model.modules())
+    out["grad_hooks"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    try:
+        engine.step()
+    except RuntimeError as e:
+        out["after_destroy"] = str(e)
+    del engine
+    gc.collect()
+    out["engine_freed"] = inner() is None  # the model, still held here, no longer keeps the engine alive
     return out
 
 
@@ -67,6 +138,15 @@ def test_deepspeed_script_with_only_its_import_changed_matches_zerodp_initialize
     assert results[0]["deepspeed"][:8] != results[1]["deepspeed"][:8]  # each rank saw its own data
     mid0, mid1 = results[0]["mid_after_step"], results[1]["mid_after_step"]
     assert torch.equal(mid0, mid1) and (mid0 - 2.0).abs().max() < 0.5 and (mid0 != 2.0).any()
+    for r in results:  # empty_partition_cache and destroy, as DeepSpeed's tests and zero3 docs call them
+        assert r["before"] == {"AVAILABLE"} and r["after"] == {"NOT_AVAILABLE"}
+        assert r["hooks"] == 0 and r["grad_hooks"] == 0 and r["engine_freed"]
+        assert "destroyed (engine.destroy())" in r["after_destroy"]
+    torch.manual_seed(0)
+    whole = dict(SelfInitialised().named_parameters())
+    for r in results:  # the constructor's values, not reset_parameters' (fc2.bias 0.25, norm.weight 2.0)
+        assert r["kept"].keys() == whole.keys()
+        assert all(torch.equal(r["kept"][n], whole[n].detach()) for n in whole)
 
 
 # ---- initialize: DeepSpeed's arguments and 4-tuple (world of one, in-process) --------------------
@@ -272,3 +352,28 @@ def test_zero_init_builds_on_meta_and_initialize_materialises_the_whole_builds_v
     engine.step()
     with deepspeed.zero.Init(enabled=False):
         assert not any(p.is_meta for p in Toy().parameters())
+
+
+class _WritesThroughAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.lin.weight[0].fill_(1.0)  # one row: a view, which zero.Init cannot replay
+
+
+class _DrawsOnMeta(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.randn(3))
+
+
+@pytest.mark.parametrize("model, says", [(_WritesThroughAView, "module 'lin': 'weight'.*wrote through a view"),
+                                         (_DrawsOnMeta, "drew randn of shape \\(3,\\) on the meta device")])
+def test_zero_init_refuses_constructor_values_it_cannot_keep_naming_them(model, says):
+    with deepspeed.zero.Init():
+        built = model()
+    with pytest.raises(ValueError, match=says):
+        deepspeed.initialize(model=built, config={**MICRO, "zero_optimization": {"stage": 3},
+                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

@@ -43,6 +43,15 @@ LOW_PRECISION = "plain" + oracle.LONG  # 5 steps: the bf16 tolerance must stay b
 LOW_RUNS = ([(stage, dtype, offload, world) for world in (1, 2) for stage in STAGES for dtype in ("bf16", "fp16")
              for offload in (False, True)]
             + [(0, "bf16", False, 4), (1, "fp16", True, 4), (2, "bf16", True, 4), (3, "fp16", False, 4)])
+# bf16 masters kept exact by their remainder, and bf16 optimizer states too (bf16 section's keys), at stages 1-3.
+LOW_STATE_STAGES = [1, 2, 3]
+COMPENSATED = ("bf16_master_weights_and_grads", True)
+BF16_STATES = (*COMPENSATED, "bf16_optimizer_states", True)
+# ... and beside the two offloads: bf16 states in host memory (stage 2), compensated masters over host shards (3)
+LOW_STATE_OFFLOAD_JOBS = {"offload_optimizer": (LOW_PRECISION, 2, "bf16", True, 0, "bf16_optimizer_states", True),
+                          "offload_param": (LOW_PRECISION, 3, "bf16", False, 0, "offload_param", True, *COMPENSATED)}
+LOW_STATE_JOBS = [(LOW_PRECISION, stage, "bf16", False, 0, *kw) for stage in LOW_STATE_STAGES
+                  for kw in (COMPENSATED, BF16_STATES)] + list(LOW_STATE_OFFLOAD_JOBS.values())
 BUCKET_VARIANTS = {1: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64)],
                    2: [("overlap_comm", False), ("reduce_bucket_size", 10**9), ("reduce_bucket_size", 64),
                        ("allgather_bucket_size", 1)],
@@ -132,7 +141,7 @@ def all_ranks(world: int) -> list[dict]:
                      + [(LOW_PRECISION, s, d, o) for s, d, o, w in LOW_RUNS if w == world]
                      + BUCKET_JOBS + [overlap_job(c, s) for c, s, w in OVERLAP_RUNS if w == world] + SPECIAL_JOBS
                      + list(STEP_UNUSED_JOBS.values()) + (OFFLOAD_PARAM_JOBS if world <= 2 else [FROZEN_OFFLOAD_JOB])
-                     + optimizer_jobs(world))
+                     + optimizer_jobs(world) + (LOW_STATE_JOBS if world == 2 else []))
 
 
 def engine_runs(world: int) -> dict:
@@ -285,6 +294,46 @@ def test_low_precision_matches_within_its_precision(dtype, offload, stage, world
     working = ours["params"]
     for name, p in working.items():  # the module's own parameters are the rounded masters
         torch.testing.assert_close(p, ours["state"][name], rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", LOW_STATE_STAGES, ids=lambda s: f"stage={s}")
+def test_bf16_masters_and_optimizer_states_match_fp32_masters_within_their_rounding(stage):
+    """bf16.bf16_master_weights_and_grads keeps each master as its bf16 working value + an int16 remainder:
+    the same fp32 numbers, so the training is the fp32-master one bit for bit. bf16_optimizer_states stores
+    Adam's m and v stochastically rounded to bf16, each rounding off by less than one bf16 ulp (2^-7
+    relative); after t steps a state carries at most t such errors (older ones are scaled by beta <= 1), so
+    the update lr * m / sqrt(v) is off by at most t * (2^-7 + 2^-8) of itself, and an update is at most
+    lr * (1 - beta1) / sqrt(1 - beta2) (Kingma & Ba, 2.1): over T steps the weights move apart by at most
+    lr * 3.17 * 3 * 2^-8 * T (T + 1) / 2."""
+    runs = engine_runs(2)
+    fp32_masters, exact = runs[(LOW_PRECISION, stage, "bf16", False)], runs[(LOW_PRECISION, stage, "bf16", False, 0, *COMPENSATED)]
+    low = runs[(LOW_PRECISION, stage, "bf16", False, 0, *BF16_STATES)]
+    for k in fp32_masters["state"]:
+        assert torch.equal(exact["state"][k], fp32_masters["state"][k]), k
+    steps, lr = low["steps"], oracle.LR
+    bound = lr * (0.1 / 0.001 ** 0.5) * 3 * 2 ** -8 * steps * (steps + 1) / 2
+    assert_matches(low["state"], fp32_masters["state"], rtol=0, atol=bound)
+    assert any(not torch.equal(low["state"][k], fp32_masters["state"][k]) for k in low["state"])  # rounded, really
+    assert_matches(low["state"], reference(LOW_PRECISION, 2)["state"], rtol=0, atol=4e-3 + bound)  # the oracle
+    # bytes per element of this rank's shard: master 4 -> 2 (the remainder), Adam's m and v 8 -> 4
+    full, half = fp32_masters["memory"], low["memory"]
+    assert half["fp32_master"] == 0 and exact["memory"]["fp32_master"] == 0
+    assert full["fp32_master"] == 2 * half["master_remainders"] == 2 * exact["memory"]["master_remainders"] > 0
+    assert full["optimizer_states"] == exact["memory"]["optimizer_states"] == 2 * half["optimizer_states"]
+    assert half["optimizer_states"] == 2 * half["master_remainders"]  # m and v, 2 bytes each per element
+
+
+def test_bf16_masters_and_states_beside_offload_match_the_same_offload_with_fp32_ones():
+    runs = engine_runs(2)
+    on_host, fp32_on_host = runs[LOW_STATE_OFFLOAD_JOBS["offload_optimizer"]], runs[(LOW_PRECISION, 2, "bf16", True)]
+    steps = on_host["steps"]
+    bound = oracle.LR * (0.1 / 0.001 ** 0.5) * 3 * 2 ** -8 * steps * (steps + 1) / 2  # as derived above
+    assert_matches(on_host["state"], fp32_on_host["state"], rtol=0, atol=bound)
+    assert 2 * on_host["memory"]["optimizer_states"] == fp32_on_host["memory"]["optimizer_states"]
+    shards_on_host = runs[LOW_STATE_OFFLOAD_JOBS["offload_param"]]
+    plain = runs[(LOW_PRECISION, 3, "bf16", False, 0, "offload_param", True)]
+    for k in plain["state"]:
+        assert torch.equal(shards_on_host["state"][k], plain["state"][k]), k
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world={w}")

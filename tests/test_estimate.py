@@ -254,7 +254,7 @@ def test_a_fine_tunes_activations_follow_micro_batch_and_seq_and_fit_is_refused_
     printed = capsys.readouterr().out
     row = next(line.split() for line in printed.splitlines() if line.split()[:2] == ["4", "3"])
     assert "micro-batch 3 x 100 tokens" in " ".join(printed.split())
-    assert row[6:8] == size(memory.activation_estimate(model.shape(), 3, 100, "bf16")).split()
+    assert row[6:8] == size(formulas.activation_estimate(model.shape(), 3, 100, "bf16")).split()
     with pytest.raises(SystemExit):
         estimate.main(["--model", "tiny", "--lora", "4", "--fit", "80GiB"])
     assert "--fit plans full training" in capsys.readouterr().err

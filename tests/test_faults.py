@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,13 +145,13 @@ def test_comm_timeout_is_the_timeout_of_the_group_initialize_creates():
 
 
 # ---- the train job: a stalled rank, a killed rank, a preemption ------------------------------------
-def _job(out: Path, data: str, *extra: str, session: bool = False) -> subprocess.Popen:
-    """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves."""
+def _job(out: Path, data: str, *extra: str, session: bool = False, args: list[str] | None = None) -> subprocess.Popen:
+    """`python -m zerodp.train` on 2 ranks it starts itself: a tiny model, no evaluation or saves (or `args`)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    args = [*TINY, "--steps", "40", "--eval-every", "1000", "--save-every", "1000", "--data", data,
-            "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2", *extra]
+    args = args or [*TINY, "--steps", "40", "--eval-every", "1000", "--save-every", "1000", "--data", data,
+                    "--nproc", "2", "--out", str(out), "--dtype", "fp32", "--warmup", "2", *extra]
     return subprocess.Popen([sys.executable, "-m", "zerodp.train", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=session)
@@ -218,8 +219,9 @@ def test_launcher_names_the_rank_killed_first_not_the_rank_that_failed_after_it(
 
 @pytest.fixture(scope="module")
 def sigterm_then_ctrl_c(tmp_path_factory) -> dict:
-    """A 2-rank job sent SIGTERM after step 3, then resumed with --resume and stopped by Ctrl-C after its first
-    step: two launches for two signals (a launch costs seconds), the resume trained on between them."""
+    """A 2-rank job sent SIGTERM after step 3, then resumed by the command its stop printed, run as printed,
+    and stopped by Ctrl-C after its first step: two launches for two signals (a launch costs seconds), the
+    resume trained on between them."""
     tmp = tmp_path_factory.mktemp("signals")
     out, data = tmp / "run", corpus(tmp)
     proc = _job(out, data, "--timeout", "30")
@@ -232,7 +234,9 @@ def sigterm_then_ctrl_c(tmp_path_factory) -> dict:
     if step is None:
         return {"sigterm": sigterm, "step": None}
     # Ctrl-C in a terminal sends SIGINT to every process of the foreground group: launcher and ranks.
-    resumed = _job(out, data, "--resume", "--timeout", "30", session=True)
+    hint = shlex.split(stdout.split("resume with: ", 1)[1].splitlines()[0])
+    assert hint[:2] == ["zerodp", "train"] and hint[-5:] == ["--out", str(out), "--steps", "40", "--resume"], hint
+    resumed = _job(out, data, session=True, args=hint[2:])
     seconds, stdout, stderr = _seconds_after_step(resumed, out, step + 1,
                                                   send=lambda p: os.killpg(p.pid, signal.SIGINT))
     print(f"SIGINT to the resumed job's process group after step {step + 1}: it exited {seconds:.1f} s later")

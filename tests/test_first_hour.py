@@ -70,7 +70,7 @@ def test_train_options_stage_3_and_offload_reach_the_engine(flags, stage, offloa
 
     opts = parse_options(["--model", "tiny", "--nproc", "1", "--steps", "2", *flags])
     config = ds_config(opts)
-    assert config["zero_optimization"]["offload_optimizer"]["device"] == offload
+    assert config.zero_optimization.offload_optimizer.device == offload
     model, _ = build_model("tiny", 256, None)
     engine = zerodp.initialize(model, build_optimizer(model, opts), config)
     assert (inside(engine).spec.stage, inside(engine).training.partitioned_optimizer.offload) == (stage, offload == "cpu")
@@ -88,7 +88,8 @@ def test_offload_in_a_ds_config_is_kept_by_the_job(tmp_path):
     ds.write_text('{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": false}}}')
     opts = parse_options(["--ds-config", str(ds), "--nproc", "1"])
     assert (opts.stage, opts.offload) == (3, True)
-    assert ds_config(opts)["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    offload = ds_config(opts).zero_optimization.offload_optimizer
+    assert offload.model_dump(exclude_unset=True) == {"device": "cpu", "pin_memory": False}
 
 
 @pytest.fixture

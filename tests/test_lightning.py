@@ -112,6 +112,16 @@ def set_env(rank: int, world: int) -> None:
                       NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", OMP_NUM_THREADS="1")
 
 
+class StateDictSeen(L.pytorch.callbacks.Callback):
+    """What a callback's on_save_checkpoint finds in checkpoint["state_dict"] at the last save."""
+
+    def __init__(self):
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.seen = {k: v.detach().float().clone() for k, v in checkpoint["state_dict"].items()}
+
+
 def trainer_runs(rank: int, world: int, out: str) -> dict:
     from zerodp.integrations.lightning import ZeroStrategy
 
@@ -120,12 +130,17 @@ def trainer_runs(rank: int, world: int, out: str) -> dict:
     # Stage 1 by its registered name; stage 2 also saves through ModelCheckpoint and trainer.save_checkpoint.
     results["zero1"] = fit("zerodp_stage_1")[:2]
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=2, save_top_k=-1)
-    w, metrics, t, _ = fit(ZeroStrategy({"zero_optimization": {"stage": 2}}), callbacks=[checkpoints])
+    seen = StateDictSeen()
+    w, metrics, t, _ = fit(ZeroStrategy({"zero_optimization": {"stage": 2}}), callbacks=[checkpoints, seen])
     results["zero2"] = (w, metrics)
     t.save_checkpoint(f"{out}/final.ckpt")
     results["final_files"] = sorted(os.listdir(f"{out}/final.ckpt"))
-    w, metrics, t, model = fit(ZeroStrategy({"zero_optimization": {"stage": 3}}))
+    results["zero2_seen"] = seen.seen
+    seen = StateDictSeen()
+    w, metrics, t, model = fit(ZeroStrategy({"zero_optimization": {"stage": 3}}), callbacks=[seen])
     results["zero3"] = (w, metrics)
+    t.save_checkpoint(f"{out}/final3.ckpt")  # every rank, as Lightning's saves run: stage 3's state dict gathers
+    results["zero3_seen"] = seen.seen
     # After fit, through the engine (stage 3 gathers per unit).
     results["validate"] = t.validate(model, loader(), verbose=False)[0]["val_loss"]
     results["test"] = t.test(model, loader(), verbose=False)[0]["test_loss"]
@@ -191,6 +206,17 @@ def test_validate_test_predict_after_fit_run_through_the_engine():
     assert results["validate"] == pytest.approx(results["zero3"][1]["val_loss"], abs=1e-6)
     assert results["test"] == pytest.approx(results["validate"], abs=1e-6)
     assert results["predict"].shape == (N // 2, 1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_callbacks_on_save_checkpoint_sees_the_whole_weights(stage):
+    """checkpoint["state_dict"] holds the module's weights as under DDP (stage 3: gathered on every rank),
+    keyed as the LightningModule's own state_dict, though the files hold zerodp's shards."""
+    results, _, _ = trainer_results()
+    seen = results[f"zero{stage}_seen"]
+    assert seen.keys() == initial().keys()
+    assert max_diff(seen, results[f"zero{stage}"][0]) == 0.0  # the trained weights, not the initial ones
+    assert max_diff(seen, initial()) > 1e-2
 
 
 def test_bf16_mixed_is_zerodp_bf16_within_bf16_noise_of_ddp():

@@ -186,7 +186,7 @@ def test_set_up_is_one_package_that_names_every_weight_file_reader_and_writer():
         if path is not None:
             listed.setdefault(path, []).extend(re.findall(r"`(\w+)`", line))
     assert set(listed) == {"zerodp/checkpoint/weights", "zerodp/models/hf_folder",
-                           "zerodp/engine/weights", "zerodp/models/weight_files"}
+                           "zerodp/engine/sharding/weights", "zerodp/models/weight_files"}
     for path, names in listed.items():
         module = importlib.import_module(path.replace("/", "."))
         assert names and all(hasattr(module, n) for n in names), (path, names)

@@ -159,7 +159,7 @@ def test_the_engine_users_hold_shows_at_most_25_public_names(stage):
     names = public_names(engine)
     assert len(names) <= FACE_LIMIT, sorted(names)
     # DeepSpeed's face, which scripts call: still there
-    assert {"backward", "step", "save_checkpoint", "load_checkpoint", "gathered_parameters", "memory_report",
+    assert {"backward", "step", "save_checkpoint", "load_checkpoint", "gathered_parameters", "memory_report", "device",
             "module", "optimizer", "lr_scheduler", "global_steps", "get_lr"} <= names
 
 

@@ -6,8 +6,13 @@ in the environment), exactly what a newcomer's one command does.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -150,27 +155,35 @@ def test_eval_every_0_means_no_validation(resumed_on_two_ranks):
     assert f"{STEPS}/{STEPS}" in bar and "tok/s" in bar and " val " not in bar  # the bar showed 'val nan' (issue 34)
 
 
-def test_another_job_gets_its_own_default_folder_or_is_refused_the_one_it_would_replace(
-        reference, tmp_path, monkeypatch, capsys):
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused_and_the_tp_example_gets_its_own_folder(
+        reference, tmp_path, monkeypatch):
     from zerodp.train.options import parse_options
     from zerodp.train.resume import choose_resume
 
     data, ref, _ = reference
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "tiny-zero2").symlink_to(ref)  # the main job's default folder, with its checkpoints
+    (tmp_path / "runs" / "tiny-zero2").symlink_to(ref)  # the main job's default folder, with its work
     # The README's tp example writes beside the main job, not over it.
     assert parse_options([*TINY, "--tp", "2", "--nproc", "4"]).out == os.path.join("runs", "tiny-zero2-tp2")
-    same = parse_options([*TINY, "--data", data, "--nproc", "2"])
-    choose_resume(same, 2)  # the same job again: it replaces its own checkpoints (announce warns)
-    other = parse_options([*TINY, "--data", data, "--nproc", "2", "--offload"])
-    with pytest.raises(SystemExit) as e:
-        choose_resume(other, 2)
-    assert str(e.value) == ("zerodp train: 'runs/tiny-zero2' holds the checkpoints of another job (offload False; "
-                            "this one: offload True), which this run would replace; pass --out DIR for this job, "
-                            "or --resume to continue that one with these settings")
-    choose_resume(parse_options([*TINY, "--data", data, "--nproc", "2", "--offload", "--resume"]), 2)
-    choose_resume(parse_options([*TINY, "--data", data, "--nproc", "2", "--offload", "--out", "runs/tiny-zero2"]), 2)
+    ours = run_id(ref)
+    # The same job again, into its default folder or named by --out, and another job: each is a new run.
+    for extra in ([], ["--out", "runs/tiny-zero2"], ["--offload"]):
+        with pytest.raises(SystemExit) as e:
+            choose_resume(parse_options([*TINY, "--data", data, "--nproc", "2", *extra]), 2)
+        assert str(e.value).startswith(f"zerodp train: 'runs/tiny-zero2' holds the work of run {ours} (tiny, at "
+                                       "step 12 of 12): checkpoints, metrics.jsonl, report.png, final.pt; a new run "
+                                       "there would replace it. Choose one:"), str(e.value)
+    opts = parse_options([*TINY, "--data", data, "--nproc", "2", "--resume"])
+    choose_resume(opts, 2)  # --resume continues it, as the same run
+    assert opts.run == ours and opts.resume_path == os.path.join("runs", "tiny-zero2", "checkpoints", "global_step12")
+
+
+def run_id(out: Path) -> str:
+    """The run named by the "run" records of out/metrics.jsonl (one per start; a resume's names the same)."""
+    ids = {r["id"] for r in metrics(out) if r["kind"] == "run"}
+    assert len(ids) == 1, ids
+    return ids.pop()
 
 
 def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
@@ -182,7 +195,10 @@ def test_resume_when_steps_are_already_reached_says_so(reference, capsys):
     with pytest.raises(SystemExit) as e:
         choose_resume(opts, 2)
     assert e.value.code == 0
-    assert "is at step 12, and --steps is 12: nothing left to train; pass a larger --steps" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "is at step 12, and --steps is 12: nothing left to train; to train 12 steps more, resume with: " \
+           f"zerodp train --model tiny --data {data} --micro-batch 4 --lr 0.003 --warmup 2 --dtype fp32 --eval-batches 2 " \
+           f"--save-every 3 --nproc 2 --out {ref} --steps 24 --resume" in said, said
 
 
 def test_resume_with_no_checkpoint_trains_from_scratch_with_one_warning_naming_the_directory(tmp_path, capsys):
@@ -336,3 +352,153 @@ def test_bad_options_fail_before_any_rank_starts_with_the_key_named(tmp_path):
     ds.write_text(json.dumps({"train_batch_size": 15}))
     with pytest.raises(SystemExit, match="not divisible"):
         parse_options(["--ds-config", str(ds), "--nproc", "2"])
+
+
+# ---- run folders: a fresh run into another run's folder, and that folder mixed ----------------------------
+def printed(text: str, marker: str) -> list[str]:
+    """The arguments of the `zerodp train ...` command printed after `marker` (on its line or the next),
+    run as printed: its words after `zerodp train`, for `python -m zerodp.train`."""
+    at = text.index(marker) + len(marker)
+    words = shlex.split(text[at:].lstrip("\n ").splitlines()[0])
+    assert words[:2] == ["zerodp", "train"], words
+    return words[2:]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under `folder`, by its path there: the md5 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def another_runs_folder(reference: tuple, tmp: Path) -> Path:
+    """The reference run's folder made the issue's: that run's global_step50/100/110 (its 6, 9 and 12, renamed
+    and their zerodp.json made to say so: --steps 120, reached 110), `latest`, metrics.jsonl, report.png, final.pt."""
+    out = tmp / "run"
+    shutil.copytree(reference[1], out)
+    ckpt = out / "checkpoints"
+    for old, step in ((6, 50), (9, 100), (12, 110)):
+        tag = ckpt / f"global_step{step}"
+        (ckpt / f"global_step{old}").rename(tag)
+        meta = json.loads((tag / "zerodp.json").read_text())
+        meta["tag"], meta["counters"]["global_steps"], meta["client_state"]["data"]["step"] = tag.name, step, step
+        meta["client_state"]["options"]["steps"] = 120
+        (tag / "zerodp.json").write_text(json.dumps(meta))
+    shutil.rmtree(ckpt / "global_step3")
+    (ckpt / "latest").write_text("global_step110")
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory, reference) -> dict:
+    """The issue's sequence: a fresh `--steps 2` into another run's folder (refused, then its --move-aside way
+    run as printed), that run's checkpoints copied back beside this run's (a folder mixed by hand or by zerodp
+    before runs had names), `--resume --steps 4`, `--resume --steps 6 --keep-last 2`, the newest truncated,
+    then `--resume --steps 4` (nothing left: it says how to train on) and that hint run as printed."""
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import choose_resume
+
+    tmp = tmp_path_factory.mktemp("run_folder")
+    out = another_runs_folder(reference, tmp)
+    theirs, before = run_id(out), snapshot(out)
+    common = [*TINY, "--save-every", "2", "--eval-every", "0", "--dtype", "fp32", "--warmup", "1",
+              "--data", reference[0], "--out", str(out)]
+    s = {"theirs": theirs, "before": before, "out": out}
+    s["refused"] = train(*common, "--steps", "2", "--nproc", "2", check=False)
+    s["after_refusal"] = snapshot(out)
+    said = s["refused"].stderr
+    s["ways"] = [printed(said, way) for way in ("continue that run (with its own settings):",
+                                                  "this new run in another folder:", ".moved-<UTC time>':")]
+    s["ways_planned"] = []
+    for way in s["ways"][:2]:  # planned in this process: no rank needed to see that each is taken
+        opts = parse_options(way)
+        choose_resume(opts, 2)
+        s["ways_planned"].append((opts.resume_path, opts.run, opts.out))
+    s["fresh"] = train(*s["ways"][2])
+    s["moved"] = [p for p in tmp.iterdir() if p.name.startswith("run.moved-")]
+    for step in (50, 100, 110):
+        shutil.copytree(s["moved"][0] / "checkpoints" / f"global_step{step}", out / "checkpoints" / f"global_step{step}")
+    s["resume4"] = train(*common, "--nproc", "1", "--steps", "4", "--resume")
+    s["resume6"] = train(*common, "--nproc", "1", "--steps", "6", "--keep-last", "2", "--resume")
+    s["kept"] = sorted(os.listdir(out / "checkpoints"))
+    step6 = out / "checkpoints" / "global_step6" / "__0_0.distcp"
+    os.truncate(step6, step6.stat().st_size // 2)
+    said = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(said):
+        choose_resume(parse_options([*common, "--nproc", "1", "--steps", "4", "--keep-last", "2", "--resume"]), 1)
+    assert stop.value.code == 0 and "nothing left to train" in said.getvalue(), said.getvalue()
+    s["resumed_as_printed"] = train(*printed(said.getvalue(), "resume with: "))
+    return s
+
+
+def test_a_fresh_run_into_another_runs_folder_stops_naming_it_and_three_whole_commands(run_folder):
+    s, out = run_folder, run_folder["out"]
+    proc = s["refused"]
+    assert proc.returncode == 1 and "out:" not in proc.stdout, proc.stdout  # before any rank started
+    assert proc.stderr.startswith(f"zerodp train: '{out}' holds the work of run {s['theirs']} (tiny, at step 110 of "
+                                  "120): checkpoints, metrics.jsonl, report.png, final.pt; a new run there would "
+                                  "replace it. Choose one:"), proc.stderr
+    assert s["after_refusal"] == s["before"]  # nothing touched
+    # Each way, as printed: that run continued from its latest; this one in a free folder; this one here.
+    ckpt = out / "checkpoints"
+    assert s["ways_planned"][0] == (str(ckpt / "global_step110"), s["theirs"], str(out))
+    assert s["ways"][0][-4:] == ["--out", str(out), "--steps", "120", "--resume"][-4:]
+    resume_path, run, other = s["ways_planned"][1]
+    assert resume_path is None and run != s["theirs"] and other == f"{out}-2" and not Path(other).exists()
+    assert s["ways"][2][-1] == "--move-aside"
+
+
+def test_move_aside_keeps_the_other_runs_work_whole_in_a_dated_sibling(run_folder):
+    s, out = run_folder, run_folder["out"]
+    assert len(s["moved"]) == 1 and re.fullmatch(r"run\.moved-\d{8}-\d{6}", s["moved"][0].name), s["moved"]
+    assert snapshot(s["moved"][0]) == s["before"]  # every file of it, byte for byte: nothing half-replaced
+    assert f"--move-aside: '{out}' (the work of run {s['theirs']}" in s["fresh"].stdout
+    ours = {r["id"] for r in metrics(out) if r["kind"] == "run"}
+    assert len(ours) == 1 and s["theirs"] not in ours  # this run's metrics, its own run
+    ours = ours.pop()
+    for tag in ("global_step6", "global_step8"):  # this run's checkpoints name it (its step 2 went by --keep-last)
+        assert json.loads((out / "checkpoints" / tag / "zerodp.json").read_text())["run"] == ours
+
+
+def test_keep_last_and_the_fallback_take_only_the_current_runs_checkpoints(run_folder):
+    s, out = run_folder, run_folder["out"]
+    assert "resumed at step 2" in s["resume4"].stdout and "resumed at step 4" in s["resume6"].stdout
+    # The current run's newest two kept (2 removed); the other run's 50, 100 and 110 neither removed nor taken.
+    assert s["kept"] == ["global_step100", "global_step110", "global_step4", "global_step50", "global_step6", "latest"]
+    ours = run_id(out)
+    # Its newest (6) truncated: `--resume --steps 4` falls back to its step 4, nothing left there to train,
+    # and the command it prints (--steps 8) then trains from step 4 on.
+    resumed = s["resumed_as_printed"]
+    assert (f"resuming from the newest intact checkpoint of run {ours}, '{out / 'checkpoints' / 'global_step4'}' "
+            "(step 4)") in resumed.stderr, resumed.stderr[-3000:]
+    assert "global_step6" in resumed.stderr and "truncated" in resumed.stderr
+    assert "resumed at step 4" in resumed.stdout and "global_step110" not in resumed.stderr
+    assert [r["step"] for r in metrics(out) if r["kind"] == "train"] == list(range(1, 9))
+    kept = sorted(os.listdir(out / "checkpoints"))
+    assert kept == ["global_step100", "global_step110", "global_step50", "global_step6", "global_step8", "latest"]
+    for step in (50, 100, 110):  # the other run's, unchanged
+        tag = f"checkpoints/global_step{step}"
+        assert {k: v for k, v in snapshot(out).items() if k.startswith(tag)} == \
+               {k: v for k, v in s["before"].items() if k.startswith(tag)}
+
+
+def test_move_aside_is_refused_where_it_would_move_what_the_run_reads_or_with_resume(tmp_path):
+    from zerodp.train.options import parse_options
+    from zerodp.train.resume import choose_resume
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "run", "step": 0, "id": "20260101-000000-abcdef", "model": "tiny"}\n')
+    data = corpus(out)  # the data inside the folder that would move
+    with pytest.raises(SystemExit) as e:
+        choose_resume(parse_options([*TINY, "--data", data, "--out", str(out), "--move-aside"]), 2)
+    assert f"--move-aside would move '{out}', which holds '{data}' (--data) that this run reads" in str(e.value)
+    assert sorted(os.listdir(out)) == ["corpus.txt", "metrics.jsonl"]  # nothing moved
+    with pytest.raises(SystemExit) as e:  # without --move-aside: the run there, named by its metrics
+        choose_resume(parse_options([*TINY, "--data", data, "--out", str(out)]), 2)
+    assert "holds the work of run 20260101-000000-abcdef (tiny, no checkpoint read): metrics.jsonl" in str(e.value)
+    with pytest.raises(SystemExit, match="--move-aside starts a new run .* and --resume continues"):
+        parse_options([*TINY, "--out", str(out), "--move-aside", "--resume"])
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"move_aside": True}))
+    with pytest.raises(SystemExit, match="it is a choice for one command"):
+        parse_options(["--config", str(options)])

@@ -31,7 +31,7 @@ def test_the_configs_optimizer_and_scheduler_are_used_and_said(tmp_path):
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]  # 2-D tensors only
     assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and opts.lr == 0.05
     assert line == "optimizer SGD (--ds-config), lr 0.05 (--ds-config), scheduler WarmupDecayLR (--ds-config)"
-    assert "optimizer" not in ds_config(opts) and "scheduler" not in ds_config(opts)
+    assert ds_config(opts).optimizer is None and ds_config(opts).scheduler is None
 
 
 def test_flags_given_win_over_the_sections(tmp_path):
@@ -55,5 +55,5 @@ def test_without_sections_the_built_in_adamw_and_cosine_are_used_and_auto_comes_
     assert line == ("optimizer AdamW (built in), lr 0.001 (default), scheduler warmup-cosine (built in, "
                     "warmup 1, min lr 0.0001)")
     cfg = ds_config(opts)
-    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_clipping"]) == (3, 1.0)
-    assert cfg["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # tiny's n_embd, as Hugging Face
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_clipping) == (3, 1.0)
+    assert cfg.zero_optimization.reduce_bucket_size == 64 * 64  # tiny's n_embd, as Hugging Face

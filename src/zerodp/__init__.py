@@ -47,15 +47,15 @@ _LAZY = {
     "DEFAULT_TIMEOUT_S": "distributed.comm", "Comm": "distributed.comm", "PeerFailure": "distributed.failures",
     "init_distributed": "distributed.comm",
     "Config": "config", "ConfigError": "config", "load_config": "config",
-    "Engine": "engine.engine", "ShardedModule": "engine.sharding.module",
+    "Engine": "engine.engine", "ShardedModule": "engine.sharding.module", "step_timings": "engine.engine",
     "NonFiniteError": "engine.stepping.non_finite",
     "OptimizerLike": "engine.stepping.optimizer",
 }
 
 # Activation checkpointing is zerodp.activations.checkpoint / zerodp.checkpoint_blocks: the name
 # zerodp.checkpoint belongs to the sharded save/load module (DESIGN.md's layout).
-__all__ = ["initialize", "shard", "Engine", "ShardedModule", "Config", "ConfigError", "load_config", "init_distributed",
-           "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
+__all__ = ["initialize", "shard", "Engine", "ShardedModule", "step_timings", "Config", "ConfigError", "load_config",
+           "init_distributed", "checkpoint_blocks", "PeerFailure", "NonFiniteError"]
 
 
 __getattr__ = lazy_names(__name__, _LAZY, submodules=True)

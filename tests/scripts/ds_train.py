@@ -56,7 +56,7 @@ def main(deepspeed, argv: list[str], save_dir: str) -> list[float]:
     for epoch in range(EPOCHS):
         trainloader.sampler.set_epoch(epoch)
         for inputs, labels in trainloader:
-            loss = F.cross_entropy(engine(inputs.to(inside(engine).spec.device)), labels.to(inside(engine).spec.device))
+            loss = F.cross_entropy(engine(inputs.to(engine.device)), labels.to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

@@ -13,12 +13,16 @@ another's allocator state, compiled kernels or process group:
 Every mode reports tokens/s, TFLOP/s per device (flops_per_token = 6N + 12·L·d·T), MFU against the
 device's dense bf16 peak, CUDA peak allocated / reserved memory, and its TFLOP/s ratio to `plain`
 measured in the same invocation; zerodp2 and zerodp2-offload also their step time over their DeepSpeed
-counterpart's from the same invocation. `--fake-world N` adds a memory-only run of zerodp stage 2 and FSDP2
-acting as rank 0 of N ranks on the fake process group (collectives send nothing).
+counterpart's from the same invocation. The modes run in rounds (A B C, A B C, ...; --repeats, default 5):
+each mode's median and min-max, its ratio to DDP and to FSDP2 round by round, and for each zerodp mode
+whether it can be told apart from those two at the spread measured. `--fake-world N` adds a memory-only
+run of zerodp stage 2 and FSDP2 acting as rank 0 of N ranks on the fake process group (collectives send
+nothing).
 
-Its modules (worker.py, then driver.py, the two to read first):
+Its modules (worker.py, then spread.py and driver.py, the three to read first):
   worker.py   one mode in this process: build it, time it, return its row (Result)
-  driver.py   `zerodp bench` (main): one fresh process per mode, repeats, ratios, the table, --json
+  spread.py   from the repeats: each mode's spread, its ratios round by round, which modes can be told apart
+  driver.py   `zerodp bench` (main): one fresh process per mode, rounds of repeats, ratios, the table, --json
   rows.py     the modes and one mode's row (Result), torch-free: read before torch loads
   overhead.py the engine's own host work per step, with many small parameters
   __main__.py `python -m zerodp.bench`, how the driver starts each worker

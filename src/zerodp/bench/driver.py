@@ -2,9 +2,10 @@
 
 The driver: it runs each mode in a fresh process (`python -m zerodp.bench --worker MODE`, under
 torchrun for more than one rank; worker.py is what runs there), or with --fork on a CPU in a fork of
-one server process that imported all that once, goes round the modes --repeats times,
-keeps each mode's median, adds every mode's ratio to plain PyTorch of the same invocation, and prints
-and writes the table.
+one server process that imported all that once, goes round the modes --repeats times (A B C, A B C, ...),
+keeps each mode's median and spread, adds every mode's ratio to plain PyTorch of the same invocation and,
+round by round, to DDP and FSDP2 (spread.py), says which zerodp modes can be told apart from those two,
+and prints and writes the table (--json: every repeat's row too, in the order they ran).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import asdict
 
 # torch and the worker are imported on use: `zerodp bench --help` answers before torch loads.
 from zerodp.bench.rows import DEEPSPEED_PAIRS, FAKE_MODES, MODES, Result
+from zerodp.bench.spread import MIN_REPEATS, RATIO_BASELINES, Spread, pairs_that_matter, round_ratios, spread, tell_apart
 
 # Defaults that depend on the device, (CUDA, CPU): filled in after parsing (main), when torch is loaded.
 # On CPU, every mode but plain runs on the train job's 2 ranks.
@@ -33,6 +36,33 @@ _DEVICE_DEFAULTS = {"model": ("350M", "tiny"), "micro_batch": (8, 2), "seq": (10
 # so the communication and bookkeeping that a GPU's speed exposes weigh differently there.
 CPU_NOTE = ("measured on a CPU: these ratios are not GPU ratios (a CPU's slow compute hides communication "
             "and memory traffic that a GPU exposes, and gloo is not NCCL); benchmarks/RESULTS.md has GPU rows")
+# --shape: issue 44's two, where communication (2 x 64) and compute (4 x 256) dominate in turn, and "train", the
+# shape `zerodp train` runs by default (train_shape). Each sets --model, --micro-batch and --seq.
+SHAPES = {"2x64": {"model": "small", "micro_batch": 2, "seq": 64},
+          "4x256": {"model": "small", "micro_batch": 4, "seq": 256}, "train": None}
+
+
+def train_shape() -> dict[str, object]:
+    """The model, micro-batch and sequence length of `zerodp train` with its default options."""
+    from zerodp.models.sizes import SIZES
+    from zerodp.train.options import DEFAULTS  # torch-free, as this driver before a mode runs
+
+    model = DEFAULTS["model"]
+    return {"model": model, "micro_batch": DEFAULTS["micro_batch"],
+            "seq": DEFAULTS["block_size"] or SIZES[model]["block_size"]}
+
+
+def apply_shape(args: argparse.Namespace) -> None:
+    """--shape fills --model, --micro-batch and --seq; one of them given otherwise is refused by name."""
+    if args.shape is None:
+        return
+    for key, value in (SHAPES[args.shape] or train_shape()).items():
+        given = getattr(args, key)
+        if given is not None and given != value:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"--shape {args.shape} sets {flag} {value}, and {flag} {given} was given: "
+                             f"drop {flag} or --shape")
+        setattr(args, key, value)
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -188,6 +218,26 @@ def add_ratios(results: list[Result]) -> None:
             r.step_vs_deepspeed = theirs.tokens_per_s / r.tokens_per_s
 
 
+def mode_spreads(results: list[Result]) -> dict[str, dict[str, Spread]]:
+    """For each mode measured in every round: its tokens/s spread ("tokens_per_s") and, round by round, its
+    ratio to each baseline (RATIO_BASELINES) measured in every round too, under the baseline's name."""
+    ok = {r.mode: r.samples for r in results if r.status == "ok" and r.samples}
+    spreads = {}
+    for mode, samples in ok.items():
+        spreads[mode] = {"tokens_per_s": spread(samples)}
+        for base in RATIO_BASELINES:
+            if base in ok:
+                spreads[mode][base] = spread(round_ratios(samples, ok[base]))
+    return spreads
+
+
+def verdicts(results: list[Result]):
+    """Each zerodp mode against DDP and FSDP2 (spread.pairs_that_matter), both measured in every round."""
+    samples = {r.mode: r.samples for r in results if r.status == "ok" and r.samples}
+    return [tell_apart(mode, samples[mode], other, samples[other])
+            for mode, other in pairs_that_matter(list(samples))]
+
+
 def owned_total(owned: dict[str, int]) -> int:
     """Model-state bytes of a report: its 'model_states' sum, else every category but CUDA peaks."""
     if "model_states" in owned:
@@ -199,23 +249,47 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def print_table(title: str, results: list[Result]) -> None:
+def _range(s: Spread | None, spec: str) -> str:
+    return "-" if s is None else f"{s.low:{spec}}-{s.high:{spec}}"
+
+
+def _ratio(s: Spread | None) -> str:
+    """A round-by-round ratio: its median, and its lowest and highest round."""
+    return "-" if s is None else f"{s.median:.2f} ({s.low:.2f}-{s.high:.2f})"
+
+
+# The table's columns; "tokens/s min-max", "vs ddp" and "vs fsdp2" are the spread over the repeats.
+COLUMNS = ["mode", "world", "tokens/s", "tokens/s min-max", "vs ddp (rounds)", "vs fsdp2 (rounds)", "TFLOP/s",
+           "MFU", "peak alloc / rsvd GiB", "vs plain", "step vs DS", "loss first→last", "status / note"]
+
+
+def print_table(title: str, results: list[Result], spreads: dict[str, dict[str, Spread]] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
     table = Table(title=title)
-    for col in ["mode", "world", "tokens/s", "TFLOP/s", "MFU", "peak alloc GiB", "peak rsvd GiB",
-                "vs plain", "step vs DS", "loss first→last", "status / note"]:
-        table.add_column(col, justify="left" if col in ("mode", "status / note") else "right")
+    for col in COLUMNS:  # only the note wraps: a number split over two lines misreads
+        table.add_column(col, justify="left" if col in ("mode", "status / note") else "right",
+                         no_wrap=col != "status / note")
     for r in results:
+        own = (spreads or {}).get(r.mode, {})
         loss = f"{r.losses[0]:.3f}→{r.losses[-1]:.3f}" if r.losses else "-"
         mfu = "n/a" if r.status == "ok" and r.mfu is None else _fmt(r.mfu and 100 * r.mfu, ".1f")
+        peak = "-" if r.peak_allocated_gib is None else f"{r.peak_allocated_gib:.2f} / {r.peak_reserved_gib:.2f}"
         status = r.status if r.status != "ok" else ""
         r_note = f"model states {owned_total(r.owned_bytes) / 2**20:,.1f} MiB" if r.owned_bytes else ""
         text = "; ".join(filter(None, [status, r.reason, r.note, r_note]))
-        table.add_row(r.mode, str(r.world), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops, ".3g"), mfu,
-                      _fmt(r.peak_allocated_gib, ".2f"), _fmt(r.peak_reserved_gib, ".2f"),
+        table.add_row(r.mode, str(r.world), _fmt(r.tokens_per_s, ",.0f"), _range(own.get("tokens_per_s"), ",.0f"),
+                      _ratio(own.get("ddp")), _ratio(own.get("fsdp2")), _fmt(r.tflops, ".3g"), mfu, peak,
                       _fmt(r.ratio_to_plain, ".2f"), _fmt(r.step_vs_deepspeed, ".2f"), loss, text)
-    Console(width=200).print(table)
+    Console(width=220).print(table)
+
+
+def print_verdicts(found: list) -> None:
+    """One line per pair that matters: told apart or not at the spread measured (spread.Verdict)."""
+    if found:
+        print(f"told apart? (tokens/s ranges over the repeats do not overlap; {MIN_REPEATS} repeats at least)")
+    for v in found:
+        print(f"  {v.sentence()}")
 
 
 def source_commit() -> str | None:
@@ -240,6 +314,9 @@ def device_name() -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerodp bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES),
+                   help="sets --model, --micro-batch and --seq: 2x64 and 4x256 (small, micro-batch x sequence "
+                        "length), train (what `zerodp train` runs by default: small, 8 x 256)")
     p.add_argument("--model", help="a size of zerodp.models.gpt.SIZES" + _default("model"))
     p.add_argument("--micro-batch", type=int, help="sequences per rank" + _default("micro_batch"))
     p.add_argument("--seq", type=int, help="sequence length" + _default("seq"))
@@ -267,8 +344,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fake-world", type=int, default=0,
                    help="also run zerodp2 and fsdp2 as rank 0 of N on the fake process group (memory)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run every mode this many times, interleaved, and report the median")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="rounds over the modes (A B C, A B C, ...): each mode's median and spread, and which "
+                        f"modes can be told apart ({MIN_REPEATS} at least for that; default 5)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before it counts as failed")
     p.add_argument("--fork", action="store_true",
                    help="CPU only: start each mode as a fork of one server process that imported torch and the "
@@ -300,28 +378,29 @@ def modes_to_run(requested: list[str]) -> list[str]:
     return ["plain"] + [m for m in dict.fromkeys(requested) if m != "plain"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    fill_device_defaults(args)
-    if not args.worker:
-        from zerodp.lazy import require
-        require("zerodp bench", "rich")
-    import torch
+def run_rounds(modes: list[str], args: argparse.Namespace) -> tuple[list[Result], list[dict]]:
+    """Every mode once per round, --repeats rounds: each mode's median row (its tokens/s of every round in
+    `samples`, in round order), and every run's row in the order they ran, with when it started and ended."""
+    runs, by_mode = [], {m: [] for m in modes}
+    # Round after round over all the modes, so that a drift in the machine's load hits every mode alike.
+    for round_ in range(args.repeats):
+        for mode in modes:
+            started = time.time()
+            r = launch(mode, 1 if mode == "plain" else args.world, args)
+            runs.append({"sequence": len(runs), "round": round_, "started": started, "ended": time.time(),
+                         **asdict(r)})
+            by_mode[mode].append(r)
+            # a line per run as it ends, on stderr: a long run shows its progress, and one stopped keeps its numbers
+            done = f"{r.tokens_per_s:,.0f} tokens/s" if r.status == "ok" else f"{r.status}: {r.reason}"
+            print(f"round {round_ + 1}/{args.repeats}: {mode} {done}", file=sys.stderr, flush=True)
+    return [median_result(by_mode[m]) for m in modes], runs
 
-    from zerodp.bench.worker import run_worker
+
+def check_args(args: argparse.Namespace) -> None:
+    """The driver's options, checked before any mode starts (the worker's are the driver's, already checked)."""
     from zerodp.distributed.device import accelerator_type
     from zerodp.models.gpt import gpt_config
 
-    if args.loss_chunk is None:
-        # The fp32 logits of a 50k vocabulary outweigh every checkpointed block input together
-        # (2.7B, 8 x 1024 tokens: 5.9 GiB with their gradients, against 1.25 GiB of block inputs).
-        args.loss_chunk = 1024 if args.checkpointing else 0
-    if args.worker:
-        result = run_worker(args.worker, args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            with open(args.result, "w") as f:
-                json.dump(asdict(result), f)
-        return
     try:  # a bad size fails here, once, not in every mode's process
         gpt_config(args.model, block_size=max(args.seq, 1))
     except ValueError as e:
@@ -331,16 +410,51 @@ def main(argv: list[str] | None = None) -> None:
     if args.fork and accelerator_type() is not None:
         raise SystemExit("--fork is for CPU runs (checked there): on an accelerator each mode runs in a fresh "
                          "interpreter, so that none inherits a device context; run without --fork")
-    modes = modes_to_run(args.modes)
-    # Repeats go round all the modes in turn, so a drift in the machine's load hits every mode alike.
-    rounds = [[launch(m, 1 if m == "plain" else args.world, args) for m in modes]
-              for _ in range(args.repeats)]
-    results = [median_result(list(runs)) for runs in zip(*rounds)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    apply_shape(args)
+    fill_device_defaults(args)
+    if not args.worker:
+        from zerodp.lazy import require
+        require("zerodp bench", "rich")
+    if args.loss_chunk is None:
+        # The fp32 logits of a 50k vocabulary outweigh every checkpointed block input together
+        # (2.7B, 8 x 1024 tokens: 5.9 GiB with their gradients, against 1.25 GiB of block inputs).
+        args.loss_chunk = 1024 if args.checkpointing else 0
+    if args.worker:
+        from zerodp.bench.worker import run_worker
+        result = run_worker(args.worker, args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(args.result, "w") as f:
+                json.dump(asdict(result), f)
+        return
+    check_args(args)
+    load_at_start = _load_average()
+    results, runs = run_rounds(modes_to_run(args.modes), args)
     add_ratios(results)
+    report(argv, args, results, runs, load_at_start)
+
+
+def _load_average() -> tuple[float, float, float] | None:
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
+def report(argv: list[str], args: argparse.Namespace, results: list[Result], runs: list[dict],
+           load_at_start: tuple[float, float, float] | None) -> None:
+    """Print the table and the verdicts, run the fake world if asked, and write --json."""
+    import torch
+
+    from zerodp.distributed.device import accelerator_type
+
+    spreads, found = mode_spreads(results), verdicts(results)
     device = device_name()
-    title = (f"{args.model}, micro-batch {args.micro_batch}, seq {args.seq}, {args.dtype}"
+    title = (f"{args.model}, micro-batch {args.micro_batch}, seq {args.seq}, {args.dtype}, {args.repeats} rounds"
              f"{', checkpointing' if args.checkpointing else ''} — {device}")
-    print_table(title, results)
+    print_table(title, results, spreads)
+    print_verdicts(found)
     note = CPU_NOTE if accelerator_type() is None else None
     if note:
         print(f"note: {note}")
@@ -349,10 +463,12 @@ def main(argv: list[str] | None = None) -> None:
     if fake:
         print_table(f"memory as rank 0 of {args.fake_world} (fake process group) — {device}", fake)
     if args.json:
-        report = {"command": "zerodp bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-                  "device": device, "device_note": note, "torch": torch.__version__, "zerodp_commit": source_commit(),
-                  "args": vars(args),
-                  "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-                  "results": [asdict(r) for r in results], "fake_world": [asdict(r) for r in fake]}
+        out = {"command": "zerodp bench " + shlex.join(argv), "device": device, "device_note": note,
+               "torch": torch.__version__, "zerodp_commit": source_commit(), "args": vars(args),
+               "load_average_at_start": load_at_start, "load_average": _load_average(),
+               "results": [asdict(r) for r in results],
+               "spread": {m: {k: asdict(v) for k, v in s.items()} for m, s in spreads.items()},
+               "verdicts": [{**asdict(v), "sentence": v.sentence()} for v in found],
+               "runs": runs, "fake_world": [asdict(r) for r in fake]}
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(out, f, indent=2)

@@ -14,7 +14,9 @@ A checkpoint is a directory `save_dir/{tag}` holding:
     hyperparameters, client_state, config, the model signature (names, shapes, tied aliases; each
     tp shard's axis and every tp rank's shape), the tp size, the saved layout, the python/numpy RNG
     of every rank and the size + crc32 of every file.
-`save_dir/latest` names the newest tag. save_dir must be a filesystem every rank sees (DCP's rule):
+`save_dir/latest` names the newest tag. Each checkpoint names its run (files.py): keep_last and the
+fallback past a broken `latest` choose among one run's checkpoints only.
+save_dir must be a filesystem every rank sees (DCP's rule):
 rank 0 renames what all ranks wrote.
 
 One concept per file, read in this order:
@@ -22,7 +24,9 @@ One concept per file, read in this order:
   errors.py   CheckpointError, and the agreement that raises it on every rank before any change
   manifest.py zerodp.json's fields by type and range: one strict model for the writer and the reader
   files.py    the directory on disk: temp dir, rename, `latest`, size + crc32 of each file, no path
-              out of the directory; housekeeping (stale temp dirs, keep_last)
+              out of the directory; housekeeping (stale temp dirs, keep_last of the saving run); which
+              run a checkpoint belongs to (`run` in zerodp.json), and the choices among one run's
+              checkpoints: keep_last, the fallback
   save.py     save_checkpoint
   read.py     finding and checking a checkpoint (and the newest intact one); the restricted
               unpickler; chunked tensor reads

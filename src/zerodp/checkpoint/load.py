@@ -36,6 +36,7 @@ from zerodp.checkpoint.pieces import (
     whole_parameters,
 )
 from zerodp.checkpoint.read import LOAD_CHUNK_NUMEL, read_metadata, read_tensors, resolve
+from zerodp.checkpoint.files import run_of, set_engine_run
 from zerodp.checkpoint.whole import its_shard, plan
 from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local
@@ -70,6 +71,8 @@ def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_sch
         err = f"loading the checkpoint from {load_dir!r} failed: {failure_text(e)}"
     agree(inside(engine).comm, err)
     apply(engine, manifest, staged, parts)
+    if not module_only:  # the engine continues the checkpoint's run; with its weights alone it starts its own
+        set_engine_run(engine, run_of(manifest))
     return manifest["client_state"] if manifest["client_state"] is not None else {}
 
 

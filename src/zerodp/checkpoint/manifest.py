@@ -73,6 +73,8 @@ class HostRng(_Strict):
 class CheckpointMeta(_Strict):
     format: Literal[FORMAT]
     tag: str
+    # The run it belongs to (files.py); absent in a checkpoint saved before runs had names (files.UNNAMED).
+    run: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
     world_size: int = Field(ge=1)  # the data-parallel ranks (what ZeRO shards over)
     tp: int = Field(default=1, ge=1)  # the tensor-parallel size; checkpoints from before tp have none: 1
     stage: int = Field(ge=0, le=3)

@@ -6,7 +6,7 @@ followed out of the checkpoint directory: every file named in zerodp.json or in 
 must resolve inside it (no absolute path, `..` or symlink out), checked before any of them is opened.
 No unrestricted unpickling: `.metadata` (a pickle) is read with an unpickler that admits only DCP's
 own metadata classes; tensors are read with torch.load(weights_only=True). `newest_intact` is what a
-resume falls back on when `latest` is broken.
+resume falls back on when `latest` is broken: the newest intact checkpoint of the same run (files.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from zerodp.checkpoint.deepspeed import directory_contents
 from zerodp.checkpoint.errors import CheckpointError, failure_text
 from zerodp.checkpoint.files import LATEST, MANIFEST, TAG
 from zerodp.checkpoint.manifest import validate
+from zerodp.checkpoint.files import Saved, newest_first, only_run, run_of
 
 # Pieces read per dcp.load call while resuming: bounds the host memory a load needs at once.
 LOAD_CHUNK_NUMEL = 1 << 28
@@ -86,29 +87,38 @@ def resolve(load_dir: str, tag: str | None = None, checksums: bool = False) -> t
     return path, manifest
 
 
-def newest_intact(save_dir: str) -> tuple[str, dict]:
-    """(path, zerodp.json) of the newest checkpoint in save_dir (by global step, then time) that
-    `resolve` accepts with every checksum: what a resume falls back on when `latest` is corrupt or
-    names a broken one. Checkpoints are checked newest first, and the first intact one is taken."""
+def newest_intact(save_dir: str, run: str | None = None) -> tuple[str, dict]:
+    """(path, zerodp.json) of run `run`'s newest checkpoint in save_dir (by global step, then time) that
+    `resolve` accepts with every checksum: what a resume falls back on when `latest` is corrupt or names a
+    broken one. `run` None: the folder's current run (current_run). Another run's checkpoint is never
+    taken, whatever its step. Checkpoints are checked newest first, and the first intact one is taken."""
     save_dir = os.fspath(save_dir)
-    found, broken = [], []
-    for name in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
-        if name.startswith(".") or not os.path.isdir(os.path.join(save_dir, name)):
-            continue
-        try:
-            path, manifest = resolve(save_dir, name)
-        except CheckpointError as e:
-            broken.append(str(e))
-            continue
-        found.append((manifest["counters"]["global_steps"], os.path.getmtime(os.path.join(path, MANIFEST)), path, manifest))
-    for _, _, path, manifest in sorted(found, key=lambda f: f[:2], reverse=True):
+    saved = files.scan(save_dir)
+    run = current_run(save_dir, saved) if run is None else run
+    broken = []
+    for s in newest_first(saved, run):
         try:  # the checksums, newest first: reading every byte of the older ones is not needed
-            _verify_files(path, manifest, set(manifest["files"]))
-            return path, manifest
+            return resolve(save_dir, s.name, checksums=True)
         except CheckpointError as e:
             broken.append(str(e))
     why = f": {'; '.join(broken)}" if broken else ""
-    raise CheckpointError(f"no intact checkpoint in '{save_dir}'{why}")
+    others = sorted(s.name for s in saved if s.run != run)
+    besides = f" (other runs' checkpoints there, not taken: {', '.join(others)})" if others else ""
+    raise CheckpointError(f"no intact checkpoint of run {run} in '{save_dir}'{why}{besides}")
+
+
+def current_run(save_dir: str, saved: list[Saved] | None = None) -> str:
+    """The run of the checkpoint `latest` names (from its zerodp.json; its files unchecked); when `latest` or
+    that zerodp.json cannot be read, the only run of the folder's checkpoints `saved` (runs.only_run)."""
+    try:
+        with open(os.path.join(save_dir, LATEST)) as f:
+            tag = f.read().strip()
+    except (OSError, ValueError):
+        tag = ""
+    manifest = files.saved_manifest(os.path.join(save_dir, tag)) if TAG.fullmatch(tag) else None
+    if manifest is not None:
+        return run_of(manifest)
+    return only_run(files.scan(save_dir) if saved is None else saved, save_dir)
 
 
 def _inside(path: str, name: str, named_in: str) -> None:

@@ -45,6 +45,7 @@ from zerodp.checkpoint.pieces import (
     tp_size,
     whole_parameters,
 )
+from zerodp.checkpoint.files import UNNAMED, engine_run, new_run_id, run_of, set_engine_run
 from zerodp.engine.engine import inside
 
 
@@ -53,8 +54,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     """Write `save_dir/{tag}` (default `global_step{N}`) and point `save_dir/latest` at it.
 
     Collective: call on every rank. client_state (rank 0's is kept) must be JSON-serialisable.
-    keep_last=N then removes all but the N newest checkpoints of save_dir (by global step; never
-    the new one); None keeps them all. Returns the tag. A peer that stalls or dies during the save
+    keep_last=N then removes all but the N newest checkpoints of this engine's run in save_dir (by global
+    step; never the new one, never another run's: files.py); None keeps them all. A tag that holds another
+    run's checkpoint is refused, not replaced. Returns the tag. A peer that stalls or dies during the save
     raises PeerFailure naming the save, as one in a step names the step.
     """
     with inside(engine).comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
@@ -77,12 +79,14 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
     rng = _host_rng()
     mine = 0 if state is None else sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
     shards = (tp_rank(engine), {} if manifest is None else tp_shapes(manifest["model"]))
-    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards))
+    # A fresh engine's first save starts a run: rank 0's new name is every rank's.
+    first = agree(comm, err, (mine, tag, os.path.abspath(save_dir), shards, engine_run(engine) or new_run_id()))
+    set_engine_run(engine, first[0][4])
     needed = sum(f[0] for f in first)  # the bytes this save writes, for a "no space" message
     _check_same_everywhere([f[1] for f in first], [f[2] for f in first])
     tmp = os.path.join(save_dir, f".tmp.{tag}")
     # The manifest's tp shapes are every tp rank's; then the temp dir, also clearing killed saves' leftovers.
-    agree(comm, on_rank0(comm, _prepare, manifest, [f[3] for f in first], save_dir, tmp))
+    agree(comm, on_rank0(comm, _prepare, manifest, [f[3] for f in first], save_dir, tmp, first[0][4]))
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp), process_group=comm.group)
         names = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
@@ -96,14 +100,21 @@ def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, kee
         on_rank0(comm, shutil.rmtree, tmp)  # nothing renamed: `latest` and older checkpoints stand
         raise
     if comm.rank == 0:
+        if first[0][4] != UNNAMED:  # an unnamed run's checkpoints stay as they were written before runs had names
+            manifest["run"] = first[0][4]
         manifest["rng"] = {str(r): g[1] for r, g in enumerate(gathered)}
         manifest["files"] = {f: rec for g in gathered for f, rec in g[0].items()}
     agree(comm, on_rank0(comm, files.finish, save_dir, tmp, tag, manifest, keep_last))
     return tag
 
 
-def _prepare(manifest: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str) -> None:
+def _prepare(manifest: dict, shards: list[tuple[int, dict]], save_dir: str, tmp: str, run: str) -> None:
     join_tp_shapes(manifest["model"], shards)
+    existing = files.saved_manifest(os.path.join(save_dir, manifest["tag"]))
+    if existing is not None and run_of(existing) != run:  # a re-save replaces its tag: only within one run
+        raise CheckpointError(f"'{os.path.join(save_dir, manifest['tag'])}' is a checkpoint of another run "
+                              f"({run_of(existing)}; this engine's run is {run}), which this save would replace; "
+                              "save under another tag or into another directory")
     files.prepare(save_dir, tmp)
 
 

@@ -30,6 +30,7 @@ from zerodp.config.schema import (
     HybridEngineConfig,
     NonFiniteConfig,
     ParallelWriteConfig,
+    Said,
     load_config,
     read_config_file,
 )
@@ -41,7 +42,7 @@ from zerodp.config.zero_optimization import (
 )
 
 __all__ = [
-    "Config", "ConfigError", "load_config", "read_config_file", "BatchSizes",
+    "Config", "ConfigError", "load_config", "read_config_file", "BatchSizes", "Said",
     "FP16Config", "BF16Config", "DataTypesConfig", "ZeroConfig", "REDUCE_BUCKET_SIZE",
     "OffloadOptimizerConfig", "OffloadParamConfig", "NonFiniteConfig", "CheckpointConfig",
     "ParallelWriteConfig", "ActivationCheckpointingConfig", "HybridEngineConfig", "OptimizerConfig",

@@ -91,10 +91,10 @@ _ZPP = ("ZeRO++ quantized communication is not implemented; set communication_da
 # key path -> (the one accepted value, why another is refused and what to use instead).
 REFUSED: dict[str, tuple[Any, str]] = {
     "sparse_gradients": (False, "gradients are reduced in dense buckets; use nn.Embedding(sparse=False)"),
-    "fp16.fp16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
-    "bf16.bf16_master_weights_and_grads": (False, "zerodp always keeps fp32 master weights; remove the key"),
-    "bf16.bf16_optimizer_states": (False, "zerodp keeps optimizer states in fp32 (next to the fp32 "
-                                          "masters); remove the key"),
+    "fp16.fp16_master_weights_and_grads": (False, "fp16 masters would lose fp32's range and the updates "
+                                                  "below fp16's precision (fp32 does not split into an fp16 "
+                                                  "half and a 16-bit remainder as it does for bf16); use bf16 "
+                                                  "with bf16.bf16_master_weights_and_grads, or remove the key"),
     "zero_optimization.load_from_fp32_weights": (True, "zerodp always restores the fp32 masters from the "
                                                        "checkpoint's fp32 weights; remove the key"),
     "zero_optimization.ignore_unused_parameters": (True, "a parameter without a gradient is always allowed "

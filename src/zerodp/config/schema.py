@@ -138,6 +138,15 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+@dataclass(frozen=True)
+class Said:
+    """A value a training framework decides for the run, with the words naming where the framework says it,
+    for the error a conflicting config gets: Said(3, "accumulate_grad_batches says 3")."""
+
+    value: Any
+    by: str
+
+
 # What a model that trains nothing beside a trained one keeps of the trained one's config: its precision and
 # timeout, and its zero_optimization but the optimizer's offload (Config.for_frozen_model).
 _FROZEN_MODEL_KEYS = ("bf16", "fp16", "comm_timeout_s")
@@ -216,6 +225,19 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _low_precision_optimizer(self) -> Config:
+        bf16 = self.bf16
+        if (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states) and not bf16.enabled:
+            raise ValueError("bf16.bf16_master_weights_and_grads / bf16.bf16_optimizer_states are set with "
+                             "bf16.enabled false: they keep the optimizer's masters and states beside bf16 "
+                             "working weights; set bf16.enabled true, or remove them")
+        if bf16.bf16_master_weights_and_grads and self.zero_optimization.offload_optimizer.device == "cpu":
+            raise ValueError("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer is "
+                             "not supported (the remainder lives beside the working shard on the device); "
+                             "offloaded masters cost no device memory: remove one of the two")
+        return self
+
+    @model_validator(mode="after")
     def _refused_values(self) -> Config:
         problems = refusals(self)
         accum = self.data_types.grad_accum_dtype
@@ -254,6 +276,53 @@ class Config(_Section):
         zero = {k: v for k, v in given.get("zero_optimization", {}).items() if k != "offload_optimizer"}
         return Config.model_validate({**{k: given[k] for k in _FROZEN_MODEL_KEYS if k in given},
                                       "zero_optimization": zero})
+
+    def under_framework(self, *, gradient_accumulation_steps: Said | None = None,
+                        gradient_clipping: Said | None = None, dtype: Said | None = None,
+                        micro_batch_size: int | None = None) -> Config:
+        """This config under a training framework's loop (Lightning's Trainer or Fabric), which decides the
+        accumulation steps, the clipping and the precision itself. Precedence: the framework decides, the config
+        may repeat its value but not contradict it: a key the config left unset takes the framework's value, a
+        different one is a ConfigError naming both. dtype ("fp32", "bf16" or "fp16"): an fp16 / bf16 section
+        enabled for another precision is a conflict; the framework's is enabled, the section's other keys kept.
+        micro_batch_size (the framework's data loader's) fills only a config that gives no batch size, since
+        zerodp then only reports it (the loop is the framework's)."""
+        given = self.model_dump(exclude_unset=True)
+        for key, said in (("gradient_accumulation_steps", gradient_accumulation_steps),
+                          ("gradient_clipping", gradient_clipping)):
+            if said is not None and key in given and given[key] != said.value:
+                raise ConfigError(f"the zerodp config has {key}={given[key]!r} but {said.by}; give it in one place")
+            if said is not None:
+                given[key] = said.value
+        if micro_batch_size is not None and "train_batch_size" not in given:
+            given.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
+        if dtype is not None:
+            for section in ("bf16", "fp16"):
+                if getattr(self, section).enabled and section != dtype.value:
+                    raise ConfigError(f"the zerodp config enables {section} but {dtype.by}; give the precision in "
+                                      f"one place (drop the config's {section} section, or change the framework's)")
+            if dtype.value != "fp32":
+                given[dtype.value] = {**given.get(dtype.value, {}), "enabled": True}
+        return Config.model_validate(given)
+
+    def for_job(self, *, stage: int, offload_optimizer: bool, dtype: Literal["fp32", "bf16", "fp16"],
+                micro_batch_size: int, gradient_accumulation_steps: int, gradient_clipping: float,
+                comm_timeout_s: float, non_finite_policy: Literal["raise", "skip"]) -> Config:
+        """This config (`zerodp train --ds-config`'s) under the job's settled options. Precedence: the options
+        replace the config's values, with no conflict possible: they were settled with this file as their lowest
+        layer (flags over --config over it), so each is the file's own value unless the user gave another on
+        purpose. The optimizer, scheduler and train_batch_size go: the job builds the optimizer and schedule from
+        its options (train/ds_sections.py), and its batch is micro_batch_size x gradient_accumulation_steps x world."""
+        given = self.model_dump(exclude_unset=True, exclude={"optimizer", "scheduler", "train_batch_size"})
+        zero = given.get("zero_optimization", {})
+        offload = {**zero.get("offload_optimizer", {}), "device": "cpu" if offload_optimizer else "none"}
+        given.update(comm_timeout_s=comm_timeout_s, train_micro_batch_size_per_gpu=micro_batch_size,
+                     gradient_accumulation_steps=gradient_accumulation_steps, gradient_clipping=gradient_clipping,
+                     bf16={**given.get("bf16", {}), "enabled": dtype == "bf16"},
+                     fp16={**given.get("fp16", {}), "enabled": dtype == "fp16"},
+                     non_finite={**given.get("non_finite", {}), "policy": non_finite_policy},
+                     zero_optimization={**zero, "stage": stage, "offload_optimizer": offload})
+        return Config.model_validate(given)
 
     def batch(self, world_size: int) -> BatchSizes:
         """Resolve DeepSpeed's rule train_batch_size = micro × accumulation steps × world size."""

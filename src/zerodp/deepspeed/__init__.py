@@ -12,7 +12,8 @@ get_accelerator`), `comm` (get_rank, barrier, all_reduce, ...), `ops.adam` (Fuse
 `deepspeed` by `zerodp.deepspeed` in a script's import lines is the whole port.
 What maps to what, and what is refused, is in docs/DEEPSPEED.md.
 
-Modules: accelerator.py (get_accelerator), comm.py (deepspeed.comm), engine.py (DeepSpeedEngine), launch.py
+Modules: accelerator.py (get_accelerator), comm.py (deepspeed.comm), construction.py (zero.Init's record of
+what a constructor wrote, replayed at initialize), engine.py (DeepSpeedEngine), launch.py
 (init_distributed), moe.py (refused), zero.py (GatheredParameters, Init); sub-packages compression/ (helper),
 ops/ (adam), runtime/ (runtime.zero), utils/ (logger, timer, zero_to_fp32).
 """
@@ -33,6 +34,7 @@ from zerodp.config import load_config, read_config_file
 from zerodp.config.auto import resolve_auto
 from zerodp.deepspeed import accelerator, comm, ops, utils, zero
 from zerodp.deepspeed.accelerator import get_accelerator
+from zerodp.deepspeed.construction import replay_for
 from zerodp.deepspeed.engine import DeepSpeedEngine
 from zerodp.deepspeed.launch import init_distributed, local_rank_from_launcher
 from zerodp.engine.engine import Engine, inside
@@ -100,8 +102,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         optimizer = cfg.optimizer.build([p for p in params if not torch.is_tensor(p) or p.requires_grad])
     elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and model_parameters is not None:
         optimizer = optimizer(model_parameters)  # DeepSpeed calls the factory on model_parameters
+    # a model built under zero.Init: its constructor's writes, replayed module by module (None: none recorded)
+    replay = replay_for(model) if weights is None else None
     engine = zerodp.initialize(model, optimizer, cfg, lr_scheduler=_scheduler_factory(lr_scheduler), weights=weights,
-                               mpu=mpu)
+                               mpu=mpu, param_init_fn=replay)
     loader = None
     if training_data is not None:
         comm = inside(engine).comm

@@ -7,6 +7,7 @@ here is looked up on the zerodp engine, then on the wrapped module (`parameters(
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 import weakref
@@ -20,7 +21,9 @@ from torch import nn
 from zerodp.checkpoint.export_engine import save_weights
 from zerodp.checkpoint.files import LATEST
 from zerodp.deepspeed.utils.timer import ThroughputTimer
+from zerodp.distributed.device import empty_cache
 from zerodp.engine.engine import Engine, inside
+from zerodp.engine.faces import defers_reduction
 from zerodp.engine.sharding.module import ShardedModule
 
 # The live engines, for zero.GatheredParameters (which DeepSpeed's scripts call with bare
@@ -50,10 +53,43 @@ class DeepSpeedEngine:
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
         engine = self.__dict__.get("engine")
         if engine is None:
+            if self.__dict__.get("_destroyed") and not name.startswith("__"):  # (protocol probes stay AttributeErrors)
+                raise RuntimeError(f"this engine was destroyed (engine.destroy()), and {name!r} was read of it; "
+                                   "build a new one with deepspeed.initialize")
             raise AttributeError(name)
         if hasattr(engine, name):
             return getattr(engine, name)
         return getattr(engine.module, name)
+
+    # ---- what the engine holds, released (DeepSpeed's own tests call both) ---------------------
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: stage 3's parameters still gathered (the last unit of a forward, kept for its
+        backward; an eval forward's) are released and the freed memory handed back; the next forward
+        gathers what it needs. Parameters under stage3_param_persistence_threshold stay whole (zerodp
+        keeps them gathered for good, with no hook to gather them again). Below stage 3 parameters are
+        whole by design: nothing to release. Local: no collective."""
+        inside(self.engine).sharded.release_gathered()
+        gc.collect()
+        empty_cache(self.device)
+
+    def destroy(self) -> None:
+        """DeepSpeed's: the engine lets go of the model. Every hook it put on the model (stage 3's gathers,
+        the gradient hooks, the state_dict hooks) is removed, stage 3's gathered parameters are released,
+        and the engine is forgotten (zero.GatheredParameters no longer finds it), so that the engine, its
+        optimizer state and its buffers are freed when the script drops its own references, even while it
+        keeps the model. The engine cannot be used after; the model's parameters keep what the engine left
+        in them (at stage 3 they are empty, as DeepSpeed's). Local: no collective."""
+        if self.__dict__.get("_destroyed"):
+            return
+        parts = inside(self.engine)
+        if parts.training is not None:
+            parts.training.remove_hooks()
+        parts.sharded.remove_hooks()
+        _ENGINES.discard(self)
+        self._param_ids = set()
+        self._destroyed = True
+        del self.engine  # every use after raises (__getattr__) instead of half-working
+        gc.collect()
 
     # ---- the training step ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -91,7 +127,7 @@ class DeepSpeedEngine:
 
     @contextmanager
     def no_sync(self):
-        if inside(self.engine).spec.keeps_gradient_shard:
+        if not defers_reduction(self.engine):  # DeepSpeed's exception and words for it
             raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic "
                                  f"of ZeRO stage {inside(self.engine).spec.stage}")
         with self.engine.no_sync():

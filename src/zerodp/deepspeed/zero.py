@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from zerodp.deepspeed.construction import Recorder
 from zerodp.deepspeed.engine import DeepSpeedEngine, owner_of
 from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import Bucket
@@ -103,24 +104,35 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
 class Init:
     """deepspeed.zero.Init: a model built inside the block is built on the meta device and holds no values
     (no rank holds it whole); zerodp.deepspeed.initialize then materialises on each rank only what its
-    stage keeps, each module initialised by its reset_parameters() from rank 0's random state: the values
-    a whole build with the same seed gives, bit for bit. `enabled=False`, or `module=` (a model built
-    already), builds whole. DeepSpeed's other arguments (the group, remote_device, pin_memory, config,
-    dtype, ...) concern its partitioning at construction, which initialize does here: accepted, unused.
+    stage keeps, module by module. What the constructor wrote (its layers' reset_parameters, a
+    `self.apply(self._init_weights)`, a `fill_`) is recorded as it runs and replayed per module, each call
+    from the random state a whole build has before it (construction.py): the values a whole build with the
+    same seed gives, bit for bit, which are rank 0's as DeepSpeed keeps them; a write that cannot be replayed
+    (through a view, reading another meta tensor) is refused at initialize naming the module. `enabled=False`,
+    or `module=` (a model built already), builds whole. DeepSpeed's other arguments (the group,
+    remote_device, pin_memory, config, dtype, ...) concern its partitioning at construction, which
+    initialize does here: accepted, unused.
 
-    Weights set before initialize would be lost on meta: GatheredParameters refuses such parameters."""
+    Weights set between the block and initialize would be lost on meta: GatheredParameters refuses such
+    parameters."""
 
     def __init__(self, module: nn.Module | None = None, *args, enabled: bool = True, **kwargs):
         self.enabled = enabled and module is None
         self._meta: torch.device | None = None
+        self._recorder: Recorder | None = None  # the constructor's writes, while the block is open
 
     def __enter__(self) -> "Init":
         if self.enabled:
             self._meta = torch.device("meta")
             self._meta.__enter__()
+            self._recorder = Recorder()
+            self._recorder.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(*exc)
+            self._recorder = None
         if self._meta is not None:
             self._meta.__exit__(*exc)
             self._meta = None

@@ -15,4 +15,6 @@ rooms below it (tests/test_house.py checks): layout < tensor_parallel < setup < 
   decide.py         `local_check`: the engine's facts decided once, on each rank alone, before any collective;
                     `agreed_set_up`: that check agreed by every rank, then the checks that need the others.
   summary.py        the set-up line: which stage, offload and dtype a job runs, said once on rank 0.
+  faces.py          the engine as a framework's model, optimizer and scheduler (torch's interfaces), and the one
+                    answer to a loop's no_sync: what the HF Trainer, Lightning and the DeepSpeed shim hand out.
 """

@@ -112,12 +112,21 @@ class Inside:
         return self.sharded.weights(self.training.full_master)
 
 
+def step_timings(engine: Engine) -> dict[str, float]:
+    """Milliseconds of each phase of the engine's last step (forward, backward, reduce_wait, step, gather), with
+    wall_clock_breakdown; {} without it (`zerodp.step_timings`)."""
+    return inside(engine).training.monitor.timings()
+
+
 def inside(x: Engine | ShardedModule) -> Inside:
     """The internal object of what zerodp.initialize (or zerodp.shard) returned."""
     if isinstance(x, Engine):
         return x._inside
     if isinstance(x, ShardedModule):
         return Inside(x, None)
+    inner = getattr(x, "engine", None)  # a compatibility layer's wrapper around one (zerodp.deepspeed's engine)
+    if isinstance(inner, (Engine, ShardedModule)):
+        return inside(inner)
     raise TypeError(f"expected a zerodp Engine or ShardedModule, got {type(x).__name__}")
 
 
@@ -269,11 +278,6 @@ class Engine:
         self._training.settle()
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def timings(self) -> dict[str, float]:
-        """Milliseconds of each phase of the last step (forward, backward, reduce_wait, step, gather),
-        with wall_clock_breakdown; {} without it."""
-        return self._training.monitor.timings()
-
     # ---- ranks ----------------------------------------------------------------------------------------
     @property
     def global_rank(self) -> int:
@@ -284,6 +288,11 @@ class Engine:
     def local_rank(self) -> int:
         """This process's index on its machine: torchrun's LOCAL_RANK (0 without a launcher)."""
         return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device, where the module's parameters are and each batch goes."""
+        return self._sharded.spec.device
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,10 @@ DeepSpeed strategy is; the config is what `zerodp.initialize` takes. What Lightn
                      zerodp's sharded checkpoint, resumable on another number of ranks, plus Lightning's own
                      state (loops, callbacks, schedulers) written by rank 0 as lightning_state.pt
   validate / test / predict  through the engine after fit (stage 3 gathers per unit); on their own, the module
-                     runs whole on every rank (zerodp has no frozen-only engine yet)
+                     runs whole on every rank, as under DDP (zerodp.shard would shard it, but a checkpoint
+                     given to them is read by load_checkpoint into an engine, which only fit builds)
+  state_dict         checkpoint["state_dict"] holds the module's whole weights for hooks and callbacks (stage 3:
+                     gathered on every rank, fp32); the files hold zerodp's shards instead
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 import zerodp
-from zerodp.config import ConfigError
+from zerodp.config import Config, ConfigError, Said, load_config
 from zerodp.config.schema import read_config_file
 from zerodp.engine.engine import Engine, inside
+from zerodp.engine.faces import EngineModule, EngineOptimizer, deferred_reduction
 
 STATE_FILE = "lightning_state.pt"  # Lightning's own part of a checkpoint directory, beside zerodp's shards
-# Lightning's precision names that zerodp runs exactly: its config sections (fp32 has none).
-_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+# Lightning's precision names that zerodp runs exactly: the dtype each is in zerodp.
+_PRECISIONS = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 _NAMED = {"zerodp": {"stage": 2}, "zerodp_stage_1": {"stage": 1}, "zerodp_stage_2": {"stage": 2},
           "zerodp_stage_3": {"stage": 3},
           "zerodp_stage_2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -67,70 +71,13 @@ def _config_dict(config: dict[str, Any] | str | os.PathLike[str] | None) -> dict
     return dict(config)
 
 
-def _set(config: dict[str, Any], key: str, value: Any, source: str) -> None:
-    """config[key] = value, or an error when the config already says otherwise."""
-    if key in config and config[key] != value:
-        raise ConfigError(f"the zerodp config has {key}={config[key]!r} but {source} says {value!r}; "
-                          f"give it in one place")
-    config[key] = value
-
-
-def _precision_sections(config: dict[str, Any], precision: str) -> None:
-    """Lightning's precision flag as the config's fp16 / bf16 section, or a refusal naming it."""
+def _dtype(precision: str) -> Said:
+    """Lightning's precision flag as the dtype zerodp runs (Config.under_framework), or a refusal naming it."""
     if precision not in _PRECISIONS:
         raise ConfigError(f"precision={precision!r} has no exact zerodp equivalent; ZeroStrategy runs "
                           f"{', '.join(repr(p) for p in _PRECISIONS)} (the last two as the config's bf16 / fp16 "
                           "sections: low-precision weights with fp32 masters)")
-    wanted = _PRECISIONS[precision]
-    for section in ("bf16", "fp16"):
-        enabled = bool(config.get(section, {}).get("enabled", False))
-        if enabled and section != wanted:
-            raise ConfigError(f"the zerodp config enables {section} but Lightning's precision is {precision!r}; "
-                              f"pass precision={'bf16-mixed' if section == 'bf16' else '16-mixed'!r} or drop the section")
-    if wanted is not None:
-        config[wanted] = {**config.get(wanted, {}), "enabled": True}
-
-
-class EngineModule(nn.Module):
-    """What Lightning calls the strategy's `model`: forwards go through the engine (input casts, stage 3's
-    gathers), so Lightning's forward redirection runs training_step / validation_step inside it."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-
-class ZeroOptimizer:
-    """The optimizer Lightning holds: step() is the engine's step (reduce, clip, update, gather); the real
-    optimizer's state lives sharded in the engine and is saved in zerodp's checkpoint, not Lightning's."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.state: dict = {}  # nothing for Lightning to move between devices (offload keeps its place)
-        self.defaults = getattr(engine.optimizer, "defaults", {})
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.engine.optimizer.param_groups
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        result = closure() if closure is not None else None
-        self.engine.step()
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()  # gradients live in the engine's buffers, cleared by step()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError("ZeroOptimizer's state is restored from zerodp's sharded checkpoint, not a state dict")
+    return Said(_PRECISIONS[precision], f"Lightning's precision is {precision!r}")
 
 
 def _save_dir(engine: Engine, path: str, state: dict[str, Any]) -> None:
@@ -159,10 +106,8 @@ class ZeroPrecision(Precision):
         self.precision = precision
 
     def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
-        engine = self.strategy.engine
-        # Lightning divided the loss by accumulate_grad_batches already; the engine divides by its
-        # gradient_accumulation_steps (the same k) again.
-        engine.backward(tensor * inside(engine).spec.gas)
+        # Lightning divided the loss by accumulate_grad_batches (the engine's gradient_accumulation_steps) already.
+        self.strategy.engine.backward(tensor, scale_wrt_gas=False)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         result = closure()
@@ -208,15 +153,15 @@ class ZeroStrategy(DDPStrategy):
             self.precision_plugin = ZeroPrecision(self, str(self.precision_plugin.precision))
         module = self.lightning_module
         if self.engine is not None and self.engine.module is module:
-            self.model = EngineModule(self.engine)
+            self.model = EngineModule(module, self.engine)
         elif trainer.state.fn == TrainerFn.FITTING:
             self.engine = self._build_engine(trainer, module)
-            self.model = EngineModule(self.engine)
+            self.model = EngineModule(module, self.engine)
         else:
             if any(p.is_meta for p in module.parameters()):
                 raise ValueError(f"trainer.{trainer.state.fn.value}() before fit() on a model built on meta "
                                  "(configure_model): ZeroStrategy materialises it only when it trains")
-            self.model = module.to(self.root_device)  # whole on every rank: no frozen-only engine yet
+            self.model = module.to(self.root_device)  # whole on every rank, as under DDP (see the docstring)
         self.barrier()
 
     def _build_engine(self, trainer, module: nn.Module) -> Engine:
@@ -226,22 +171,21 @@ class ZeroStrategy(DDPStrategy):
                              "schedulers; ZeroStrategy trains one optimizer with at most one scheduler")
         engine = zerodp.initialize(module, optimizers[0], self._config_for(trainer),
                                    process_group=torch.distributed.group.WORLD)
-        self.optimizers = [ZeroOptimizer(engine)]
+        self.optimizers = [EngineOptimizer(engine)]
         self.lr_scheduler_configs = schedulers  # stepped by Lightning's loop on the rewired optimizer
         return engine
 
-    def _config_for(self, trainer) -> dict[str, Any]:
-        config = dict(self.config)
+    def _config_for(self, trainer) -> Config:
+        """The strategy's config under the Trainer's accumulation, clipping, batch and precision (Lightning decides
+        them: Config.under_framework's precedence)."""
         if getattr(trainer, "gradient_clip_algorithm", "norm") == "value" and trainer.gradient_clip_val:
             raise ValueError("gradient_clip_algorithm='value' is not supported by ZeroStrategy: the engine clips "
                              "the global norm of its sharded gradients; use gradient_clip_algorithm='norm'")
-        _set(config, "gradient_accumulation_steps", trainer.accumulate_grad_batches, "accumulate_grad_batches")
-        if trainer.gradient_clip_val:
-            _set(config, "gradient_clipping", float(trainer.gradient_clip_val), "gradient_clip_val")
-        if "train_batch_size" not in config:
-            config.setdefault("train_micro_batch_size_per_gpu", _micro_batch(trainer))
-        _precision_sections(config, self.precision_plugin.precision)
-        return config
+        k, clip = trainer.accumulate_grad_batches, trainer.gradient_clip_val
+        return load_config(self.config).under_framework(
+            gradient_accumulation_steps=Said(k, f"accumulate_grad_batches says {k!r}"),
+            gradient_clipping=Said(float(clip), f"gradient_clip_val says {float(clip)!r}") if clip else None,
+            dtype=_dtype(self.precision_plugin.precision), micro_batch_size=_micro_batch(trainer))
 
     def teardown(self) -> None:
         # Lightning's own teardown moves the module to the CPU: its parameters are views into the engine's
@@ -252,10 +196,18 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        yield  # each backward reduces into the engine's accumulators; it steps after k of them
+        # A micro-batch before the accumulation boundary: the engine's deferred reduction (faces.py).
+        with deferred_reduction(self.engine) if self.engine is not None else nullcontext():
+            yield
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the weights are in zerodp's sharded checkpoint
+        """The module's whole state dict, for Lightning's dump_checkpoint (on_save_checkpoint hooks and callbacks
+        read checkpoint["state_dict"]), as DDP and DeepSpeed's ZeRO-1/2 give it. At stage 3 the engine's fp32
+        weights gathered on every rank (collective: Lightning's save_checkpoint runs dump_checkpoint on every
+        rank). save_checkpoint leaves it out of the files: the weights are in zerodp's sharded checkpoint."""
+        if self.engine is not None and inside(self.engine).spec.gathers_per_unit:
+            return self.engine.full_state_dict()
+        return self.lightning_module.state_dict()
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return {}
@@ -310,14 +262,15 @@ def _micro_batch(trainer) -> int:
 
 # ---- lightning.Fabric ---------------------------------------------------------------------------------
 class _EngineBackwardSync(_BackwardSyncControl):
-    """fabric.no_backward_sync: stages 0-1 defer the reduction (engine.no_sync); stages 2-3 reduce-scatter each
-    backward into the shard's accumulator, which sums the same gradients."""
+    """fabric.no_backward_sync: the engine's deferred reduction (zerodp.engine.faces.deferred_reduction)."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool):
         engine = getattr(module, "engine", None)
-        if not enabled or engine is None or inside(engine).spec.keeps_gradient_shard:
-            return nullcontext()
-        return engine.no_sync()
+        return deferred_reduction(engine) if enabled and engine is not None else nullcontext()
+
+
+_NOT_BUILT = ("fabric.{what}() before the optimizer is set up: ZeroFabricStrategy builds its engine in "
+              "fabric.setup(model, optimizer) or fabric.setup_optimizers(...)")
 
 
 class ZeroFabricStrategy(FabricDDPStrategy):
@@ -331,6 +284,7 @@ class ZeroFabricStrategy(FabricDDPStrategy):
         self.config = _config_dict(config)
         self.engine: Engine | None = None
         self._module: nn.Module | None = None
+        self._wrapped: EngineModule | None = None  # what setup_module returned, given the engine once built
         self._backward_sync_control = _EngineBackwardSync()
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
@@ -340,19 +294,21 @@ class ZeroFabricStrategy(FabricDDPStrategy):
         return wrapped, [self.setup_optimizer(optimizers[0])], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        # Fabric's module before its optimizer is set up; setup_optimizer attaches the engine it builds.
         self._module = module
-        return _LazyEngineModule(self, module)
+        self._wrapped = EngineModule(module, not_built=_NOT_BUILT.format(what="forward"))
+        return self._wrapped
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer):
         if self._module is None or self.engine is not None:
             raise RuntimeError("ZeroFabricStrategy builds one engine: set up one module, then its optimizer")
-        config = dict(self.config)
-        if "train_batch_size" not in config:
-            config.setdefault("train_micro_batch_size_per_gpu", 1)
-        _precision_sections(config, str(self.precision.precision))
+        # The loop is the user's: Fabric decides only the precision (a micro batch of 1 is what zerodp reports).
+        config = load_config(self.config).under_framework(dtype=_dtype(str(self.precision.precision)),
+                                                          micro_batch_size=1)
         self.precision = FabricPrecision()  # no autocast / casts: the engine owns the dtype
         self.engine = zerodp.initialize(self._module, optimizer, config, process_group=torch.distributed.group.WORLD)
-        return ZeroOptimizer(self.engine)
+        self._wrapped.engine = self.engine
+        return EngineOptimizer(self.engine)
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # the engine places its shares
@@ -374,7 +330,7 @@ class ZeroFabricStrategy(FabricDDPStrategy):
 
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
-        rest = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, ZeroOptimizer))}
+        rest = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, EngineOptimizer))}
         _save_dir(self._engine("save"), os.fspath(path), {k: _plain(v) for k, v in rest.items()})
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
@@ -393,8 +349,7 @@ class ZeroFabricStrategy(FabricDDPStrategy):
 
     def _engine(self, what: str) -> Engine:
         if self.engine is None:
-            raise RuntimeError(f"fabric.{what}() before the optimizer is set up: ZeroFabricStrategy builds its "
-                               "engine in fabric.setup(model, optimizer) or fabric.setup_optimizers(...)")
+            raise RuntimeError(_NOT_BUILT.format(what=what))
         return self.engine
 
     @classmethod
@@ -405,22 +360,6 @@ class ZeroFabricStrategy(FabricDDPStrategy):
 
 def _plain(value: Any) -> Any:
     return value.state_dict() if hasattr(value, "state_dict") and not isinstance(value, dict) else value
-
-
-class _LazyEngineModule(nn.Module):
-    """Fabric's module before and after its optimizer is set up: calls go through the engine once built."""
-
-    def __init__(self, strategy: ZeroFabricStrategy, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-        self._strategy = [strategy]  # in a list: not a submodule
-
-    @property
-    def engine(self) -> Engine | None:
-        return self._strategy[0].engine
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._strategy[0]._engine("forward")(*args, **kwargs)
 
 
 for _registry, _cls in ((StrategyRegistry, ZeroStrategy), (FABRIC_REGISTRY, ZeroFabricStrategy)):

@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "optimizer states in host memory (formula; the fake-tensor step runs it too)")
     ap.add_argument("--offload-param", action="store_true", help="stage 3: the parameter partition in host "
                     "memory too (formula only)")
+    ap.add_argument("--bf16-master-weights", action="store_true", help="--dtype bf16: masters as the bf16 "
+                    "weight + a 16-bit remainder, 2 bytes per parameter instead of 4 (bf16.bf16_master_weights_and_"
+                    "grads; the formula columns)")
+    ap.add_argument("--bf16-optimizer-states", action="store_true", help="--dtype bf16: optimizer states in bf16, "
+                    "Adam 4 bytes per parameter instead of 8 (bf16.bf16_optimizer_states; the formula columns)")
     ap.add_argument("--measure", choices=["fake", "real", "none"], help="the peak: a step on fake tensors "
                     "(default), on this machine's real tensors, or none (formula and estimates; the default with --tp)")
     ap.add_argument("--no-measure", dest="measure", action="store_const", const="none", help=argparse.SUPPRESS)
@@ -133,6 +138,11 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None
                  "--trainable-fraction the fine-tune's table is the estimate: leave --fit out")
     if args.fit is not None and model.kind == "factory":
         ap.error("--fit scales a GPT or Hugging Face config's width and depth; a factory's shape is unknown")
+    if (args.bf16_master_weights or args.bf16_optimizer_states) and args.dtype != "bf16":
+        ap.error("--bf16-master-weights and --bf16-optimizer-states keep bf16 beside bf16 weights: add --dtype bf16")
+    if args.bf16_master_weights and args.offload_optimizer:
+        ap.error("--bf16-master-weights with --offload-optimizer: zerodp refuses the two together (offloaded "
+                 "masters cost no device memory)")
     if args.offload_param and set(args.stage) != {3}:
         ap.error("--offload-param is stage 3's (the parameters must be partitioned): add --stage 3")
     if min(args.world) < 1 or args.micro_batch < 1 or args.gas < 1:

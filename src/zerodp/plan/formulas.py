@@ -19,15 +19,24 @@ STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "adagrad": 4, "rmsprop": 4}
 WORKING_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def optimizer_bytes(optimizer: str, dtype: str, bf16_master: bool = False, bf16_states: bool = False) -> int:
+    """K: master + optimizer-state bytes per parameter. fp32: the master is the working parameter (0). bf16
+    masters (bf16.bf16_master_weights_and_grads) are the working value + a 16-bit remainder: 2 instead of 4;
+    bf16 states (bf16.bf16_optimizer_states) halve the states: Adam 12 -> 10, 8 or 6."""
+    states = STATE_BYTES[optimizer.lower()] // (2 if bf16_states else 1)
+    return states + (0 if dtype == "fp32" else 2 if bf16_master else 4)
+
+
 # ---- formula ------------------------------------------------------------------------------------
 def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
-            gradient_accumulation_steps: int = 1) -> int:
+            gradient_accumulation_steps: int = 1, bf16_master: bool = False, bf16_states: bool = False) -> int:
     """Model-state bytes per rank by DESIGN.md's table (Ψ = num_params, N = world).
 
     Mixed precision (bf16/fp16): 2-byte params and grads, fp32 master + optimizer states (K = 12 for
     Adam). fp32: 4-byte params and grads, and the master *is* the params, so K = 8 for Adam; e.g.
     stage 2 is 4Ψ + 12Ψ/N. With gradient_accumulation_steps > 1 the engine accumulates gradients in
-    fp32 (4 bytes), which this applies too. Padding and reduce buckets are not included.
+    fp32 (4 bytes), which this applies too. Padding and reduce buckets are not included. bf16_master and
+    bf16_states: K from optimizer_bytes (bf16 only).
     """
     if dtype not in WORKING_BYTES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(WORKING_BYTES)}")
@@ -37,7 +46,9 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
         raise ValueError(f"stage {stage}: expected 0, 1, 2 or 3")
     p = WORKING_BYTES[dtype]
     g = 4 if gradient_accumulation_steps > 1 else p
-    k = STATE_BYTES[optimizer.lower()] + (0 if dtype == "fp32" else 4)
+    if (bf16_master or bf16_states) and dtype != "bf16":
+        raise ValueError(f"bf16 masters and optimizer states need dtype bf16, not {dtype!r}")
+    k = optimizer_bytes(optimizer, dtype, bf16_master, bf16_states)
     full = {0: p + g + k, 1: p + g, 2: p, 3: 0}[stage]
     part = {0: 0, 1: k, 2: g + k, 3: p + g + k}[stage]
     return round(num_params * (full + part / world))
@@ -45,8 +56,10 @@ def formula(num_params: int, world: int, stage: int, dtype: str = "bf16", optimi
 
 def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
            gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
-           offload_param: bool = False, pin_memory: bool = False) -> dict[str, int]:
-    """Model-state bytes per rank, split into what the device holds and what host memory holds.
+           offload_param: bool = False, pin_memory: bool = False, bf16_states: bool = False,
+           bf16_master: bool = False) -> dict[str, int]:
+    """Model-state bytes per rank, split into what the device holds and what host memory holds (bf16_states,
+    bf16_master: formula's; bf16 masters are refused with offload_optimizer, as by the engine).
 
     offload_optimizer (ZeRO-Offload, stages 0-3): the rank's fp32 master, its optimizer states and an
     fp32 copy of its gradient partition live in host memory: 16Ψ/N for Adam (4 + 8 + 4; the master
@@ -59,14 +72,17 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     slack; this is the tensors' bytes, no factor, plus with `pin_memory` (offload_optimizer.pin_memory
     on an accelerator) what the host allocator rounds the pinned block (master, gradient, staging) up to.
     """
-    device = formula(num_params, world, stage, dtype, optimizer, gradient_accumulation_steps)
+    if offload_optimizer and bf16_master:
+        raise ValueError("bf16 masters with offload_optimizer: the engine refuses the two together")
+    device = formula(num_params, world, stage, dtype, optimizer, gradient_accumulation_steps, bf16_master, bf16_states)
     host = 0
     n = world if stage > 0 else 1
     if offload_optimizer:
-        k = STATE_BYTES[optimizer.lower()] + (0 if dtype == "fp32" else 4)  # master + states (fp32: master in params)
+        k = optimizer_bytes(optimizer, dtype, bf16_states=bf16_states)  # master + states (fp32: master in params)
         device -= round(num_params * k / n)
         staging = 0 if dtype == "fp32" else WORKING_BYTES[dtype]
-        host += round(num_params * (STATE_BYTES[optimizer.lower()] + 4 + 4 + staging) / n)
+        states = optimizer_bytes(optimizer, "fp32", bf16_states=bf16_states)
+        host += round(num_params * (states + 4 + 4 + staging) / n)
         block = round(num_params * (4 + 4 + staging) / n)
         host += pinned_bytes(block, pin_memory) - block
     if offload_param:

@@ -49,7 +49,8 @@ def _formula(args: argparse.Namespace, psi: int, world: int, stage: int, largest
     """Device and host model states, and the bucket pool, for one (N, stage)."""
     # offload_optimizer.pin_memory defaults to true: a GPU job pins the block, which the allocator rounds up
     split = placed(psi, world, stage, args.dtype, "adamw", args.gas, args.offload_optimizer, args.offload_param,
-                   pin_memory=True)
+                   pin_memory=True, bf16_states=getattr(args, "bf16_optimizer_states", False),
+                   bf16_master=getattr(args, "bf16_master_weights", False))
     split["buckets"] = bucket_estimate(psi, world, stage, args.dtype, args.reduce_bucket_size, largest)
     return split
 
@@ -82,7 +83,9 @@ def _memory_table(args: argparse.Namespace, model: PlanModel, console) -> tuple[
                 "none": "estimated"}[args.measure]
     batch = (f"micro-batch {args.micro_batch} x {args.seq} tokens" if model.shape() is not None
              else "the factory's inputs")
-    title = (f"{model.title()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW, {batch}"
+    low = [what for what, on in (("bf16 masters", getattr(args, "bf16_master_weights", False)),
+                                 ("bf16 states", getattr(args, "bf16_optimizer_states", False))) if on]
+    title = (f"{model.title()}: Ψ = {psi:,} parameters, {args.dtype}, AdamW{' (' + ', '.join(low) + ')' if low else ''}, {batch}"
              f"{', checkpointing' if args.checkpointing else ''}; per rank, peak {measured}")
     table = _table(title, _caption(args), ["N", "mode", "model states", "buckets", "host", "total", "peak",
                                            "at the peak"])

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import zerodp
 from zerodp.checkpoint.export_engine import save_final
-from zerodp.checkpoint.files import LATEST
+from zerodp.checkpoint.files import set_engine_run
 from zerodp.distributed.device import accelerator_type, can_pin, current
 from zerodp.engine.engine import Engine, inside
 from zerodp.models.build import build_model, hf_description, weights_of
@@ -33,7 +33,7 @@ from zerodp.models.gpt import GPTConfig, parallelize
 from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
-from zerodp.train.options import EXIT_NON_FINITE, ds_config
+from zerodp.train.options import EXIT_NON_FINITE, command_line, ds_config
 from zerodp.train.report import (
     Metrics,
     bar_text,
@@ -181,6 +181,10 @@ def set_up(opts: argparse.Namespace) -> Job:
     """The corpus, the model on this rank's device, the engine, the data order; a resume restores them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = current()
+    # A fresh run's name, rank 0's (under torchrun each rank named it: choose_resume ran on each).
+    named = [opts.run]
+    dist.broadcast_object_list(named, src=0)
+    opts.run = named[0]
     corpus = build_corpus(opts.model, opts.data)  # the folder's tokenizer for an HF model folder
     torch.manual_seed(opts.seed)  # the same initial weights on every rank (the engine broadcasts them)
     model, shape = build_model(opts.model, corpus.vocab_size, opts.block_size)
@@ -203,11 +207,12 @@ def set_up(opts: argparse.Namespace) -> Job:
     if resumed:
         client = engine.load_checkpoint(opts.resume_path)
         data.load_state_dict(client.get("data") or {"step": engine.global_steps, "seed": opts.seed})
+    set_engine_run(engine, opts.run)  # the checkpoint's run, or this fresh one's: what its checkpoints name
     log = Metrics(Path(opts.out) / "metrics.jsonl", rank, keep_until=engine.global_steps if resumed else 0)
     if resumed:  # report.png marks where the run picked up
         log.write(kind="resume", step=engine.global_steps)
-    log.write(kind="run", step=engine.global_steps, model=opts.model, stage=opts.stage, dtype=opts.dtype,
-              ranks=world, tp=opts.tp)  # report.png's title
+    log.write(kind="run", step=engine.global_steps, id=opts.run, model=opts.model, stage=opts.stage,
+              dtype=opts.dtype, ranks=world, tp=opts.tp)  # report.png's title; the run's name (folder.py)
     job = Job(opts, engine, data, val, log, shape, hf, device, rank, world, dp)
     if rank == 0:
         announce(job, n_params, recipe, corpus.source, resumed)
@@ -230,13 +235,11 @@ def announce(job: Job, n_params: int, recipe: str, source: str, resumed: bool) -
     """Rank 0's first lines: the model, the run, the recipe, the data and where it all goes."""
     opts, engine = job.opts, job.engine
     where = f"resumed at step {engine.global_steps}" if resumed else "from scratch"
-    if not resumed and (job.ckpt_dir / LATEST).exists():
-        where += f" (its checkpoints in {job.ckpt_dir} will be replaced; --resume continues them)"
     ranks = f"{job.world} rank(s)" + (f" ({job.dp} data-parallel x {opts.tp} tensor-parallel)" if opts.tp > 1 else "")
     print(f"zerodp train: {opts.model} ({n_params / 1e6:.2f}M parameters), ZeRO stage "
           f"{opts.stage}, {ranks}, {opts.dtype}, global batch "
           f"{job.dp * opts.grad_accum * opts.micro_batch} x {job.shape.block_size} tokens, {opts.steps} steps "
-          f"{where}\n  {recipe}\n  data: {source}\n  out: {job.out}", flush=True)
+          f"{where}\n  {recipe}\n  data: {source}\n  out: {job.out} (run {opts.run})", flush=True)
 
 
 def train_step(job: Job, stop: StopSignal) -> tuple[float, int, float]:
@@ -302,7 +305,7 @@ def stopped(job: Job, bar, stopping: int) -> int:
         saved = (f"checkpoint {job.ckpt_dir / f'global_step{step}'} written" if job.opts.save_on_signal
                  else "no checkpoint written (--no-save-on-signal)")
         print(f"zerodp train: stopped by {signal.Signals(stopping).name} after step {step}; {saved}; "
-              "--resume continues", flush=True)
+              f"resume with: {command_line(job.opts, job.opts.steps)}", flush=True)
     return 128 + stopping
 
 

@@ -11,13 +11,17 @@ import difflib
 import json
 import math
 import os
-from typing import Any
+import shlex
+from typing import TYPE_CHECKING, Any
 
 from zerodp.models.hf_folder import is_model_folder  # torch-free
 
 # No torch here, nor modules that import it: `--help` answers before any heavy import (torch and
 # zerodp.config are imported inside parse_options, after argparse has run).
 from zerodp.models.sizes import HF_MODELS, SIZES
+
+if TYPE_CHECKING:  # torch underneath: imported where the config is built, after argparse
+    from zerodp.config import Config
 
 # A NonFiniteError stops every rank at the same step; rank 0 says why, once, and the launcher only
 # passes the code on (defined here, torch-free: the launcher does not import the training loop).
@@ -28,12 +32,14 @@ EXIT_NON_FINITE = 3
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
     lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
-    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
+    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, move_aside=False,
     resume_from=None, seed=1337, nproc=None, tp=1, sequence_parallel=False, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
 # Fault injection for the tests, not for --config.
 HIDDEN = ("crash_after", "crash_rank", "crash_signal", "crash_where")
+# A choice for one command, not a setting a --config file keeps: every run from it would move the last aside.
+ONE_COMMAND = ("move_aside",)
 DTYPES = ("fp32", "bf16", "fp16")  # the working precision; fp32 master weights in every case
 
 
@@ -69,15 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps, 0 = only at the end "
                    "(default 50)")
-    p.add_argument("--keep-last", type=int, help="keep only the N newest checkpoints (default: all)")
+    p.add_argument("--keep-last", type=int, help="keep only this run's N newest checkpoints, never "
+                   "another run's (default: all)")
     p.add_argument("--out", help="output directory (default runs/<model>-zero<stage>, -tp<N> added with --tp N)")
-    p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
-                   help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
-                   "intact one, with a warning, if latest is broken; from scratch, with a warning, if "
-                   "there is none), or from checkpoint TAG; on "
-                   "another number of ranks --grad-accum is adjusted to keep the global batch")
-    p.add_argument("--resume-from", metavar="DIR", help="continue from the checkpoint in DIR: a zerodp or "
-                   "DeepSpeed ZeRO save_dir or tag directory (without --resume, or when OUT has none)")
+    add_run_options(p)
     p.add_argument("--seed", type=int, help="seed of the weights and of the data order (default 1337)")
     p.add_argument("--nproc", type=int, help="ranks to start when not under torchrun (default: "
                    "2 on CPU, the GPU count on CUDA); 1 runs in this process")
@@ -94,6 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the default), skip: go on (the config's non_finite section)")
     add_fault_options(p)
     return p
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """--resume, --move-aside and --resume-from: which run the job continues, or how a new one takes --out."""
+    p.add_argument("--resume", nargs="?", const=True, metavar="TAG",
+                   help="continue from OUT/checkpoints' latest checkpoint if there is one (the newest "
+                   "intact one of the same run, with a warning, if latest is broken; from scratch, with a warning, if "
+                   "there is none), or from checkpoint TAG; on "
+                   "another number of ranks --grad-accum is adjusted to keep the global batch")
+    p.add_argument("--move-aside", action="store_true", default=None,
+                   help="start a new run in --out even though it holds another run's checkpoints or outputs: "
+                   "the folder is first renamed to OUT.moved-YYYYMMDD-HHMMSS (UTC), that run's work kept whole "
+                   "there (without this, or --resume, such a run stops before any rank starts)")
+    p.add_argument("--resume-from", metavar="DIR", help="continue from the checkpoint in DIR: a zerodp or "
+                   "DeepSpeed ZeRO save_dir or tag directory (without --resume, or when OUT has none)")
 
 
 def add_parallel_options(p: argparse.ArgumentParser) -> None:
@@ -133,12 +149,38 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     opts = {**DEFAULTS, **ds, **from_file, **given, "nproc": nproc}
     opts["explicit"] = sorted({*ds, *from_file, *given})  # what a resume must not change (resume.py)
     opts["user_set"] = sorted({*from_file, *given})  # these win over the --ds-config's sections (ds_sections.py)
+    opts["flags"], opts["config"] = given, args.config  # what command_line repeats in a printed command
     if opts["dtype"] is None:
         opts["dtype"] = "bf16" if accelerators else "fp32"
     if opts["out"] is None:
         opts["out"] = default_out(opts)
     _check(opts)
     return argparse.Namespace(**opts)
+
+
+# Left out of a printed command: the fault tests' flags, and what command_line sets itself.
+_NOT_REPEATED = ("resume", "move_aside", "out", "steps", *HIDDEN)
+
+
+def command_line(opts: argparse.Namespace, steps: int, resume: bool | str = True, move_aside: bool = False,
+                 out: str | None = None, **changes: Any) -> str:
+    """The whole `zerodp train` command that runs opts' job on (the hints "resume with: ..." print it): its
+    --config file and the flags it was given (`changes` replacing some), with --out (opts.out unless `out`),
+    --steps `steps`, and --resume (`resume`: True, a tag, or False for none) or --move-aside."""
+    words = ["zerodp", "train", *(["--config", opts.config] if opts.config else [])]
+    for key, value in {**opts.flags, **changes}.items():
+        flag = f"--{key.replace('_', '-')}"
+        if key in _NOT_REPEATED:
+            continue
+        if key == "save_on_signal":
+            words += [] if value else ["--no-save-on-signal"]
+        elif value is True:  # --offload, --sequence-parallel
+            words.append(flag)
+        elif value is not False and value is not None:
+            words += [flag, str(value)]
+    words += ["--out", out or opts.out, "--steps", str(steps)]
+    words += ["--resume"] if resume is True else ["--resume", resume] if resume else []
+    return shlex.join(words + (["--move-aside"] if move_aside else []))
 
 
 def default_out(opts: dict[str, Any]) -> str:
@@ -162,6 +204,10 @@ def _read_options_file(path: str) -> dict[str, Any]:
     opts = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in ONE_COMMAND:
+            raise SystemExit(f"zerodp train: {key!r} in --config file {path!r}: it is a choice for one command "
+                             f"(each run from this file would move the previous one aside); pass "
+                             f"--{name.replace('_', '-')} on the command line")
         if name not in DEFAULTS or name in HIDDEN:
             close = difflib.get_close_matches(name, DEFAULTS, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(DEFAULTS)}"
@@ -219,6 +265,11 @@ def _check(o: dict[str, Any]) -> None:
         raise SystemExit(f"zerodp train: --keep-last {o['keep_last']!r}: expected a positive integer")
     if not isinstance(o["resume"], (bool, str)):
         raise SystemExit(f"zerodp train: --resume {o['resume']!r}: expected true/false or a checkpoint tag")
+    if o["move_aside"] and o["resume"] and "resume" not in o["flags"]:
+        o["resume"] = False  # --move-aside given for this command wins over a --config file's resume
+    if o["move_aside"] and o["resume"]:
+        raise SystemExit("zerodp train: --move-aside starts a new run (the folder's old one moved aside) and --resume "
+                         "continues the folder's run: pass one of them")
     if isinstance(o["timeout"], bool) or not isinstance(o["timeout"], (int, float)) or not 0 < o["timeout"] < math.inf:
         raise SystemExit(f"zerodp train: --timeout {o['timeout']!r}: expected a positive number of seconds")
     if not isinstance(o["offload"], bool):
@@ -269,19 +320,11 @@ def _check_tp(o: dict[str, Any]) -> None:
                          "--stage 1, 2 or 3, or --tp 1")
 
 
-def ds_config(opts: argparse.Namespace) -> dict[str, Any]:
-    """The zerodp config: the --ds-config file's sections, with the job's settled options on top."""
+def ds_config(opts: argparse.Namespace) -> Config:
+    """The zerodp config: the --ds-config file's, under the job's settled options (Config.for_job's precedence)."""
+    from zerodp.config import load_config
     from zerodp.train.ds_sections import job_world, read_ds_config
-    base = read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else {}
-    # The job builds the optimizer and schedule (ds_sections.py); batch sizes are the job's options.
-    for key in ("optimizer", "scheduler", "train_batch_size"):
-        base.pop(key, None)
-    zero = {**base.get("zero_optimization", {}), "stage": opts.stage}
-    offload = zero.get("offload_optimizer", {})
-    zero["offload_optimizer"] = {**offload, "device": "cpu" if opts.offload else "none"}
-    return {**base, "comm_timeout_s": opts.timeout, "train_micro_batch_size_per_gpu": opts.micro_batch,
-            "gradient_accumulation_steps": opts.grad_accum, "gradient_clipping": opts.clip,
-            "bf16": {**base.get("bf16", {}), "enabled": opts.dtype == "bf16"},
-            "fp16": {**base.get("fp16", {}), "enabled": opts.dtype == "fp16"},
-            "non_finite": {**base.get("non_finite", {}), "policy": opts.on_non_finite},
-            "zero_optimization": zero}
+    base = load_config(read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else None)
+    return base.for_job(stage=opts.stage, offload_optimizer=opts.offload, dtype=opts.dtype,
+                        micro_batch_size=opts.micro_batch, gradient_accumulation_steps=opts.grad_accum,
+                        gradient_clipping=opts.clip, comm_timeout_s=opts.timeout, non_finite_policy=opts.on_non_finite)

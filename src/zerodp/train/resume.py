@@ -1,9 +1,9 @@
 """What `--resume` continues, settled once before any rank starts: the checkpoint, and the batch.
 
 `--resume` alone takes OUT/checkpoints' `latest`; when that is corrupt or names a broken checkpoint
-(a file missing, of the wrong size, or failing its crc32),
-the newest intact one (zerodp.checkpoint.newest_intact), with a warning that names the bad one and
-why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch (a restartable
+(a file missing, of the wrong size, or failing its crc32), the newest intact one of the same run
+(zerodp.checkpoint.newest_intact: never another run's, whatever its step), with a warning that names the
+bad one and why. `--resume TAG` takes that tag. With no checkpoint at all the job starts from scratch (a restartable
 job passes --resume from its first run), with a warning naming the directory searched.
 
 The global batch (ranks x gradient accumulation x micro-batch) is part of what a run is: the data of
@@ -21,15 +21,21 @@ from pathlib import Path
 
 from zerodp.checkpoint import CheckpointError, deepspeed, newest_intact, resolve
 from zerodp.checkpoint.files import LATEST
+from zerodp.checkpoint.read import current_run
+from zerodp.checkpoint.files import new_run_id, run_of
+from zerodp.train.folder import claim, run_record
+from zerodp.train.options import command_line
 
 
 def choose_resume(opts: argparse.Namespace, world: int) -> None:
-    """Set opts.resume_path (a checkpoint directory, or None) and adjust opts.grad_accum to it.
+    """Set opts.resume_path (a checkpoint directory, or None) and opts.run (the run's name: the checkpoint's
+    run, or a new one), and adjust opts.grad_accum to the checkpoint.
 
-    --resume (this run's checkpoints) comes first; --resume-from DIR is taken when it finds none."""
-    opts.resume_path = None
+    --resume (this run's checkpoints) comes first; --resume-from DIR is taken when it finds none. A fresh
+    run (no --resume) claims its folder first (folder.claim: another run's work there stops it)."""
+    opts.resume_path, opts.run = None, new_run_id()
     if not opts.resume:
-        refuse_another_jobs_folder(opts)
+        claim(opts)
         _choose_resume_from(opts, world)
         return
     ckpt_dir = Path(opts.out) / "checkpoints"
@@ -42,40 +48,12 @@ def choose_resume(opts: argparse.Namespace, world: int) -> None:
             _choose_resume_from(opts, world)  # nothing of this run's to continue
             return
         else:
-            path, manifest = _latest_or_newest_intact(ckpt_dir)
+            path, manifest = _latest_or_newest_intact(opts, ckpt_dir)
     except CheckpointError as e:
         raise SystemExit(f"zerodp train: --resume: {e}")
-    opts.resume_path = path
+    opts.resume_path, opts.run = path, run_of(manifest)
     keep_global_batch(opts, manifest, world)
     continue_schedule(opts, manifest, path)
-
-
-# What makes a run another job: the default --out names the model, stage and tp; these are the rest a
-# fresh run into the same default folder must share with the run whose checkpoints it would replace.
-JOB_KEYS = ("model", "data", "stage", "tp", "dtype", "offload", "block_size")
-
-
-def refuse_another_jobs_folder(opts: argparse.Namespace) -> None:
-    """A fresh run (no --resume) into a default --out whose latest checkpoint another job wrote (other
-    JOB_KEYS) stops, naming the difference: it would replace that job's checkpoints, metrics and final.pt.
-    The same job again replaces them (with the warning of loop.announce); an explicit --out is the user's."""
-    if "out" in opts.explicit:
-        return
-    ckpt_dir = Path(opts.out) / "checkpoints"
-    if not (ckpt_dir / LATEST).exists():
-        return
-    try:
-        _, manifest = resolve(ckpt_dir)
-    except CheckpointError:
-        return  # unreadable: whose it is cannot be told; the warning at start-up still names the folder
-    saved = (manifest.get("client_state") or {}).get("options") or {}
-    differ = [k for k in JOB_KEYS if k in saved and saved[k] != getattr(opts, k)]
-    if differ:
-        theirs = ", ".join(f"{k} {saved[k]!r}" for k in differ)
-        ours = ", ".join(f"{k} {getattr(opts, k)!r}" for k in differ)
-        raise SystemExit(f"zerodp train: '{opts.out}' holds the checkpoints of another job ({theirs}; this one: "
-                         f"{ours}), which this run would replace; pass --out DIR for this job, or --resume to "
-                         "continue that one with these settings")
 
 
 def continue_schedule(opts: argparse.Namespace, manifest: dict, path: str) -> None:
@@ -84,7 +62,8 @@ def continue_schedule(opts: argparse.Namespace, manifest: dict, path: str) -> No
     done = manifest["counters"]["global_steps"]
     if done >= opts.steps:
         note(f"--resume: checkpoint '{path}' is at step {done}, and --steps is {opts.steps}: nothing left to "
-             "train; pass a larger --steps to continue it")
+             f"train; to train {opts.steps} steps more, resume with: "
+             f"{command_line(opts, done + opts.steps, opts.resume)}")
         raise SystemExit(0)
     saved = (manifest.get("client_state") or {}).get("options") or {}
     opts.schedule_from = list(saved.get("schedule_from") or [])
@@ -106,18 +85,31 @@ def _choose_resume_from(opts: argparse.Namespace, world: int) -> None:
         if deepspeed.find(opts.resume_from) is None:  # neither kind: one line, before any rank starts
             raise SystemExit(f"zerodp train: --resume-from: {e}")
         return  # a DeepSpeed checkpoint: the engine's load checks it, on every rank
+    opts.run = run_of(manifest)  # the run goes on in this folder
     keep_global_batch(opts, manifest, world)
     continue_schedule(opts, manifest, opts.resume_from)
 
 
-def _latest_or_newest_intact(ckpt_dir: Path) -> tuple[str, dict]:
+def _latest_or_newest_intact(opts: argparse.Namespace, ckpt_dir: Path) -> tuple[str, dict]:
     try:  # every checksum, once, here: a flipped bit would otherwise fail every restart at the load
         return resolve(ckpt_dir, checksums=True)
     except CheckpointError as bad:
-        path, manifest = newest_intact(ckpt_dir)
-        warn(f"{bad}; resuming from the newest intact checkpoint '{path}' (step "
-             f"{manifest['counters']['global_steps']}) instead")
+        path, manifest = newest_intact(ckpt_dir, _this_run(opts, ckpt_dir))
+        warn(f"{bad}; resuming from the newest intact checkpoint of run {run_of(manifest)}, '{path}' (step "
+             f"{manifest['counters']['global_steps']}), instead")
         return path, manifest
+
+
+def _this_run(opts: argparse.Namespace, ckpt_dir: Path) -> str:
+    """The run --resume continues when `latest` is broken: the one `latest` names if its zerodp.json can still
+    be read, else the folder's only run, else the run metrics.jsonl names last (the one that ran here)."""
+    try:
+        return current_run(str(ckpt_dir))
+    except CheckpointError:
+        record = run_record(Path(opts.out))
+        if record is None or "id" not in record:
+            raise
+        return record["id"]
 
 
 def _any_checkpoint(ckpt_dir: Path) -> bool:
@@ -144,7 +136,9 @@ def keep_global_batch(opts: argparse.Namespace, manifest: dict, world: int) -> N
         opts.grad_accum = accum
         return
     fits = [m for m in range(1, _product(saved) + 1) if _product(saved) % (world * m) == 0]
-    hint = (f"--micro-batch {', '.join(map(str, fits))} would keep it" if fits else
+    best = max([m for m in fits if m <= opts.micro_batch] or fits[:1] or [0])
+    hint = (f"--micro-batch {', '.join(map(str, fits))} would keep it (resume with: "
+            f"{command_line(opts, opts.steps, opts.resume, micro_batch=best)})" if fits else
             f"no --micro-batch keeps it on {world} rank(s); use a number of ranks that divides {_product(saved)}")
     raise SystemExit(f"zerodp train: --resume: the checkpoint's global batch is {_batch_text(saved)}, "
                      f"which {world} rank(s) x --micro-batch {opts.micro_batch} cannot split into whole "

@@ -320,6 +320,18 @@ class Gatherer(TimedGathers):
                 self._wait(b)
                 self._free(b)
 
+    def release_gathered(self) -> None:
+        """Every bucket gathered now and held by no gathered_parameters block is released (persistent ones
+        stay whole: no hook would gather them again). Between steps: DeepSpeed's empty_partition_cache."""
+        self.release([self.buckets[i] for i in sorted(self.gathered)])
+
+    def remove_hooks(self) -> None:
+        """No unit gathers any more (the engine is being destroyed); what is gathered is released first."""
+        self.release_gathered()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def gradients_done(self, b: Bucket) -> None:
         """(reducer) All of b's gradients of this backward are in: release it, and prefetch it no more."""
         self.reduced.add(b.index)

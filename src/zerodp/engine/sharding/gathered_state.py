@@ -70,10 +70,17 @@ class GatheredStateDict:
         self.keep_vars = False
         self.mine: list[Bucket] = []          # buckets this call gathered and holds for the current module
         self.copies: dict[int, torch.Tensor] = {}  # id(param) -> its copy in this call's dict
+        self._handles = []  # the state_dict hooks on every module (remove_hooks)
         if self.bucket_of:  # persistent buckets are whole already: nothing to gather
             for m in module.modules():  # (torch marks a post hook as public: a function, not a bound method)
-                m.register_state_dict_pre_hook(self._pre_hook)
-                m.register_state_dict_post_hook(lambda *args: self._post_hook(*args))
+                self._handles.append(m.register_state_dict_pre_hook(self._pre_hook))
+                self._handles.append(m.register_state_dict_post_hook(lambda *args: self._post_hook(*args)))
+
+    def remove_hooks(self) -> None:
+        """The module's state_dict() is its own again (the engine is being destroyed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def _pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         # A child's call always has a prefix; "" is a new call (after one that raised half-way too).

@@ -24,7 +24,7 @@ from zerodp.activations import attached
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
 
 MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "gradients", "fp32_master",
-                "optimizer_states")
+                "master_remainders", "optimizer_states")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -55,7 +55,7 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
         "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
-        "gradients": 0, "fp32_master": 0, "optimizer_states": 0, "reduce_buckets": 0,
+        "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
         "gathered_params": (0 if not spec.gathers_per_unit else
@@ -63,7 +63,7 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     }
     report.setdefault("step_transient", 0)
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    host = {"fp32_master": optimizer_on_host, "optimizer_states": optimizer_on_host,
+    host = {"fp32_master": optimizer_on_host, "master_remainders": False, "optimizer_states": optimizer_on_host,
             "working_params": spec.offload_param, "frozen_params": spec.offload_param}  # stage 3's offload_param
     if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)

@@ -219,6 +219,21 @@ class ShardedModule:
         """Bytes this rank holds, by category, counted from the tensors the model owns."""
         return memory_report(self)
 
+    def release_gathered(self) -> None:
+        """Stage 3: every gathered parameter no gathered_parameters block holds is released (persistent ones stay
+        whole); the next forward gathers what it needs. Between steps; nothing to do below stage 3."""
+        if self.gatherer is not None:
+            self.gatherer.release_gathered()
+
+    def remove_hooks(self) -> None:
+        """Every hook this sharded module put on the model removed, stage 3's gathered parameters released
+        (persistent ones stay whole): nothing of it stays reachable from the model (DeepSpeed's destroy)."""
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+            self.gatherer.watcher = None
+        if self.gathered_state is not None:
+            self.gathered_state.remove_hooks()
+
     def watch_gathers(self, watcher: Callable[[Bucket, BucketState], None]) -> None:
         """Stage 3: watcher(bucket, its state) now and at each gather and release of a bucket."""
         self.gatherer.watch(watcher)

@@ -11,6 +11,8 @@ and skips.
                      stepped as one).
   torch_state.py     `TorchFormat`: optimizer.state_dict() / load_state_dict() in a plain optimizer's format over
                      the model's parameters (gathered from every rank; cut into shards on load).
+  low_precision.py   bf16 masters (the working value + an int16 remainder, exact) and bf16 optimizer states
+                     (stochastically rounded): `OptimizerPrecision`, `StateRounding`.
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
   precision.py       `LossScaler`: fp16's dynamic loss scale.
   non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.

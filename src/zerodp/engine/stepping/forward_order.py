@@ -50,6 +50,12 @@ class ForwardOrder:
         self._trace_handles: list = []
         self.traced = False
 
+    def remove_hooks(self) -> None:
+        """The forward waits for no gather any more (the engine is being destroyed)."""
+        for h in self._handles + self._trace_handles:
+            h.remove()
+        self._handles, self._trace_handles = [], []
+
     # ---- the one traced forward -----------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
         if not self.traced and self._trace is None:

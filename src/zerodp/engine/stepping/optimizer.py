@@ -16,6 +16,12 @@ host memory and the user's optimizer steps on the CPU; the device keeps only the
 parameters and the gradient buckets. Gradient shards go out and updated weights come back with
 non-blocking copies of one dtype each (offload.py: one host block, casts on the host), and a torch
 Adam/AdamW that chose no implementation steps with its fused CPU kernel.
+
+Low precision (low_precision.py, bf16.bf16_master_weights_and_grads / bf16_optimizer_states): between steps
+a master is its working shard plus an int16 remainder (`remainders`; the fp32 tensor, which the optimizer
+keys its state by, keeps no storage), and the per-element states are bf16. Each sub_group_size part of the
+step makes them fp32, steps, and puts them back (`_materialise`, `_settle`); reading the masters
+(checkpoints, full_master) makes them fp32 until the next step.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.layout.flat import ALIGN, Bucket
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.stepping.low_precision import (
+    OptimizerPrecision,
+    StateRounding,
+    first_remainder,
+    join_master,
+    per_element,
+    split_master,
+)
 from zerodp.engine.stepping.offload import HostShards, use_fused_kernel
 from zerodp.engine.stepping.optimizer_view import OptimizerLike
 from zerodp.engine.stepping.unused import UsedParameters
@@ -41,8 +55,9 @@ class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
-                 used_only: UsedParameters | None = None):
+                 used_only: UsedParameters | None = None, precision: OptimizerPrecision = OptimizerPrecision()):
         self.comm, self.offload = comm, offload
+        self.precision = precision  # masters and states below fp32 between steps (low_precision.py)
         self.sharded = spec.shards_optimizer  # False (stage 0): every rank steps every bucket whole
         self.gathers_after_step = spec.gathers_after_step
         self.allgather_numel = allgather_bucket_size
@@ -97,6 +112,43 @@ class PartitionedOptimizer(TimedGathers):
             opt.register_step_pre_hook(self._only_from_engine)
         # offload: a torch Adam/AdamW that chose no implementation now steps with its fused CPU kernel
         self.fused_on_host = offload and use_fused_kernel(self.optimizer)
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        self.rounding = StateRounding(self.rank, device) if precision.bf16_states else None  # bf16 states' noise
+        self.remainders: list[torch.Tensor] = []  # compensated masters: what fp32 adds to each working shard
+        if precision.compensated_masters:
+            self._compensate()
+
+    def _compensate(self) -> None:
+        """Masters from here on: the working shard + an int16 remainder; the fp32 tensors let go of their storage."""
+        if self.offload or not self.separate or self.buckets[0].data.dtype != torch.bfloat16:
+            raise ValueError("bf16.bf16_master_weights_and_grads needs bf16.enabled and no offload_optimizer")
+        for k, (b, m) in enumerate(zip(self.buckets, self.masters)):
+            if m.untyped_storage().nbytes() != m.numel() * 4:  # a view of a larger block: freed alone, it must own it
+                raise RuntimeError(f"bucket {k}'s fp32 master is a view; compensated masters need their own")
+            self.remainders.append(first_remainder(m.detach(), b.owned))
+            m.untyped_storage().resize_(0)
+
+    def _materialise(self, k: int) -> bool:
+        """Compensated masters: master k in fp32 (True if it was not already)."""
+        m = self.masters[k]
+        if not self.remainders or m.untyped_storage().nbytes() or not m.numel():
+            return False
+        m.untyped_storage().resize_(m.numel() * 4)
+        join_master(self.buckets[k].owned, self.remainders[k], m.detach())
+        return True
+
+    def _settle(self, k: int) -> None:
+        """Compensated masters: master k back into the working shard and its remainder, its fp32 storage freed."""
+        m = self.masters[k]
+        if self.remainders and m.untyped_storage().nbytes():
+            split_master(m.detach(), self.buckets[k].owned, self.remainders[k])
+            m.untyped_storage().resize_(0)
+
+    def materialised_masters(self) -> list[torch.Tensor]:
+        """Every master in fp32 (compensated ones stay so until the next step or gather)."""
+        for k in range(len(self.masters)):
+            self._materialise(k)
+        return self.masters
 
     def _stepped(self, b: Bucket, m: torch.Tensor) -> list[torch.Tensor]:
         """The tensors the optimizer steps for bucket b, whose master is m (see __init__)."""
@@ -152,8 +204,6 @@ class PartitionedOptimizer(TimedGathers):
         self.wait_for_parameters()  # the last gather writes the working shards the step rewrites
         if self.host is not None:
             self.host.receive_gradients(grads)
-            for m, h in zip(self.masters, self.host.grads):
-                m.grad = h
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
@@ -176,26 +226,34 @@ class PartitionedOptimizer(TimedGathers):
         """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
             masters = [self.masters[k] for k in part]
-            if not self.offload:
-                for m, k in zip(masters, part):
-                    m.grad = grads[k] if grads[k].dtype == torch.float32 else grads[k].float()
+            for m, k in zip(masters, part):
+                self._materialise(k)
+                m.grad = (self.host.grads[k] if self.host is not None else
+                          grads[k] if grads[k].dtype == torch.float32 else grads[k].float())
             if coef is not None and not fold:
                 torch._foreach_mul_([m.grad for m in masters], coef)
             whole = [k for k in part if self.buckets[k].whole]
             for k in whole:
                 self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
                 self._whole_gradients(k)
+            stepped = [t for k in part for t in self.stepped[k]]
+            if self.rounding is not None:
+                self.rounding.widen(self.optimizer, stepped)
             if self.used_only is None:
                 self.optimizer.step()  # parameters whose .grad is None are left alone
             else:
                 with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
                     self.optimizer.step()
+            if self.rounding is not None:
+                self.rounding.narrow(self.optimizer, stepped)
             for m in masters:
                 m.grad = None
             for k in whole:
                 self.whole_over_tp.put_back(k, self.masters[k])
                 for t in self.stepped[k]:
                     t.grad = None
+            for k in part:
+                self._settle(k)
 
     def _whole_gradients(self, k: int) -> None:
         """Bucket k's owned parameters get their gradients in their own shape (views of the master's
@@ -214,7 +272,7 @@ class PartitionedOptimizer(TimedGathers):
         """Buckets stepped together. Low-precision gradients need an fp32 copy for the step: taken
         `sub_group_size` elements at a time (DeepSpeed's sub_group_size), that copy is at most
         4 bytes x max(sub_group_size, largest shard); fp32 gradients are stepped in one call."""
-        if self.offload or grad_dtype == torch.float32:
+        if (self.offload or grad_dtype == torch.float32) and not self.precision.low:
             return [list(range(len(numels)))] if numels else []
         parts, size = [[]], 0
         for k, n in enumerate(numels):
@@ -227,7 +285,13 @@ class PartitionedOptimizer(TimedGathers):
 
     def step_copy_bytes(self, numels: list[int], grad_dtype: torch.dtype) -> int:
         """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none). With
-        offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards)."""
+        offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards). Low
+        precision adds the part's fp32 master and states (per element: as many as the states hold now)."""
+        if self.precision.low:
+            first = next(iter(self.optimizer.state.items()), None)
+            states = len(per_element(first[1], first[0], torch.bfloat16)) if first and self.rounding else 0
+            per = (4 if self.remainders else 0) + 4 * states + (4 if grad_dtype != torch.float32 else 0)
+            return max((per * sum(numels[k] for k in part) for part in self.sub_groups(numels, grad_dtype)), default=0)
         if self.host is not None:
             third = grad_dtype not in (torch.float32, self.host.working)
             on_device = bool(self.buckets) and self.buckets[0].data.device.type != "cpu"
@@ -251,6 +315,8 @@ class PartitionedOptimizer(TimedGathers):
             b, m = self.buckets[k], self.masters[k]
             if self.host is not None:
                 self.host.send_weights(k, b.owned)
+            elif self.remainders:
+                self._settle(k)  # (masters read or written since the step: their new values split)
             elif self.separate:
                 b.owned.copy_(m, non_blocking=True)
             if self.gathers_after_step:
@@ -274,9 +340,13 @@ class PartitionedOptimizer(TimedGathers):
             if b.frozen:
                 continue
             lo = self.rank * b.shard_numel
+            whole = bool(self.remainders) and self.masters[b.index].untyped_storage().nbytes() > 0
             for _, s, start, end in b.owned_slots(self.rank):
                 if params is None or id(s.param) in params:
-                    self.masters[b.index][start - lo:end - lo].copy_(b.data[start:end])
+                    if self.remainders:  # the working value is the master: no remainder left
+                        self.remainders[b.index][start - lo:end - lo].zero_()
+                    if not self.remainders or whole:
+                        self.masters[b.index][start - lo:end - lo].copy_(b.data[start:end])
 
     @gather_phase
     def wait_for_parameters(self, upto: int | None = None) -> None:
@@ -291,20 +361,24 @@ class PartitionedOptimizer(TimedGathers):
 
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
+        fresh = self._materialise(b.index)
         if not self.sharded:
-            return m.detach().clone()
-        device = b.data.device
-        full = torch.empty(b.numel, dtype=torch.float32, device=device)
-        self.comm.shard_gather(full, m.detach().to(device))
+            full = m.detach().clone()
+        else:
+            full = torch.empty(b.numel, dtype=torch.float32, device=b.data.device)
+            self.comm.shard_gather(full, m.detach().to(b.data.device))
+        if fresh:  # read only: the fp32 copy goes again
+            m.untyped_storage().resize_(0)
         return full
 
     def bytes(self) -> dict[str, int]:
         """Bytes of fp32 master and optimizer state; on the host when offloaded."""
-        master = sum(m.numel() * 4 for m in self.masters) if self.separate else 0
+        master = sum(m.numel() * 4 for m in self.masters) if self.separate and not self.remainders else 0
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
-        return {"fp32_master": master, "optimizer_states": state, **host}
+        return {"fp32_master": master, "master_remainders": sum(r.numel() * 2 for r in self.remainders),
+                "optimizer_states": state, **host}
 
 
 def _user_params(optimizer: OptimizerLike, layout: Layout) -> list[list[torch.Tensor]]:

@@ -140,6 +140,12 @@ class Reducer:
         self._handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(b.index, i))
                          for b in self.buckets for i, s in enumerate(b.slots)]
 
+    def remove_hooks(self) -> None:
+        """Gradients stay on the parameters again (the engine is being destroyed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     # ---- backward -------------------------------------------------------------------------------
     def begin(self, communicate: bool) -> None:
         """Before a micro-step's backward; `communicate` is true when its buckets must be reduced."""

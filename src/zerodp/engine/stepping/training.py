@@ -37,6 +37,7 @@ from zerodp.engine.stepping.non_finite import (
     step_flags,
     step_is_finite,
 )
+from zerodp.engine.stepping.low_precision import OptimizerPrecision
 from zerodp.engine.stepping.optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from zerodp.engine.stepping.precision import LossScaler
 from zerodp.engine.stepping.reducer import Reducer
@@ -101,9 +102,11 @@ class Training:
                      fp32_shards: list[torch.Tensor]) -> PartitionedOptimizer:
         zero, s = config.zero_optimization, self.sharded
         offload = zero.offload_optimizer
+        precision = OptimizerPrecision(compensated_masters=config.bf16.bf16_master_weights_and_grads,
+                                       bf16_states=config.bf16.bf16_optimizer_states)
         return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
                                     offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
-                                    self.used_only)
+                                    self.used_only, precision)
 
     def _forward_order(self, config: Config) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
@@ -313,8 +316,9 @@ class Training:
     # (sharded.layout: the buckets, this rank's shard, every trained parameter's slot; layout.py)
     def master_shards(self) -> list[torch.Tensor]:
         """This rank's fp32 master of each bucket, by bucket index (the whole bucket in stage 0). Written
-        in place, they become the weights at the next weights_from_masters()."""
-        return self.partitioned_optimizer.masters
+        in place, they become the weights at the next weights_from_masters(). Compensated masters
+        (bf16.bf16_master_weights_and_grads) are made fp32 for it, until the next step."""
+        return self.partitioned_optimizer.materialised_masters()
 
     def stepped_tensors(self) -> list[list[torch.Tensor]]:
         """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
@@ -368,6 +372,12 @@ class Training:
         self.global_steps, self.skipped = global_steps, skipped_steps
         self.micro_steps = self.stepped_at = global_steps * self.sharded.spec.gas
         self.scale_used = self.scaler.scale
+
+    def remove_hooks(self) -> None:
+        """The gradient hooks and the forward's gather waits removed (DeepSpeed's destroy)."""
+        self.reducer.remove_hooks()
+        if self.forward_order is not None:
+            self.forward_order.remove_hooks()
 
     def weights_from_masters(self) -> None:
         """The working parameters from the fp32 masters, on every rank (collective): after the masters

@@ -33,6 +33,7 @@ from transformers.trainer_utils import has_length
 from zerodp import initialize
 from zerodp.config import ConfigError
 from zerodp.engine.engine import Engine, inside
+from zerodp.engine.faces import EngineModule, EngineOptimizer, EngineScheduler
 from zerodp.engine.summary import no_stage_chosen, set_up_line
 from zerodp.integrations.hf.auto import fill_from_training_args
 from zerodp.models import hf_folder
@@ -136,7 +137,7 @@ class ZeroTrainer(Trainer):
             self._say_set_up()
         self.optimizer = EngineOptimizer(self.engine)
         self.lr_scheduler = EngineScheduler(self.optimizer)
-        self.model_wrapped = EngineModule(self.engine)
+        self.model_wrapped = EngineModule(self.engine.module, self.engine)
         if resume_from_checkpoint is not None:
             self.engine.load_checkpoint(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -197,8 +198,8 @@ class ZeroTrainer(Trainer):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
         if self._loss_is_scaled_for_ga(num_items_in_batch):
-            # Already a share of the whole window's loss: the engine divides by gas again.
-            self.engine.backward(loss * gas)
+            # Already a share of the whole window's loss: the engine must not divide it by gas again.
+            self.engine.backward(loss, scale_wrt_gas=False)
             return loss.detach()
         self.engine.backward(loss)
         return loss.detach() / gas
@@ -252,63 +253,6 @@ def _setting_zero_keywords_aside(init):
         init(self, *args, **kwargs)
 
     return __init__
-
-
-class EngineModule(nn.Module):
-    """What the Trainer's loop calls `model` (its `model_wrapped`): calls go through the engine."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self._engine = engine
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.zero_grad()  # gradients live in the engine's buckets, cleared by step()
-
-    def _get_name(self) -> str:
-        # Trainer.compute_loss picks label smoothing's causal shift by the model class's name.
-        return self.module._get_name()
-
-
-class EngineOptimizer:
-    """The Trainer's `optimizer`: step() is the engine's step (reduce, clip, update, gather)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.last_lr = self._lrs()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.engine.optimizer.param_groups
-
-    def step(self, closure=None) -> None:
-        if closure is not None:
-            raise ValueError("ZeroTrainer's optimizer takes no closure")
-        self.last_lr = self._lrs()  # what the Trainer logs: the lr this update used
-        self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
-
-    def _lrs(self) -> list[float]:
-        return self.engine.get_lr()
-
-
-class EngineScheduler:
-    """The Trainer's `lr_scheduler`: the engine steps the real one after each update it does not skip
-    (as DeepSpeed does), so step() here does nothing; get_last_lr() is the lr of the last update."""
-
-    def __init__(self, optimizer: EngineOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def get_last_lr(self) -> list[float]:
-        return self.optimizer.last_lr
 
 
 def _group_world_size() -> int:
