@@ -93,17 +93,11 @@ class PartitionedOptimizer(TimedGathers):
         # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py; a
         # tp shard's whole matrix, whole_over_tp.py).
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
-        per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
-                     for g in layout.groups]
         # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
         # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
         self.user_params: list[list[torch.Tensor]] = _user_params(optimizer, layout)
-        shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
-        # An optimizer that has stepped or loaded a state (a DDP script's resume, before initialize as
-        # nanoGPT does): its state in torch's format, loaded again onto the shards (torch_state.py).
-        self.carried: dict | None = (optimizer.state_dict() if isinstance(optimizer, Optimizer)
-                                     and _initial_state(optimizer, shapes) is None else None)
-        self.optimizer = _rewired(optimizer, per_group, shapes)
+        self.carried: dict | None = None  # the state the optimizer came with, in torch's format (_take)
+        self.optimizer = self._take(optimizer, layout)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -117,6 +111,17 @@ class PartitionedOptimizer(TimedGathers):
         self.remainders: list[torch.Tensor] = []  # compensated masters: what fp32 adds to each working shard
         if precision.compensated_masters:
             self._compensate()
+
+    def _take(self, optimizer: OptimizerLike, layout: Layout) -> Optimizer:
+        """The user's optimizer rewired to step `stepped`. One that has stepped or loaded a state (a DDP
+        script's resume, before initialize as nanoGPT does) leaves it in `carried`, to be loaded again onto
+        the shards in torch's format (torch_state.py)."""
+        per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
+                     for g in layout.groups]
+        shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
+        if isinstance(optimizer, Optimizer) and _initial_state(optimizer, shapes) is None:
+            self.carried = optimizer.state_dict()
+        return _rewired(optimizer, per_group, shapes)
 
     def _compensate(self) -> None:
         """Masters from here on: the working shard + an int16 remainder; the fp32 tensors let go of their storage."""
