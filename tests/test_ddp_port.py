@@ -136,11 +136,12 @@ def test_the_ported_script_trains_as_its_ddp_original(runs):
     two, _, _ = runs
     ddp, ours = two[0]["ddp"], two[0]["ours"]
     assert max(ddp["norms"]) > 0.5  # clipping acts
-    # The same sums in another order (zerodp's flat buckets, DDP's buckets): fp32 rounding, after 4 AdamW steps.
-    torch.testing.assert_close(ours["norms"], ddp["norms"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(ours["evals"], ddp["evals"], rtol=1e-5, atol=0)
+    # The same sums in another order (zerodp's flat buckets, DDP's buckets): fp32 rounding, after 4 AdamW steps
+    # (measured: norms 9e-8 relative, evals 7e-8, weights 3e-8 absolute, lr 0.02).
+    torch.testing.assert_close(ours["norms"], ddp["norms"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours["evals"], ddp["evals"], rtol=1e-6, atol=0)
     for name, w in ddp["weights"].items():
-        torch.testing.assert_close(ours["weights"][name], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours["weights"][name], w, rtol=0, atol=1e-6)
 
 
 def test_its_own_optimizer_checkpoint_resumes_on_one_rank_equal_to_the_uninterrupted_run(runs):
@@ -151,9 +152,10 @@ def test_its_own_optimizer_checkpoint_resumes_on_one_rank_equal_to_the_uninterru
     assert sorted(saved["optimizer"]["state"]) == [0, 1, 2, 3]
     assert saved["optimizer"]["state"][0]["exp_avg"].shape == (24, 6)
     uninterrupted = two[0]["ours"]
-    torch.testing.assert_close(one["norms"], uninterrupted["norms"][2:], rtol=1e-5, atol=0)
+    # One rank sums the batch's micro-batches in another order than two (measured: norms equal, weights 3e-8 apart).
+    torch.testing.assert_close(one["norms"], uninterrupted["norms"][2:], rtol=1e-6, atol=0)
     for name, w in uninterrupted["weights"].items():
-        torch.testing.assert_close(one["weights"][name], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(one["weights"][name], w, rtol=0, atol=1e-6)
 
 
 def test_the_ddp_idioms_a_port_keeps_by_mistake_say_the_zerodp_way(runs):
