@@ -100,6 +100,9 @@ def _refusals(rank: int) -> dict:
     with pytest.raises(AttributeError) as e:
         engine.parameters()
     out["parameters"] = str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        engine.clip_grad_norm_(1.0)  # before the step's backward: nothing to clip yet
+    out["early_clip"] = str(e.value)
     engine.backward(engine(torch.randn(1, 4)).sum())
     out["torch_clip"] = float(torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0))
     engine.step()
@@ -163,6 +166,7 @@ def test_the_ddp_idioms_a_port_keeps_by_mistake_say_the_zerodp_way(runs):
     refused = two[0]["refused"]
     assert "engine.backward(loss) and engine.step()" in refused["require_backward_grad_sync"]
     assert "engine.clip_grad_norm_(max_norm)" in refused["parameters"]
+    assert "is called once per step, after its last backward() and before step(): 0 of" in refused["early_clip"]
     assert refused["torch_clip"] == 0.0  # what USAGE.md warns of: torch's clip sees no gradient
     assert "only 1 of them called it" in refused["lone_state_dict"]
     assert "call optimizer.state_dict() on every rank" in refused["lone_state_dict"]
