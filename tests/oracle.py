@@ -226,7 +226,9 @@ def build(case: Case, seed: int = 0) -> Toy:
     return Toy(**case.model)
 
 
-def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False, **zero) -> dict:
+def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload: bool = False,
+               top: dict | None = None, **zero) -> dict:
+    """top: top-level sections beside zero_optimization (the disk tier's aio)."""
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     if zero.get("offload_param") is True:  # a job's keys must be hashable: True stands for the section
@@ -241,11 +243,11 @@ def config_for(case: Case, stage: int, world: int, dtype: str = "fp32", offload:
         cfg["bf16"] = {"enabled": True, **low}
     if dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    return cfg
+    return {**cfg, **(top or {})}
 
 
 def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp32", offload: bool = False,
-                 seed: int = 0, meta: bool = False, **zero) -> dict:
+                 seed: int = 0, meta: bool = False, top: dict | None = None, **zero) -> dict:
     """Train one case on this rank; returns the gathered fp32 weights and the step norms. meta: the model
     is built on the meta device, each rank's random state seeded differently (rank 0's must be used)."""
     case = case_named(name)
@@ -260,7 +262,8 @@ def train_engine(rank: int, world: int, name: str, stage: int, dtype: str = "fp3
         with torch.no_grad():  # then perturb, so a missing broadcast cannot go unnoticed
             for p in model.parameters():
                 p.add_(0.5)
-    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, stage, world, dtype, offload, **zero))
+    engine = zerodp.initialize(model, case.optimizer(model), config_for(case, stage, world, dtype, offload, top,
+                                                                          **zero))
     norms = []
     for step, micro in enumerate(batches(world, case.gas, seed, case.steps)):
         model.use_sometimes = step % 2 == 1

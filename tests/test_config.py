@@ -175,16 +175,21 @@ def test_hf_auto_placeholder_is_explained(key, section, expected):
     assert "placeholder the Hugging Face Trainer fills in" in message and expected in message
 
 
-def test_nvme_offload_is_refused_pointing_to_cpu():
+def test_nvme_offload_of_the_optimizer_needs_a_path():
     message = error_of({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
-    assert "'zero_optimization.offload_optimizer.device' = \"nvme\"" in message
-    assert "NVMe offload is not supported" in message and '"cpu"' in message
+    assert 'offload_optimizer.device "nvme" needs offload_optimizer.nvme_path' in message
+
+
+def test_nvme_offload_of_parameters_is_refused_pointing_to_cpu():
+    message = error_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert "'zero_optimization.offload_param.device' = \"nvme\"" in message
+    assert "not implemented" in message and '"cpu"' in message
 
 
 def test_unknown_offload_device_lists_choices():
     message = error_of({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
     assert "'zero_optimization.offload_optimizer.device' = \"gpu\"" in message
-    assert "'none' or 'cpu'" in message
+    assert "'none', 'cpu' or 'nvme'" in message
 
 
 def test_partition_activations_is_refused_explaining_why():
@@ -531,7 +536,7 @@ def test_for_job_puts_the_jobs_settled_options_over_the_file_and_drops_what_the_
                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                       "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                             "reduce_bucket_size": 1000}})
-    config = ds.for_job(stage=2, offload_optimizer=False, dtype="bf16", micro_batch_size=4,
+    config = ds.for_job(stage=2, offload_optimizer="none", nvme_path=None, dtype="bf16", micro_batch_size=4,
                         gradient_accumulation_steps=2, gradient_clipping=1.0, comm_timeout_s=30.0,
                         non_finite_policy="skip")
     assert (config.train_batch_size, config.optimizer, config.scheduler) == (None, None, None)

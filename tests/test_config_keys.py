@@ -56,6 +56,16 @@ EFFECTS = {
     "zero_optimization.overlap_param_gather": "test_engine.py::test_parameter_gather_overlapped_with_next_forward_matches",
     "zero_optimization.offload_optimizer.device": "test_engine.py::test_offload_matches_single_process_fp32",
     "zero_optimization.offload_optimizer.pin_memory": "test_engine.py::test_offload_matches_single_process_fp32",
+    "zero_optimization.offload_optimizer.nvme_path": "test_nvme.py::test_a_missing_nvme_path_is_a_clear_error_at_initialize",
+    "zero_optimization.offload_optimizer.buffer_count":
+        "test_nvme.py::test_too_few_buffers_for_the_pipeline_is_refused_naming_the_count",
+    "zero_optimization.offload_optimizer.pipeline_read":
+        "test_nvme.py::test_pipeline_read_and_write_overlap_the_transfers_with_the_step",
+    "zero_optimization.offload_optimizer.pipeline_write":
+        "test_nvme.py::test_pipeline_read_and_write_overlap_the_transfers_with_the_step",
+    "zero_optimization.offload_optimizer.fast_init": "test_nvme.py::test_fast_init_writes_only_the_masters_at_initialize",
+    **{f"aio.{k}": "test_nvme.py::test_aio_keys_shape_the_requests"
+       for k in ("block_size", "queue_depth", "thread_count", "single_submit")},
     "zero_optimization.stage3_prefetch_bucket_size":
         "test_engine.py::test_bucketed_overlapped_and_single_bucket_runs_are_identical",
     "zero_optimization.stage3_param_persistence_threshold":

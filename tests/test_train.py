@@ -98,6 +98,19 @@ def test_job_trains_on_two_gloo_ranks_it_starts_itself(reference):
     assert "final validation loss" in proc.stdout
 
 
+def test_offload_nvme_reaches_the_same_validation_loss_bit_for_bit_in_fp32(reference, tmp_path):
+    """--offload nvme: the job's AdamW masters and moments in scratch files under --nvme-path (none left)."""
+    data, out, _ = reference
+    scratch = tmp_path / "nvme"
+    scratch.mkdir()
+    train(*TINY, *_COMMON, "--eval-every", "6", "--data", data, "--out", str(tmp_path / "run"), "--offload", "nvme",
+          "--nvme-path", str(scratch))
+    val = [r["val_loss"] for r in metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert val == [r["val_loss"] for r in metrics(out) if r["kind"] == "eval"]
+    disk = [r for r in metrics(tmp_path / "run") if r["kind"] == "memory"][-1]["ranks"][0]
+    assert disk["disk_model_states"] > 0 and list(scratch.iterdir()) == []
+
+
 def assert_same_weights(a_out: Path, b_out: Path, atol: float) -> None:
     a = torch.load(a_out / "final.pt", weights_only=True)
     b = torch.load(b_out / "final.pt", weights_only=True)

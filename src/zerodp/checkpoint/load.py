@@ -15,6 +15,8 @@ shard's axis: a Megatron shard without partition_dim is refused, on every rank b
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -50,8 +52,11 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     a problem on any rank raises the same CheckpointError on every rank. optimizer_states /
     lr_scheduler_states False keep the engine's own; module_only loads the weights alone.
     """
+    training = inside(engine).training
     with inside(engine).comm.names_peer_failure("in engine.load_checkpoint()"):
-        return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
+        # offload_optimizer "nvme": the masters and states read in, loaded into, and written back
+        with training.model_states_in_memory() if training is not None else nullcontext():
+            return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
 
 def _load(engine, load_dir: str, tag: str | None, optimizer_states: bool, lr_scheduler_states: bool,

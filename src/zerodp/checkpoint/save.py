@@ -21,6 +21,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from contextlib import nullcontext
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -60,7 +61,14 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
     raises PeerFailure naming the save, as one in a step names the step.
     """
     with inside(engine).comm.names_peer_failure(f"in engine.save_checkpoint() after step {engine.global_steps}"):
-        return _save(engine, save_dir, tag, client_state, keep_last)
+        with _states_in_memory(engine):
+            return _save(engine, save_dir, tag, client_state, keep_last)
+
+
+def _states_in_memory(engine):
+    """The masters and optimizer states as tensors for the save (offload_optimizer "nvme" reads them in)."""
+    training = inside(engine).training
+    return training.model_states_in_memory() if training is not None else nullcontext()
 
 
 def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:

@@ -59,17 +59,17 @@ NO_EFFECT: dict[str, str] = {
                                                "model is built",
     "zero_optimization.log_trace_cache_warnings": "DeepSpeed's stage-3 trace cache does not exist here",
     "zero_optimization.enable_sanity_checks": "a DeepSpeed stage-3 debugging switch",
-    "zero_optimization.offload_optimizer.buffer_count": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_optimizer.pipeline_read": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_optimizer.pipeline_write": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_optimizer.fast_init": "an NVMe offload setting (NVMe is refused)",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "sizes DeepSpeed's CPUAdam thread pool; the "
                                                               "torch optimizer uses torch's threads "
                                                               "(torch.set_num_threads)",
-    "zero_optimization.offload_param.nvme_path": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_param.buffer_count": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_param.buffer_size": "an NVMe offload setting (NVMe is refused)",
-    "zero_optimization.offload_param.max_in_cpu": "an NVMe offload setting (NVMe is refused)",
+    "zero_optimization.offload_param.nvme_path": "sizes parameter shards on disk (offload_param \"nvme\"), which "
+                                                "is refused",
+    "zero_optimization.offload_param.buffer_count": "sizes parameter shards on disk (offload_param \"nvme\"), which "
+                                                "is refused",
+    "zero_optimization.offload_param.buffer_size": "sizes parameter shards on disk (offload_param \"nvme\"), which "
+                                                "is refused",
+    "zero_optimization.offload_param.max_in_cpu": "sizes parameter shards on disk (offload_param \"nvme\"), which "
+                                                "is refused",
     **{f"comet.{k}": "the comet section is refused when enabled (zerodp has no Comet monitor)"
        for k in ("samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
                  "online", "mode")},
@@ -124,8 +124,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
                                             "in zero_optimization.stage3_unit instead"),
     "zero_optimization.zenflow": (None, "DeepSpeed's ZenFlow (asynchronous offloaded updates) is not "
                                         "implemented; use offload_optimizer"),
-    "zero_optimization.offload_optimizer.nvme_path": (None, "NVMe offload is not supported by zerodp; use "
-                                                            "\"device\": \"cpu\""),
     "zero_optimization.offload_optimizer.ratio": (1.0, "partial offload is not implemented: the whole "
                                                        "optimizer is offloaded; remove the key"),
     "zero_optimization.offload_optimizer.super_offload": (False, "DeepSpeed's SuperOffload is not "
@@ -138,6 +136,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
                                      "inference kernels (with their own tensor parallelism) to generate, "
                                      "which zerodp does not have; generate with the module itself "
                                      "(engine.module in eval mode, under torch.no_grad()) and set it to false"),
+    "aio.overlap_events": (True, "the disk tier's requests always complete while others are submitted (a "
+                                 "thread pool); pipeline_read and pipeline_write choose what overlaps the step"),
     "checkpoint.load_universal": (False, "zerodp's own checkpoints load on any world size without "
                                          "conversion, and DeepSpeed ZeRO checkpoints are read directly "
                                          "(engine.load_checkpoint); load one of those instead"),

@@ -66,6 +66,28 @@ class NonFiniteConfig(_Section):
 
 
 
+class AioConfig(_Section):
+    """DeepSpeed's `aio` section: how the disk tier (offload_optimizer.device "nvme", engine/stepping/disk.py)
+    reads and writes its scratch file, with os.preadv/os.pwritev on a thread pool instead of DeepSpeed's
+    libaio extension. A sub-group's transfer is cut into block_size requests, split into at most queue_depth
+    runs that proceed at once on thread_count threads; single_submit issues each request as its own system
+    call instead of one vectored call per run. overlap_events false is refused (keys.py)."""
+
+    block_size: PositiveInt = 1_048_576
+    queue_depth: PositiveInt = 8
+    thread_count: PositiveInt = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _whole_disk_blocks(cls, size: int) -> int:
+        # O_DIRECT transfers whole logical blocks of the disk: 4096 bytes covers every disk's (512 or 4096).
+        if size % 4096:
+            raise ValueError(f"expected a multiple of 4096 bytes (the disk's O_DIRECT alignment), got {size}")
+        return size
+
+
 class ParallelWriteConfig(_Section):
     pipeline_stage: bool = False
 
@@ -191,6 +213,7 @@ class Config(_Section):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig)
     non_finite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
@@ -305,7 +328,8 @@ class Config(_Section):
                 given[dtype.value] = {**given.get(dtype.value, {}), "enabled": True}
         return Config.model_validate(given)
 
-    def for_job(self, *, stage: int, offload_optimizer: bool, dtype: Literal["fp32", "bf16", "fp16"],
+    def for_job(self, *, stage: int, offload_optimizer: Literal["none", "cpu", "nvme"], nvme_path: str | None,
+                dtype: Literal["fp32", "bf16", "fp16"],
                 micro_batch_size: int, gradient_accumulation_steps: int, gradient_clipping: float,
                 comm_timeout_s: float, non_finite_policy: Literal["raise", "skip"]) -> Config:
         """This config (`zerodp train --ds-config`'s) under the job's settled options. Precedence: the options
@@ -315,7 +339,9 @@ class Config(_Section):
         its options (train/ds_sections.py), and its batch is micro_batch_size x gradient_accumulation_steps x world."""
         given = self.model_dump(exclude_unset=True, exclude={"optimizer", "scheduler", "train_batch_size"})
         zero = given.get("zero_optimization", {})
-        offload = {**zero.get("offload_optimizer", {}), "device": "cpu" if offload_optimizer else "none"}
+        offload = {**zero.get("offload_optimizer", {}), "device": offload_optimizer}
+        if nvme_path is not None:
+            offload["nvme_path"] = nvme_path
         given.update(comm_timeout_s=comm_timeout_s, train_micro_batch_size_per_gpu=micro_batch_size,
                      gradient_accumulation_steps=gradient_accumulation_steps, gradient_clipping=gradient_clipping,
                      bf16={**given.get("bf16", {}), "enabled": dtype == "bf16"},

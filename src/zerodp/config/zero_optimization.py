@@ -16,23 +16,23 @@ from zerodp.sizes import REDUCE_BUCKET_SIZE  # ZeroConfig.reduce_bucket_size's d
 class _OffloadConfig(_Section):
     """What offload_optimizer and offload_param share: where, and pinned host buffers."""
 
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: bool = True
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _no_nvme(cls, device: Any) -> Any:
-        if device == "nvme":
-            raise ValueError("NVMe offload is not supported by zerodp; use \"cpu\"")
-        return device
 
 
 class OffloadOptimizerConfig(_OffloadConfig):
+    """ZeRO-Offload ("cpu": host memory) or ZeRO-Infinity's disk tier ("nvme": this rank's fp32 masters and
+    optimizer states in a scratch file under nvme_path, streamed through buffer_count host buffers, one
+    sub_group_size sub-group at a time; engine/stepping/disk.py). nvme_path is read only with "nvme", as in
+    DeepSpeed."""
+
     nvme_path: str | None = None
-    buffer_count: NonNegativeInt = 4
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
+    # "nvme": the most sub-group-sized fp32 buffers the host pool holds (a sub-group in flight takes 2 + S:
+    # master, gradient and the optimizer's S per-element states; DeepSpeed's 4 is Adam's one sub-group)
+    buffer_count: PositiveInt = 4
+    pipeline_read: bool = False  # "nvme": read the next sub-group(s) while one steps
+    pipeline_write: bool = False  # "nvme": write a stepped sub-group back while the next one steps
+    fast_init: bool = False  # "nvme": reserve the file's blocks only (fallocate), not write the states' zeros
     ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
     super_offload: bool = False
     cpuadam_cores_perc: Annotated[float, Field(ge=0, le=1)] = 0.8
@@ -40,13 +40,21 @@ class OffloadOptimizerConfig(_OffloadConfig):
 
 class OffloadParamConfig(_OffloadConfig):
     """Stage 3's parameter shards in host memory (DeepSpeed's offload_param): each gather copies the
-    rank's shard to the device first. buffer_count, buffer_size, max_in_cpu and nvme_path size
-    DeepSpeed's NVMe buffers, which zerodp does not have: accepted (DeepSpeed's types) with no effect."""
+    rank's shard to the device first. buffer_count, buffer_size, max_in_cpu and nvme_path size DeepSpeed's
+    parameter shards on disk ("nvme"), which zerodp refuses: accepted (DeepSpeed's types) with no effect."""
 
     nvme_path: str | None = None
     buffer_count: NonNegativeInt = 5
     buffer_size: NonNegativeInt = 100_000_000
     max_in_cpu: NonNegativeInt = 1_000_000_000
+
+    @field_validator("device")
+    @classmethod
+    def _no_nvme(cls, device: str) -> str:
+        if device == "nvme":
+            raise ValueError("parameter shards on disk (offload_param \"nvme\") are not implemented; use \"cpu\" "
+                             "for host memory (offload_optimizer \"nvme\" puts the optimizer states on disk)")
+        return device
 
 
 class ZeroConfig(_Section):
@@ -95,6 +103,13 @@ class ZeroConfig(_Section):
                 raise ValueError("cpu_offload (DeepSpeed's old key) and offload_optimizer are both given; "
                                  "keep only offload_optimizer")
             self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+        return self
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self) -> ZeroConfig:
+        if self.offload_optimizer.device == "nvme" and not self.offload_optimizer.nvme_path:
+            raise ValueError("offload_optimizer.device \"nvme\" needs offload_optimizer.nvme_path: a directory on "
+                             "the disk where each rank keeps its optimizer states' scratch file")
         return self
 
     @model_validator(mode="after")

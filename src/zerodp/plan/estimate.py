@@ -37,7 +37,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 # with `add_arguments(parser)` (its own flags) and `render(args, model, console)` (model: a
 # models.PlanModel, console: a rich Console of WIDTH columns); it imports what it needs in render.
 SECTION_MODULES: tuple[str, ...] = ("zerodp.plan.communication", "zerodp.plan.tensor_parallel",
-                                    "zerodp.plan.optimizer_shares", "zerodp.plan.finetune")
+                                    "zerodp.plan.optimizer_shares", "zerodp.plan.finetune", "zerodp.plan.disk")
 
 
 def build_parser() -> argparse.ArgumentParser:

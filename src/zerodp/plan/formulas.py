@@ -93,6 +93,20 @@ def placed(num_params: int, world: int, stage: int, dtype: str = "bf16", optimiz
     return {"device": device, "host": host}
 
 
+def on_disk(num_params: int, world: int, stage: int, optimizer: str = "adam", sub_group_size: int = 100_000_000,
+            buffer_count: int = 4) -> dict[str, int]:
+    """offload_optimizer "nvme" (engine/stepping/disk.py), per rank: `disk`, the fp32 master and optimizer
+    states of its 1/N (Adam 12Ψ/N; stage 0 the whole model's), as tensor bytes (the file rounds each bucket's
+    slots up to 4096 bytes); `host_buffers`, the pool the step streams them through: buffer_count buffers of
+    the largest sub-group, at most sub_group_size fp32 elements and at most the rank's partition (a bucket larger
+    than sub_group_size is a sub-group of its own, which this leaves out); `traffic`, the bytes one step moves
+    (the file read and written once)."""
+    n = world if stage > 0 else 1
+    disk = round(num_params * (4 + STATE_BYTES[optimizer.lower()]) / n)
+    sub_group = min(sub_group_size, -(-num_params // n))
+    return {"disk": disk, "host_buffers": 4 * sub_group * buffer_count, "traffic": 2 * disk}
+
+
 def finetune(num_params: int, trainable: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
              gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
              offload_param: bool = False) -> dict[str, int]:

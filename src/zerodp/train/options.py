@@ -31,8 +31,9 @@ EXIT_NON_FINITE = 3
 # On CPU the default run (small model, 2 ranks, 8 x 256 tokens each) takes a few minutes.
 DEFAULTS: dict[str, Any] = dict(
     model="small", data=None, steps=100, micro_batch=8, grad_accum=1, block_size=None,
-    lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, dtype=None,
-    eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False, move_aside=False,
+    lr=1e-3, min_lr=1e-4, warmup=20, weight_decay=0.1, clip=1.0, stage=2, offload=False, nvme_path=None,
+    dtype=None, eval_every=20, eval_batches=4, save_every=50, keep_last=None, out=None, resume=False,
+    move_aside=False,
     resume_from=None, seed=1337, nproc=None, tp=1, sequence_parallel=False, ds_config=None, timeout=600.0, save_on_signal=True,
     on_non_finite="raise", crash_after=None, crash_rank=None, crash_signal="SIGKILL", crash_where="step",
 )
@@ -66,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, help="AdamW decay of 2-D weights (default 0.1)")
     p.add_argument("--clip", type=float, help="gradient norm clipping, 0 = off (default 1.0)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 2)")
-    p.add_argument("--offload", action="store_true", default=None, help="ZeRO-Offload: the fp32 master, "
-                   "its gradient and AdamW's state in host memory, stepped there (the config's "
-                   "zero_optimization.offload_optimizer.device = cpu)")
+    p.add_argument("--offload", nargs="?", const=True, type=_offload, metavar="cpu|nvme",
+                   help="ZeRO-Offload: the fp32 master, its gradient and AdamW's state in host memory, stepped there "
+                   "(--offload or --offload cpu: zero_optimization.offload_optimizer.device = cpu); --offload nvme: "
+                   "the same step, with the master and AdamW's state in a scratch file under --nvme-path")
+    p.add_argument("--nvme-path", help="--offload nvme: the directory of each rank's scratch file (default: the "
+                   "--ds-config's offload_optimizer.nvme_path, else OUT/nvme)")
     p.add_argument("--dtype", choices=list(DTYPES), help="working precision (default bf16 on "
                    "CUDA, fp32 on CPU)")
     p.add_argument("--eval-every", type=int, help="validation every K steps, 0 = none (default 20)")
@@ -230,7 +234,8 @@ def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dic
         raise SystemExit(f"zerodp train: --ds-config {path!r}: {e}")
     opts: dict[str, Any] = {"stage": cfg.zero_optimization.stage, "clip": cfg.gradient_clipping,
                             "on_non_finite": cfg.non_finite.policy,
-                            "offload": cfg.zero_optimization.offload_optimizer.device == "cpu"}
+                            "offload": {"none": False, "cpu": True, "nvme": "nvme"}[
+                                cfg.zero_optimization.offload_optimizer.device]}
     if batch is not None:
         opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
     if cfg.fp16.enabled or cfg.bf16.enabled:
@@ -272,8 +277,8 @@ def _check(o: dict[str, Any]) -> None:
                          "continues the folder's run: pass one of them")
     if isinstance(o["timeout"], bool) or not isinstance(o["timeout"], (int, float)) or not 0 < o["timeout"] < math.inf:
         raise SystemExit(f"zerodp train: --timeout {o['timeout']!r}: expected a positive number of seconds")
-    if not isinstance(o["offload"], bool):
-        raise SystemExit(f"zerodp train: offload {o['offload']!r}: expected true or false")
+    if not isinstance(o["offload"], bool) and o["offload"] != "nvme":
+        raise SystemExit(f"zerodp train: offload {o['offload']!r}: expected true (cpu), false or \"nvme\"")
     if o["stage"] not in (0, 1, 2, 3):
         raise SystemExit(f"zerodp train: --stage {o['stage']!r}: expected 0, 1, 2 or 3")
     if not isinstance(o["save_on_signal"], bool):
@@ -320,11 +325,24 @@ def _check_tp(o: dict[str, Any]) -> None:
                          "--stage 1, 2 or 3, or --tp 1")
 
 
+def _offload(value: str) -> bool | str:
+    """--offload's value: cpu (True, as the flag alone) or nvme."""
+    if value not in ("cpu", "nvme"):
+        raise argparse.ArgumentTypeError(f"expected cpu or nvme, got {value!r}")
+    return True if value == "cpu" else value
+
+
 def ds_config(opts: argparse.Namespace) -> Config:
     """The zerodp config: the --ds-config file's, under the job's settled options (Config.for_job's precedence)."""
     from zerodp.config import load_config
     from zerodp.train.ds_sections import job_world, read_ds_config
     base = load_config(read_ds_config(opts.ds_config, vars(opts), job_world(opts)) if opts.ds_config else None)
-    return base.for_job(stage=opts.stage, offload_optimizer=opts.offload, dtype=opts.dtype,
+    nvme_path = None
+    if opts.offload == "nvme":
+        nvme_path = (opts.nvme_path or base.zero_optimization.offload_optimizer.nvme_path
+                     or os.path.join(opts.out, "nvme"))
+        os.makedirs(nvme_path, exist_ok=True)  # (each rank's file is removed from it as soon as it is open)
+    offload = "nvme" if opts.offload == "nvme" else "cpu" if opts.offload else "none"
+    return base.for_job(stage=opts.stage, offload_optimizer=offload, nvme_path=nvme_path, dtype=opts.dtype,
                         micro_batch_size=opts.micro_batch, gradient_accumulation_steps=opts.grad_accum,
                         gradient_clipping=opts.clip, comm_timeout_s=opts.timeout, non_finite_policy=opts.on_non_finite)

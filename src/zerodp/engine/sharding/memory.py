@@ -43,7 +43,9 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
-    device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. Reduce buckets, the step's transient fp32 gradient copy and
+    device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. With
+    offload_optimizer "nvme" the masters and states are disk_model_states instead (nvme_file: the file's bytes,
+    slots rounded to 4096), and host_model_states holds the buffers they stream through (nvme_host_buffers). Reduce buckets, the step's transient fp32 gradient copy and
     checkpointed activations are listed beside it; CUDA allocator figures when on CUDA.
     """
     layout, module, spec = sharded.layout, sharded.module, sharded.spec
@@ -63,12 +65,19 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     }
     report.setdefault("step_transient", 0)
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    host = {"fp32_master": optimizer_on_host, "master_remainders": False, "optimizer_states": optimizer_on_host,
+    on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file
+    host = {"fp32_master": optimizer_on_host and not on_disk, "master_remainders": False,
+            "optimizer_states": optimizer_on_host and not on_disk,
             "working_params": spec.offload_param, "frozen_params": spec.offload_param}  # stage 3's offload_param
-    if any(host.values()):  # ZeRO-Offload: these live in host memory (with a host gradient copy)
+    if any(host.values()) or on_disk:  # ZeRO-Offload: these live in host memory (with a host gradient copy)
         report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
-                                       + report.get("offload_gradients", 0) + report.get("offload_staging", 0))
-        report["device_model_states"] = report["model_states"] - sum(report[k] for k, on in host.items() if on)
+                                       + report.get("offload_gradients", 0) + report.get("offload_staging", 0)
+                                       + report.get("nvme_host_buffers", 0))
+        off_device = sum(report[k] for k, on in host.items() if on)
+        if on_disk:
+            report["disk_model_states"] = report["fp32_master"] + report["optimizer_states"]
+            off_device += report["disk_model_states"]
+        report["device_model_states"] = report["model_states"] - off_device
     checkpointer = attached(module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())

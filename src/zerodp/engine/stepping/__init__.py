@@ -14,6 +14,8 @@ and skips.
   low_precision.py   bf16 masters (the working value + an int16 remainder, exact) and bf16 optimizer states
                      (stochastically rounded): `OptimizerPrecision`, `StateRounding`.
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.
+  disk.py            ZeRO-Infinity's disk tier (offload_optimizer "nvme"): `DiskTier`, the masters and states in
+                     a scratch file streamed through a bounded pool of host buffers.
   precision.py       `LossScaler`: fp16's dynamic loss scale.
   non_finite.py      a step with a non-finite gradient norm or loss: skip, log or raise, on host or device.
   unused.py          `UsedParameters`: only the parameters that got a gradient are stepped.

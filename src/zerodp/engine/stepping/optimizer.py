@@ -22,11 +22,16 @@ a master is its working shard plus an int16 remainder (`remainders`; the fp32 te
 keys its state by, keeps no storage), and the per-element states are bf16. Each sub_group_size part of the
 step makes them fp32, steps, and puts them back (`_materialise`, `_settle`); reading the masters
 (checkpoints, full_master) makes them fp32 until the next step.
+
+ZeRO-Infinity's disk tier (`disk`: offload_optimizer "nvme"): the same host step, with the masters and the
+optimizer state in a file of this rank's, streamed through a bounded pool of host buffers one sub-group at a
+time (disk.py); each stepped master is copied to its working shard before it is written back.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 from torch.optim import Optimizer
@@ -36,6 +41,7 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.layout.flat import ALIGN, Bucket
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.stepping.disk import DiskSettings, DiskTier
 from zerodp.engine.stepping.low_precision import (
     OptimizerPrecision,
     StateRounding,
@@ -45,7 +51,7 @@ from zerodp.engine.stepping.low_precision import (
     split_master,
 )
 from zerodp.engine.stepping.offload import HostShards, use_fused_kernel
-from zerodp.engine.stepping.optimizer_view import OptimizerLike
+from zerodp.engine.stepping.optimizer_view import OptimizerLike, has_stepped, rewired
 from zerodp.engine.stepping.unused import UsedParameters
 from zerodp.engine.tensor_parallel.whole import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
@@ -55,7 +61,13 @@ class PartitionedOptimizer(TimedGathers):
     def __init__(self, optimizer: OptimizerLike, layout: Layout, fp32_shards: list[torch.Tensor],
                  comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
-                 used_only: UsedParameters | None = None, precision: OptimizerPrecision = OptimizerPrecision()):
+                 used_only: UsedParameters | None = None, precision: OptimizerPrecision = OptimizerPrecision(),
+                 disk: DiskSettings | None = None):
+        if disk is not None and precision.low:
+            raise ValueError("bf16.bf16_optimizer_states / bf16_master_weights_and_grads with offload_optimizer "
+                             "\"nvme\" is not supported: the disk tier streams fp32 masters and states; use "
+                             "offload_optimizer \"cpu\" (bf16 states) or none")
+        offload = offload or disk is not None  # the disk tier steps on the host too
         self.comm, self.offload = comm, offload
         self.precision = precision  # masters and states below fp32 between steps (low_precision.py)
         self.sharded = spec.shards_optimizer  # False (stage 0): every rank steps every bucket whole
@@ -77,15 +89,9 @@ class PartitionedOptimizer(TimedGathers):
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
                                                 or self.buckets[0].owned.device != self.buckets[0].data.device)
-        pin = offload and pin_memory and can_pin()
         self.host: HostShards | None = None  # offload: masters, gradients and staging in host memory
-        if offload:
-            working = self.buckets[0].data.dtype if self.buckets else torch.float32
-            self.host = HostShards(fp32_shards, working, pin)
-            self.masters = self.host.masters
-        else:
-            # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
-            self.masters = [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
+        self.disk: DiskTier | None = None  # offload to disk: masters and optimizer states in this rank's file
+        self.masters = self._masters(fp32_shards, offload and pin_memory and can_pin(), sub_group_size, disk)
         self.set_gather_order(list(range(len(self.buckets))))
         # Whole parameters that are tensor-parallel shards: stepped as the whole matrix, gathered over tp.
         self.whole_over_tp = WholeOverTp(self.buckets, self.rank, comm, self.masters)
@@ -111,6 +117,8 @@ class PartitionedOptimizer(TimedGathers):
         self.remainders: list[torch.Tensor] = []  # compensated masters: what fp32 adds to each working shard
         if precision.compensated_masters:
             self._compensate()
+        if self.disk is not None:
+            self.disk.open(self.optimizer)  # the masters (and any initial state) go to disk
 
     def _take(self, optimizer: OptimizerLike, layout: Layout) -> Optimizer:
         """The user's optimizer rewired to step `stepped`. One that has stepped or loaded a state (a DDP
@@ -119,9 +127,9 @@ class PartitionedOptimizer(TimedGathers):
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
         shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
-        if isinstance(optimizer, Optimizer) and _initial_state(optimizer, shapes) is None:
+        if has_stepped(optimizer, shapes):
             self.carried = optimizer.state_dict()
-        return _rewired(optimizer, per_group, shapes)
+        return rewired(optimizer, per_group, shapes)
 
     def _compensate(self) -> None:
         """Masters from here on: the working shard + an int16 remainder; the fp32 tensors let go of their storage."""
@@ -154,6 +162,24 @@ class PartitionedOptimizer(TimedGathers):
         for k in range(len(self.masters)):
             self._materialise(k)
         return self.masters
+
+    def _masters(self, fp32_shards: list[torch.Tensor], pin: bool, sub_group_size: int,
+                 disk: DiskSettings | None) -> list[torch.Tensor]:
+        """The fp32 master of each bucket: in the host block (offload), in host tensors the disk tier empties once
+        the optimizer is built on them (disk), or the fresh shards / the working shards themselves."""
+        if disk is not None:
+            if any(b.whole for b in self.buckets):
+                raise ValueError("offload_optimizer \"nvme\" keeps flat fp32 shards on disk; an optimizer that steps "
+                                 "whole parameters (Adafactor, Muon, ...) is not supported there: use \"cpu\"")
+            masters = [torch.empty(s.numel(), dtype=torch.float32).copy_(s) for s in fp32_shards]
+            self.disk = DiskTier(masters, sub_group_size, self.rank, disk)
+            return masters
+        if self.offload:
+            working = self.buckets[0].data.dtype if self.buckets else torch.float32
+            self.host = HostShards(fp32_shards, working, pin)
+            return self.host.masters
+        # The engine hands over fresh fp32 shards whenever the master is separate: they become it.
+        return [shard if self.separate else b.owned for b, shard in zip(self.buckets, fp32_shards)]
 
     def _stepped(self, b: Bucket, m: torch.Tensor) -> list[torch.Tensor]:
         """The tensors the optimizer steps for bucket b, whose master is m (see __init__)."""
@@ -209,6 +235,7 @@ class PartitionedOptimizer(TimedGathers):
         self.wait_for_parameters()  # the last gather writes the working shards the step rewrites
         if self.host is not None:
             self.host.receive_gradients(grads)
+        if self.offload:  # (on disk too) the host steps: its scale is a host tensor
             coef = None if coef is None else coef.cpu()
         # A fused optimizer (Adam/AdamW fused=True) divides by `grad_scale` inside its kernel, as
         # for torch's GradScaler: unscale and clip with no pass of their own over the gradients.
@@ -219,7 +246,10 @@ class PartitionedOptimizer(TimedGathers):
             self.optimizer.found_inf = found_inf
         self._stepping = True
         try:
-            self._step_sub_groups(grads, coef, fold)
+            if self.disk is not None:
+                self._step_from_disk(grads, coef, fold)
+            else:
+                self._step_sub_groups(grads, coef, fold)
         finally:
             self._stepping = False
             self.optimizer.__dict__.pop("found_inf", None)
@@ -230,35 +260,50 @@ class PartitionedOptimizer(TimedGathers):
     def _step_sub_groups(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
         """The user's optimizer stepped over the master shards, `sub_group_size` elements at a time."""
         for part in self.sub_groups([g.numel() for g in grads], grads[0].dtype if grads else torch.float32):
-            masters = [self.masters[k] for k in part]
-            for m, k in zip(masters, part):
+            for k in part:
                 self._materialise(k)
-                m.grad = (self.host.grads[k] if self.host is not None else
-                          grads[k] if grads[k].dtype == torch.float32 else grads[k].float())
-            if coef is not None and not fold:
-                torch._foreach_mul_([m.grad for m in masters], coef)
-            whole = [k for k in part if self.buckets[k].whole]
-            for k in whole:
-                self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
-                self._whole_gradients(k)
-            stepped = [t for k in part for t in self.stepped[k]]
-            if self.rounding is not None:
-                self.rounding.widen(self.optimizer, stepped)
-            if self.used_only is None:
-                self.optimizer.step()  # parameters whose .grad is None are left alone
-            else:
-                with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
-                    self.optimizer.step()
-            if self.rounding is not None:
-                self.rounding.narrow(self.optimizer, stepped)
-            for m in masters:
-                m.grad = None
-            for k in whole:
-                self.whole_over_tp.put_back(k, self.masters[k])
-                for t in self.stepped[k]:
-                    t.grad = None
+                self.masters[k].grad = (self.host.grads[k] if self.host is not None else
+                                        grads[k] if grads[k].dtype == torch.float32 else grads[k].float())
+            self._step_part(part, coef, fold)
             for k in part:
                 self._settle(k)
+
+    def _step_from_disk(self, grads: list[torch.Tensor], coef: torch.Tensor | None, fold: bool) -> None:
+        """The sub-groups streamed from disk, each stepped and sent to its working shard; an I/O error on any
+        rank is raised on every rank (before the gather that would leave the others waiting)."""
+        error = None
+        try:
+            self.disk.stream(self.optimizer, grads, lambda part: self._step_part(part, coef, fold),
+                             lambda k, m: self.buckets[k].owned.copy_(m))
+        except OSError as e:
+            error = e
+        self.comm.agree(error, "the optimizer step (offload_optimizer \"nvme\")")
+
+    def _step_part(self, part: list[int], coef: torch.Tensor | None, fold: bool) -> None:
+        """One optimizer.step() over masters[part], their gradients set."""
+        masters = [self.masters[k] for k in part]
+        if coef is not None and not fold:
+            torch._foreach_mul_([m.grad for m in masters], coef)
+        whole = [k for k in part if self.buckets[k].whole]
+        for k in whole:
+            self.whole_over_tp.gather(k, self.masters[k], self.buckets[k].data.device)
+            self._whole_gradients(k)
+        stepped = [t for k in part for t in self.stepped[k]]
+        if self.rounding is not None:
+            self.rounding.widen(self.optimizer, stepped)
+        if self.used_only is None:
+            self.optimizer.step()  # parameters whose .grad is None are left alone
+        else:
+            with self.used_only.only_used(self.optimizer, self.masters, [k for k in part if not self.buckets[k].whole]):
+                self.optimizer.step()
+        if self.rounding is not None:
+            self.rounding.narrow(self.optimizer, stepped)
+        for m in masters:
+            m.grad = None
+        for k in whole:
+            self.whole_over_tp.put_back(k, self.masters[k])
+            for t in self.stepped[k]:
+                t.grad = None
 
     def _whole_gradients(self, k: int) -> None:
         """Bucket k's owned parameters get their gradients in their own shape (views of the master's
@@ -291,7 +336,10 @@ class PartitionedOptimizer(TimedGathers):
     def step_copy_bytes(self, numels: list[int], grad_dtype: torch.dtype) -> int:
         """Bytes of the largest fp32 gradient copy one optimizer.step() call makes (0 if none). With
         offload, the device's fp32 temporary of a gradient shard in a third dtype (HostShards). Low
-        precision adds the part's fp32 master and states (per element: as many as the states hold now)."""
+        precision adds the part's fp32 master and states (per element: as many as the states hold now). On disk
+        the gradients go into the pool's buffers (disk.py), counted there."""
+        if self.disk is not None:
+            return 0
         if self.precision.low:
             first = next(iter(self.optimizer.state.items()), None)
             states = len(per_element(first[1], first[0], torch.bfloat16)) if first and self.rounding else 0
@@ -318,7 +366,10 @@ class PartitionedOptimizer(TimedGathers):
         in_flight = 0
         for k in self.gather_order:
             b, m = self.buckets[k], self.masters[k]
-            if self.host is not None:
+            if self.disk is not None:
+                if not self.disk.sent:  # (a step sent each master as it stepped it)
+                    b.owned.copy_(self.disk.master(k))
+            elif self.host is not None:
                 self.host.send_weights(k, b.owned)
             elif self.remainders:
                 self._settle(k)  # (masters read or written since the step: their new values split)
@@ -332,6 +383,8 @@ class PartitionedOptimizer(TimedGathers):
                 in_flight += b.numel
         if self.host is not None:
             self.host.send_done()
+        if self.disk is not None:
+            self.disk.sent = False
         if not defer:
             self.wait_for_parameters()
 
@@ -341,6 +394,10 @@ class PartitionedOptimizer(TimedGathers):
         them. The other parameters' masters keep their fp32 values; frozen buckets have none."""
         if not self.separate:  # the masters are the working shards themselves
             return
+        with self.in_memory():
+            self._adopt(buckets, params)
+
+    def _adopt(self, buckets: list[Bucket], params: set[int] | None) -> None:
         for b in buckets:
             if b.frozen:
                 continue
@@ -364,9 +421,16 @@ class PartitionedOptimizer(TimedGathers):
         self.gather_order = order
         self.position = {k: i for i, k in enumerate(order)}
 
+    def in_memory(self):
+        """A context in which every master and optimizer state is a tensor in host memory (on disk they are
+        read in, and written back after it): for checkpoints and anything else that reads them as tensors."""
+        return self.disk.resident(self.optimizer) if self.disk is not None else nullcontext()
+
     def full_master(self, b: Bucket, m: torch.Tensor) -> torch.Tensor:
         """One bucket's fp32 master values from every rank (collective in stages 1-2)."""
         fresh = self._materialise(b.index)
+        if self.disk is not None:
+            m = self.disk.master(b.index)
         if not self.sharded:
             full = m.detach().clone()
         else:
@@ -377,7 +441,10 @@ class PartitionedOptimizer(TimedGathers):
         return full
 
     def bytes(self) -> dict[str, int]:
-        """Bytes of fp32 master and optimizer state; on the host when offloaded."""
+        """Bytes of fp32 master and optimizer state; on the host when offloaded, on disk with the disk tier
+        (then also the file's bytes and the host buffers it streams through)."""
+        if self.disk is not None:
+            return {**self.disk.bytes(), "offload_gradients": 0}
         master = sum(m.numel() * 4 for m in self.masters) if self.separate and not self.remainders else 0
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
@@ -390,55 +457,6 @@ def _user_params(optimizer: OptimizerLike, layout: Layout) -> list[list[torch.Te
     if isinstance(optimizer, Optimizer):
         return [list(g["params"]) for g in optimizer.param_groups]
     return [[s.param for b in g.buckets for s in b.slots] for g in layout.groups]
-
-
-def _rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shapes: dict[int, torch.Size]
-             ) -> Optimizer:
-    """The user's optimizer stepping `per_group`'s tensors instead of the model's parameters (or the factory's,
-    built on them). shapes: id(parameter) -> its shape (a stage-3 parameter between uses is empty)."""
-    if not isinstance(optimizer, Optimizer):
-        built = optimizer([{"params": per_group[0]}])
-        if not isinstance(built, Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
-        return built
-    # Adagrad's accumulators, made at construction; None: a state it has stepped or loaded, which the
-    # engine loads again in torch_state.py's format once the optimizer steps the shards
-    initial = _initial_state(optimizer, shapes) or [{} for _ in per_group]
-    optimizer.state.clear()
-    for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
-        group["params"] = tensors
-        for t in tensors if init else ():
-            optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
-                                  for k, v in init.items()}
-    return optimizer
-
-
-def _initial_state(optimizer: Optimizer, shapes: dict[int, torch.Size]) -> list[dict] | None:
-    """The state a freshly built optimizer made for each param group at construction (torch's Adagrad: a
-    step of 0 and an accumulator filled with one value), as {key: fill value (float) of a per-element
-    tensor, or a tensor of its own}, to be made again on the tensors it will step; [] per group when it made
-    none. None when the state is not such a fresh one (the optimizer has stepped)."""
-    out = []
-    for group in optimizer.param_groups:
-        states = [optimizer.state[p] for p in group["params"] if p in optimizer.state]
-        if not states:
-            out.append({})
-            continue
-        p0 = next(p for p in group["params"] if p in optimizer.state)
-        init = {}
-        for k, v in optimizer.state[p0].items():
-            if not torch.is_tensor(v):
-                return None
-            if v.dim() > 0 and v.shape in (p0.shape, shapes.get(id(p0))):  # (stage 3: p0 released, empty)
-                if not all(torch.equal(s[k], torch.full_like(s[k], v.flatten()[0])) for s in states):
-                    return None
-                init[k] = float(v.flatten()[0])
-            elif k == "step" and float(v) != 0:
-                return None
-            else:
-                init[k] = v
-        out.append(init)
-    return out
 
 
 def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -110,3 +110,58 @@ class Optimizers(Optimizer):
 
     def __repr__(self) -> str:
         return f"Optimizers({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shapes: dict[int, torch.Size]
+             ) -> Optimizer:
+    """The user's optimizer stepping `per_group`'s tensors instead of the model's parameters (or the factory's,
+    built on them). shapes: id(parameter) -> its shape (a stage-3 parameter between uses is empty)."""
+    if not isinstance(optimizer, Optimizer):
+        built = optimizer([{"params": per_group[0]}])
+        if not isinstance(built, Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
+        return built
+    # Adagrad's accumulators, made at construction; None: a state it has stepped or loaded, which the
+    # engine loads again in torch's format once the optimizer steps the shards (torch_state.py, has_stepped)
+    initial = _initial_state(optimizer, shapes) or [{} for _ in per_group]
+    optimizer.state.clear()
+    for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
+        group["params"] = tensors
+        for t in tensors if init else ():
+            optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
+                                  for k, v in init.items()}
+    return optimizer
+
+
+def has_stepped(optimizer: OptimizerLike, shapes: dict[int, torch.Size]) -> bool:
+    """Whether the user's optimizer comes with a state of its own (it has stepped, or loaded one), not the one a
+    freshly built optimizer makes. shapes: as for rewired."""
+    return isinstance(optimizer, Optimizer) and _initial_state(optimizer, shapes) is None
+
+
+def _initial_state(optimizer: Optimizer, shapes: dict[int, torch.Size]) -> list[dict] | None:
+    """The state a freshly built optimizer made for each param group at construction (torch's Adagrad: a
+    step of 0 and an accumulator filled with one value), as {key: fill value (float) of a per-element
+    tensor, or a tensor of its own}, to be made again on the tensors it will step; [] per group when it made
+    none. None when the state is not such a fresh one (the optimizer has stepped)."""
+    out = []
+    for group in optimizer.param_groups:
+        states = [optimizer.state[p] for p in group["params"] if p in optimizer.state]
+        if not states:
+            out.append({})
+            continue
+        p0 = next(p for p in group["params"] if p in optimizer.state)
+        init = {}
+        for k, v in optimizer.state[p0].items():
+            if not torch.is_tensor(v):
+                return None
+            if v.dim() > 0 and v.shape in (p0.shape, shapes.get(id(p0))):  # (stage 3: p0 released, empty)
+                if not all(torch.equal(s[k], torch.full_like(s[k], v.flatten()[0])) for s in states):
+                    return None
+                init[k] = float(v.flatten()[0])
+            elif k == "step" and float(v) != 0:
+                return None
+            else:
+                init[k] = v
+        out.append(init)
+    return out

@@ -22,10 +22,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from zerodp.config import Config
+from zerodp.distributed.device import can_pin
 from zerodp.engine.layout.flat import Bucket
 from zerodp.engine.sharding.memory import whole_parameter_shares
 from zerodp.engine.sharding.module import ShardedModule
+from zerodp.engine.stepping.disk import DiskSettings
 from zerodp.engine.stepping.forward_order import ForwardOrder
+from zerodp.engine.stepping.low_precision import OptimizerPrecision
 from zerodp.engine.stepping.non_finite import (
     NonFiniteError,
     NonFinitePolicy,
@@ -37,7 +40,6 @@ from zerodp.engine.stepping.non_finite import (
     step_flags,
     step_is_finite,
 )
-from zerodp.engine.stepping.low_precision import OptimizerPrecision
 from zerodp.engine.stepping.optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from zerodp.engine.stepping.precision import LossScaler
 from zerodp.engine.stepping.reducer import Reducer
@@ -104,9 +106,22 @@ class Training:
         offload = zero.offload_optimizer
         precision = OptimizerPrecision(compensated_masters=config.bf16.bf16_master_weights_and_grads,
                                        bf16_states=config.bf16.bf16_optimizer_states)
-        return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
-                                    offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
-                                    self.used_only, precision)
+        if offload.device != "nvme":
+            return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
+                                        offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
+                                        self.used_only, precision)
+        # The disk tier: a missing, unwritable or full nvme_path (or too few buffers) on any rank is raised on
+        # every rank, before the first collective that would leave the others waiting.
+        disk = DiskSettings.from_config(config, offload.pin_memory and can_pin())
+        error = part = None
+        try:
+            part = PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, True, offload.pin_memory,
+                                        zero.allgather_bucket_size, zero.sub_group_size, self.used_only, precision,
+                                        disk)
+        except (OSError, ValueError) as e:
+            error = e
+        s.comm.agree(error, "zerodp.initialize (offload_optimizer \"nvme\")")
+        return part
 
     def _forward_order(self, config: Config) -> ForwardOrder | None:
         """Stage 0 gathers nothing and stage 3 gathers per unit already."""
@@ -319,6 +334,13 @@ class Training:
         in place, they become the weights at the next weights_from_masters(). Compensated masters
         (bf16.bf16_master_weights_and_grads) are made fp32 for it, until the next step."""
         return self.partitioned_optimizer.materialised_masters()
+
+    def model_states_in_memory(self):
+        """A context in which master_shards() and the optimizer's state are tensors in host memory: with the disk
+        tier (offload_optimizer "nvme") they are read in for its body and written back after it, which a
+        checkpoint's save or load needs (this rank's states are then in host memory at once); otherwise they
+        always are."""
+        return self.partitioned_optimizer.in_memory()
 
     def stepped_tensors(self) -> list[list[torch.Tensor]]:
         """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
