@@ -99,11 +99,7 @@ class PartitionedOptimizer(TimedGathers):
         # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py; a
         # tp shard's whole matrix, whole_over_tp.py).
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
-        # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
-        # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
-        self.user_params: list[list[torch.Tensor]] = _user_params(optimizer, layout)
-        self.carried: dict | None = None  # the state the optimizer came with, in torch's format (_take)
-        self.optimizer = self._take(optimizer, layout)
+        self.optimizer = self._take(optimizer, layout)  # (and user_params, carried)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -124,11 +120,13 @@ class PartitionedOptimizer(TimedGathers):
         """The user's optimizer rewired to step `stepped`. One that has stepped or loaded a state (a DDP
         script's resume, before initialize as nanoGPT does) leaves it in `carried`, to be loaded again onto
         the shards in torch's format (torch_state.py)."""
+        # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
+        # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
+        self.user_params: list[list[torch.Tensor]] = _user_params(optimizer, layout)
         per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
                      for g in layout.groups]
         shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
-        if has_stepped(optimizer, shapes):
-            self.carried = optimizer.state_dict()
+        self.carried: dict | None = optimizer.state_dict() if has_stepped(optimizer, shapes) else None
         return rewired(optimizer, per_group, shapes)
 
     def _compensate(self) -> None:

@@ -13,9 +13,9 @@ state_dict() gathers every shard's state: a collective in stages 1-3, so every r
 (as a stage-3 model.state_dict()). A call on some ranks only (`if rank == 0:`, nanoGPT's checkpoint)
 would wait for ever or pair with another rank's collective: it asks the store first (gathered_state's
 EveryRank) and raises naming that way. zerodp's own checkpoints read the sharded format (`sharded_format`).
-Optimizers that step whole parameters (optimizer_view.py) and tensor parallelism keep state that lies
-whole on one rank or split over tp ranks: their state_dict() and load_state_dict() raise, naming
-engine.save_checkpoint, which saves them on any layout.
+Optimizers that step whole parameters (optimizer_view.py), tensor parallelism and the disk tier keep state
+that lies whole on one rank, split over tp ranks or in a file: their state_dict() and load_state_dict()
+raise, naming engine.save_checkpoint, which saves them on any layout.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class TorchFormat:
     """The state_dict hooks of one partitioned optimizer."""
 
     def __init__(self, optimizer: Optimizer, params: list[list[torch.Tensor]], buckets: list[Bucket],
-                 masters: list[torch.Tensor], comm: Comm, rank: int, sharded: bool, timeout_s: float):
+                 masters: list[torch.Tensor], comm: Comm, rank: int, sharded: bool, timeout_s: float,
+                 on_disk: bool = False):
+        self.on_disk = on_disk          # offload_optimizer "nvme": the states live in this rank's file
         self.params = params            # per param group, the parameters torch numbers, in the user's order
         self.buckets, self.masters = buckets, masters  # each bucket's master shard, which the optimizer steps
         self.comm, self.rank = comm, rank  # rank: this rank's shard of every bucket
@@ -59,8 +61,9 @@ class TorchFormat:
             self.raw = False
 
     def _refuse_layouts(self, call: str) -> None:
-        if any(b.whole for b in self.buckets) or self.comm.tp is not None:
-            why = "steps whole parameters" if any(b.whole for b in self.buckets) else "runs tensor-parallel"
+        if any(b.whole for b in self.buckets) or self.comm.tp is not None or self.on_disk:
+            why = ("steps whole parameters" if any(b.whole for b in self.buckets) else "runs tensor-parallel"
+                   if self.comm.tp is not None else "keeps its optimizer states on disk (offload_optimizer nvme)")
             raise NotImplementedError(
                 f"optimizer.{call} in torch's format is not available for an engine that {why} (each state lies "
                 "whole on one rank or split over tp ranks); save and resume with engine.save_checkpoint(dir) and "

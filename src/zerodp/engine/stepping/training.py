@@ -62,7 +62,8 @@ class Training:
         # its state_dict() / load_state_dict() in a plain optimizer's format over the model's parameters
         po = self.partitioned_optimizer
         self.torch_format = TorchFormat(self.optimizer, po.user_params, po.buckets, po.masters, comm,
-                                        sharded.layout.rank, spec.shards_optimizer, config.comm_timeout_s)
+                                        sharded.layout.rank, spec.shards_optimizer, config.comm_timeout_s,
+                                        on_disk=po.disk is not None)
         if po.carried is not None:  # the optimizer came with a state (a script's resume): onto the shards
             self.optimizer.load_state_dict(po.carried)
         sharded.adopted.append(self.partitioned_optimizer.adopt_working)  # weights written: masters follow
