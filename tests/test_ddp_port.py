@@ -183,3 +183,22 @@ def test_optimizer_state_dict_is_a_plain_optimizers_at_stage(runs, stage):
         for i, state in plain["state"].items():
             for key, v in state.items():  # every rank the same data: the mean of equal gradients is exact
                 torch.testing.assert_close(ours["state"][i][key], v, rtol=1e-6, atol=1e-9)
+
+
+def test_optimizer_state_dict_of_states_on_disk_is_refused_naming_save_checkpoint(tmp_path):
+    """offload_optimizer nvme keeps the states in this rank's file, not in optimizer.state: an empty dict
+    would be a silently incomplete checkpoint."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 2)
+        engine = zerodp.initialize(model, torch.optim.AdamW(model.parameters()), {
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+                "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+        engine.backward(engine(torch.randn(1, 4)).sum())
+        engine.step()
+        with pytest.raises(NotImplementedError, match="on disk .*engine.save_checkpoint"):
+            engine.optimizer.state_dict()
+    finally:
+        dist.destroy_process_group()
