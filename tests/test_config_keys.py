@@ -35,6 +35,7 @@ EFFECTS = {
     "seed": "test_reduction.py::test_seed_seeds_every_rank_with_seed_plus_rank",
     "broadcast_buffers": "test_buffers.py::test_broadcast_buffers_false_leaves_each_rank_its_own_running_stats",
     "comm_timeout_s": "test_divergence.py::test_comm_timeout_s_bounds_zerodp_collectives_on_the_scripts_own_group",
+    "wait_notice_s": "test_divergence.py::test_a_plain_slow_rank_gets_waiting_lines_and_no_error",
     "fp16.enabled": "test_engine.py::test_low_precision_matches_within_its_precision",
     "fp16.loss_scale": "test_non_finite.py::test_fp16_static_loss_scale_overflows_count",
     "fp16.initial_scale_power": "test_precision.py::test_dynamic_loss_scale_follows_deepspeeds_scaler",

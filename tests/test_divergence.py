@@ -228,7 +228,25 @@ def _diverged_eval(rank: int) -> tuple[str, float]:
 def _cases(rank: int, world: int) -> dict:
     return {"groups": _bound_groups(rank), "unbound": _unbound_line(rank), "generate": _generate(rank),
             "sampler": _sampler_eval(rank), "uneven": _uneven_eval(rank), "both": _both_waiting(rank),
-            "diverged": _diverged_eval(rank)}
+            "diverged": _diverged_eval(rank), "slow": _slow_rank(rank)}
+
+
+def _slow_rank(rank: int) -> dict:
+    """Stage 3, wait_notice_s 0.5, no comm_timeout_s (the script's own group): rank 1 is 3 s late for the
+    second step's first forward. Rank 0's stderr, and that every rank finished both steps."""
+    torch.manual_seed(0)
+    model = _blocks()
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               {"train_micro_batch_size_per_gpu": 1, "wait_notice_s": 0.5,
+                                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        for step in range(2):
+            if rank == 1 and step == 1:
+                time.sleep(3)
+            engine.backward(engine(torch.randn(1, 6)).sum())
+            engine.step()
+    return {"said": err.getvalue(), "steps": engine.global_steps}
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +345,15 @@ def test_a_rank_that_sees_its_peer_close_the_connection_reads_where_the_peer_wai
     assert str(failure).startswith("all_reduce answering other ranks' gathers failed: a peer rank died, or closed"), failure
     assert f"rank 1 waits in {peer}" in str(failure), failure
     assert store.get(f"zerodp/waiting/{comm.group.group_name}/0").decode() == "all_reduce answering other ranks' gathers"
+
+
+def test_a_plain_slow_rank_gets_waiting_lines_and_no_error(cases):
+    """The waiting rank says where it waits and where the other is, at 0.5, 1 and 2 s (doubling), and goes on."""
+    assert [rank["slow"]["steps"] for rank in cases] == [2, 2]
+    lines = cases[0]["slow"]["said"].splitlines()
+    assert 2 <= len(lines) <= 4, lines  # 0.5, 1, 2 s of a 3 s wait (the sleep starts a little before the wait)
+    for line in lines:
+        assert line.startswith("[zerodp] rank 0: waiting ") and " s in all_gather in the forward pass" in line, line
+        assert "(for forward 1 of unit " in line and "in forward at step 2)" in line, line
+        assert "rank 1 is in no zerodp collective (slower, or running code of its own)" in line, line
+    assert cases[1]["slow"]["said"] == ""  # rank 1 waited for nobody

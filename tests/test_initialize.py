@@ -112,13 +112,19 @@ def test_factory_returning_something_else_is_rejected():
         zerodp.initialize(Toy(), lambda params: object(), CFG)
 
 
-def test_optimizer_with_state_is_rejected():
+def test_an_optimizer_that_has_stepped_brings_its_state_onto_the_shards():
+    """A DDP script's resume loads the optimizer's state before wrapping (nanoGPT): initialize keeps it."""
     model = Toy()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 13), torch.randn(2, 5)).backward()
     opt.step()
-    with pytest.raises(ValueError, match="already has state"):
-        zerodp.initialize(model, opt, CFG)
+    before = opt.state_dict()
+    engine = zerodp.initialize(model, opt, CFG)
+    after = engine.optimizer.state_dict()
+    assert after["state"].keys() == before["state"].keys() and after["state"]
+    for i, state in before["state"].items():
+        for key, v in state.items():
+            assert torch.equal(after["state"][i][key], v), (i, key)
 
 
 def test_loss_backward_outside_engine_is_an_error():

@@ -4,7 +4,9 @@ the backward, a reduce-scatter) plus the norm."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 
 import oracle
 import pytest
@@ -133,7 +135,20 @@ def _gpt_jobs(rank: int, world: int) -> dict:
         out["bad_name"] = None
     except ConfigError as e:
         out["bad_name"] = str(e)
+    out["nothing_partitioned"] = {threshold: _set_up_lines(threshold) for threshold in (None, 0)}
     return out
+
+
+def _set_up_lines(threshold: int | None) -> str:
+    """What rank's stderr says at initialize for a model whose every unit is small (Linear(4, 4): 20
+    elements), at the default persistence threshold (None) or a given one."""
+    zero = {"stage": 3} if threshold is None else {"stage": 3, "stage3_param_persistence_threshold": threshold}
+    lin = nn.Linear(4, 4)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        zerodp.initialize(lin, torch.optim.SGD(lin.parameters(), lr=0.1),
+                          {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
+    return err.getvalue()
 
 
 FROZEN_GPT_RUNS = {"stage2,frozen": False, "blocks,frozen": False, "blocks,frozen,checkpointed": True}
@@ -188,6 +203,15 @@ def test_blocks_take_fewer_collectives_than_modules():
     runs = gpt_runs()[0]
     blocks, module = (sum(runs[n]["calls"].values()) for n in ("blocks", "module"))
     assert 3 * blocks < module, (blocks, module)
+
+
+def test_stage3_that_would_partition_nothing_says_so_once_on_rank_0_naming_the_threshold():
+    said = [ranks["gpt"]["nothing_partitioned"] for ranks in all_ranks(2)]
+    line = [x for x in said[0][None].splitlines() if "partitions no parameter" in x]
+    assert len(line) == 1, said[0][None]
+    assert "stage3_param_persistence_threshold=100000" in line[0] and "lower (0 partitions every unit)" in line[0]
+    assert "partitions no parameter" not in said[1][None]  # rank 0 says it for all
+    assert "partitions no parameter" not in said[0][0]  # a threshold of 0 partitions the unit: nothing to say
 
 
 def test_a_unit_name_the_model_lacks_is_an_error_naming_it_on_every_rank():

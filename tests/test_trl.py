@@ -314,3 +314,49 @@ def test_the_reference_model_is_sharded_at_stage_3_and_whole_below(case):
         else:
             assert held == whole
     assert zero[("sft", 3, "said")] == []  # nothing about a reference model where there is none
+
+
+def _script_with(script: str, lines: str, after: str, where: Path):
+    """trl/scripts/<script>.py as installed, with `lines` inserted after the line `after`."""
+    import trl.scripts
+
+    source = (Path(trl.scripts.__file__).parent / f"{script}.py").read_text()
+    assert after in source, f"trl/scripts/{script}.py changed: no line {after!r}"
+    end = source.index("\n", source.index(after)) + 1
+    path = where / f"{script}_placed.py"
+    path.write_text(source[:end] + lines + source[end:])
+    spec = importlib.util.spec_from_file_location(f"{script}_placed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config_env(tmp_path: Path, monkeypatch, stage: int) -> None:
+    config = tmp_path / "zerodp.json"
+    config.write_text(json.dumps(Z3 if stage == 3 else Z2))
+    monkeypatch.setenv("ZERODP_CONFIG", str(config))
+
+
+def test_the_zerodp_import_placed_before_trls_own_is_refused_by_name(tmp_path, monkeypatch):
+    """At the top of sft.py, the swap is undone by TRL's `from trl import SFTTrainer` inside main()."""
+    from hf_tiny import make_folders
+
+    module = _script_with("sft", "from zerodp.integrations.trl import ZeroSFTTrainer as SFTTrainer  # noqa\n",
+                          "import argparse", tmp_path)
+    _config_env(tmp_path, monkeypatch, 2)
+    model = make_folders(tmp_path / "models")["llama"]
+    with world_of_one(), pytest.raises(RuntimeError, match="ZERODP_CONFIG is set .* this Trainer is not zerodp's"):
+        run(module, "sft", model, datasets(tmp_path / "data")["sft"], tmp_path / "out", MICRO, [])
+
+
+def test_a_trl_trainer_mixed_with_zerotrainer_by_hand_refuses_sync_ref_model_at_stage_3(tmp_path, monkeypatch):
+    """TRL's own SyncRefModelCallback would copy stage 3's empty param.data (a shape error in TRL's callback)."""
+    from hf_tiny import make_folders
+
+    hand_mixed = ("    from zerodp.integrations.hf import ZeroTrainer\n"
+                  "    DPOTrainer = type(\"DPOTrainer\", (ZeroTrainer, DPOTrainer), {})\n")
+    module = _script_with("dpo", hand_mixed, "    from trl import DPOTrainer,", tmp_path)
+    _config_env(tmp_path, monkeypatch, 3)
+    model = make_folders(tmp_path / "models")["llama"]
+    with world_of_one(), pytest.raises(ValueError, match="by hand .* use zerodp.integrations.trl's ZeroDPOTrainer"):
+        run(module, "dpo", model, datasets(tmp_path / "data")["dpo"], tmp_path / "out", MICRO, CASES["dpo_sync"][1])

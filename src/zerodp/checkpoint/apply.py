@@ -78,6 +78,12 @@ def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
     # The optimizer's own load_state_dict puts each state tensor on its parameter's device and
     # dtype (and `step` where the optimizer wants it), so it continues exactly.
     opt, masters = engine.optimizer, inside(engine).master_shards()
+    with inside(engine).training.torch_format.sharded_format():  # this rank's shards, as torch keeps them
+        _apply_shards(engine, manifest, staged, opt, masters)
+    inside(engine).training.restore_step_counts(masters, manifest.get("step_counts"))
+
+
+def _apply_shards(engine, manifest: dict, staged: Staged, opt, masters: list[torch.Tensor]) -> None:
     sd = opt.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {}
@@ -98,7 +104,6 @@ def _apply_optimizer(engine, manifest: dict, staged: Staged) -> None:
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
     opt.load_state_dict(sd)
-    inside(engine).training.restore_step_counts(masters, manifest.get("step_counts"))
 
 
 def _restore_rng(engine, manifest: dict, rng: dict[str, torch.Tensor]) -> None:

@@ -205,6 +205,9 @@ class Config(_Section):
     # (Comm.bound runs them on a twin of it with this timeout).
     # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
     comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
+    # Seconds a collective of zerodp's may keep this rank waiting before it says so in one line (the collective,
+    # where the engine is, where the other ranks are), then again at doubling intervals (distributed/waits.py).
+    wait_notice_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 60.0
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
     cuda_visible_devices: int | str | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)

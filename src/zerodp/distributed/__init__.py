@@ -5,6 +5,8 @@
                 shard and replica groups, the bound on every wait; `init_distributed`, `init_fake`.
   groups.py     the process groups under it: a group's timeout and its bounded twin, hierarchical
                 sharding's subgroups, a named device mesh's or an mpu's data- and tensor-parallel groups.
+  waits.py      `WaitNotice`: a collective that keeps this rank waiting over wait_notice_s says so, and where
+                the other ranks are, in one line at doubling intervals.
   failures.py   a peer's failure named: `PeerFailure`, a rank's `Failure` as the agreement reports it.
   traffic.py    what the collectives report: the bytes each moves (`Traffic`), comms_logger's `Watcher`.
   teardown.py   the groups freed at exit, before the interpreter finalizes.

@@ -41,7 +41,8 @@ from zerodp.distributed.groups import (
     names_roles,
     subgroup,
 )
-from zerodp.distributed.traffic import Done, Traffic, WatchedWork, Watcher
+from zerodp.distributed.traffic import Done, NoticedWork, Traffic, WatchedWork, Watcher
+from zerodp.distributed.waits import WaitNotice
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -128,6 +129,7 @@ class Comm:
         # None: the groups' own timeouts
         self.timeout_s: float | None = None
         self._bound_tag = ""  # this engine's keys in the store, where a timed-out rank says where it waits
+        self.notice: WaitNotice | None = None  # says a wait longer than wait_notice_s (notify_waits); None: silent
         self.shard: Comm = self            # where model states are partitioned
         self.replica: Comm | None = None   # the ranks holding the same shard (None: flat)
         self.mesh = mesh
@@ -206,6 +208,17 @@ class Comm:
                 unbound.append(f"the {comm.name} group ({comm.backend}): {reason}")
         return unbound
 
+    def notify_waits(self, notice_s: float) -> None:
+        """(set-up, every rank alike) From now on a collective of this Comm's groups that keeps this rank waiting
+        over `notice_s` says so in one line, again at doubling intervals (waits.py). Not in a world of one."""
+        if self.everyone.world_size == 1 or self.is_fake():
+            return
+        comms = [c for c in (self, self.shard, self.replica, self.tp, self.everyone) if c]
+        ranks = sorted({dist.get_global_rank(c.group, r) for c in comms for r in range(c.world_size)})
+        notice = WaitNotice(notice_s, dist.get_rank(), ranks, f"{self._bound_tag or 'zerodp/waiting'}/notice")
+        for comm in comms:
+            comm.notice = notice
+
     def _adopt(self, mesh) -> None:
         names = mesh.mesh_dim_names
         if not names_roles(mesh):
@@ -276,6 +289,9 @@ class Comm:
     def names_peer_failure(self, where: str, op: str | None = None, divergence: str = DIVERGENCE):
         """Within the block, a collective that timed out or lost its peer raises PeerFailure naming
         `where` (gloo's own error names no zerodp collective). Free unless something raises."""
+        notice, before = self.notice, self.notice.where if self.notice is not None else ""
+        if notice is not None:
+            notice.where = where
         try:
             yield
         except RuntimeError as e:
@@ -285,6 +301,9 @@ class Comm:
             if failure is e:
                 raise
             raise failure from e
+        finally:
+            if notice is not None:
+                notice.where = before
 
     def peer_failure(self, e: BaseException, where: str, op: str | None = None,
                      divergence: str = DIVERGENCE) -> PeerFailure | None:
@@ -396,6 +415,14 @@ class Comm:
     def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
         """call(), with every watcher told of it: op and the larger tensor's bytes, then, when it
         completes (at its handle's wait() for an async one), the watcher's `done`."""
+        notice = self.notice
+        if notice is None:
+            return self._told(op, tensors, call)
+        with notice.waiting(op):  # the host's time blocked in it, for the wait notice (waits.py)
+            work = self._told(op, tensors, call)
+        return work if work is None else NoticedWork(work, notice, op)
+
+    def _told(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
         if not self.watchers:
             return call()
         nbytes = max(t.numel() * t.element_size() for t in tensors)

@@ -53,6 +53,20 @@ class WatchedWork:
         return getattr(self.work, name)
 
 
+class NoticedWork:
+    """An async collective's handle whose wait() is marked as time blocked for the wait notice (waits.py)."""
+
+    def __init__(self, work, notice, op: str):
+        self.work, self.notice, self.op = work, notice, op
+
+    def wait(self, *args, **kwargs):
+        with self.notice.waiting(self.op):
+            return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 class Done:
     """The work handle of a collective that had nothing to do (a world of one)."""
 

@@ -253,6 +253,7 @@ def _bound_collectives(config: Config, comm: Comm) -> None:
     the key's default)."""
     given = "comm_timeout_s" in config.model_fields_set
     seconds = config.comm_timeout_s
+    comm.notify_waits(config.wait_notice_s)  # and a wait longer than wait_notice_s says so, timeout or not
     for reason in comm.bound(seconds if given else None):
         if comm.everyone.rank == 0:
             print(f"[zerodp] comm_timeout_s={seconds:g} cannot bound zerodp's collectives on {reason}; they wait "

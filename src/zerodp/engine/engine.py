@@ -130,6 +130,22 @@ def inside(x: Engine | ShardedModule) -> Inside:
     raise TypeError(f"expected a zerodp Engine or ShardedModule, got {type(x).__name__}")
 
 
+_ACCUMULATE = ("zerodp reduces once per step by itself: call engine.backward(loss) and engine.step() after each "
+               "micro-batch, and step() updates after gradient_accumulation_steps of them (or use "
+               "`with engine.no_sync():` at stages 0-1)")
+# DDP's attributes a ported script sets, and zerodp's way of doing what each would do.
+_DDP_ATTRIBUTES = {
+    "require_backward_grad_sync": _ACCUMULATE,
+    "require_forward_param_sync": "zerodp's parameters are the same on every rank after each step; there is "
+                                  "no forward-time buffer broadcast to switch off",
+    "find_unused_parameters": "zerodp steps only the parameters that got a gradient (the config key "
+                              "zero_optimization.step_unused_parameters chooses otherwise)",
+    "gradient_as_bucket_view": "zerodp's gradients always live in its buckets",
+    "static_graph": "zerodp needs no static-graph hint",
+}
+_MODULE_READS = ("parameters", "named_parameters")
+
+
 class Engine:
     """A model wrapped for ZeRO training: a ShardedModule with training added. Use `zerodp.initialize`."""
 
@@ -199,6 +215,27 @@ class Engine:
         add to this update, as PyTorch's loss.backward() twice then optimizer.step() does; step()
         with no backward() since the last update changes nothing, as PyTorch's does without grads."""
         self._training.step()
+
+    @_names_peer_failure("engine.clip_grad_norm_() (gradient reduction, norm all_reduce)")
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """As torch.nn.utils.clip_grad_norm_ in a DDP loop, between the step's last backward() and step():
+        returns the global gradient norm before clipping, and step() clips to max_norm. (torch's own over
+        module.parameters() sees no gradient: zerodp keeps them in its buckets, reduced and sharded.)"""
+        return self._training.clip_grad_norm_(max_norm, norm_type)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _DDP_ATTRIBUTES:
+            raise AttributeError(f"engine.{name} is DistributedDataParallel's and would do nothing here: "
+                                 f"{_DDP_ATTRIBUTES[name]}")
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        if name in _MODULE_READS:  # (called only for names the Engine lacks)
+            raise AttributeError(f"the Engine has no {name}(): read engine.module.{name}(); to clip gradients call "
+                                 "engine.clip_grad_norm_(max_norm) or set the config key gradient_clipping "
+                                 "(torch.nn.utils.clip_grad_norm_ over the parameters sees no gradient: zerodp "
+                                 "keeps them in its buckets)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @contextmanager
     def no_sync(self):

@@ -17,16 +17,24 @@ ZERODP_CONFIG names, as for `ZeroTrainer`. What TRL does outside the Trainer's s
                                 gathered_parameters(), keeping the result in the reference's shards.
   refused at set-up             what would read the policy's weights through another path: vLLM generation,
                                 DPO's generate_during_eval, GRPO's ds3_gather_for_generation=False at stage 3.
+  a route placed wrong          importing this module adds `RouteCheck` to transformers' DEFAULT_CALLBACKS
+                                (every Trainer built after it, none before): at train begin it refuses a
+                                Trainer that zerodp does not train while ZERODP_CONFIG is set (the script's
+                                own `from trl import SFTTrainer`, inside TRL's main(), rebound the name), and
+                                a TRL trainer mixed with ZeroTrainer by hand whose sync_ref_model would copy
+                                stage 3's empty param.data. zerodp's TRL trainers drop it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import transformers
+import transformers.trainer
 from torch import nn
 from trl import DPOTrainer, GRPOTrainer, SFTTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
@@ -34,7 +42,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from zerodp import shard
 from zerodp.engine.engine import Engine, inside
 from zerodp.engine.sharding.module import ShardedModule
-from zerodp.integrations.hf.trainer import ZeroTrainer
+from zerodp.integrations.hf.trainer import CONFIG_ENV, ZeroTrainer
 
 _trainer_log = transformers.utils.logging.get_logger("transformers.trainer")
 
@@ -63,6 +71,8 @@ class ZeroTRLMixin(ZeroTrainer):
         # Here rather than in __init__: with TRL's class first in the bases, its __init__ sets the reference
         # model and callbacks up after ZeroTrainer's has returned.
         for callback in list(self.callback_handler.callbacks):
+            if type(callback) is RouteCheck:  # this trainer is the route
+                self.callback_handler.remove_callback(callback)
             if type(callback) is SyncRefModelCallback:  # TRL's, which copies param.data as it finds it
                 self.callback_handler.remove_callback(callback)
                 self.add_callback(GatheredSyncRefModel(self))
@@ -107,6 +117,32 @@ def _on_whole_policy(method):
 
     run.gathers_policy = True
     return functools.wraps(method)(run)
+
+
+class RouteCheck(transformers.TrainerCallback):
+    """A Trainer that does not train through zerodp's TRL trainers where the script meant it to (see the
+    module's docstring): refused by name when training begins, on every rank alike, before its first step."""
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs) -> None:
+        engine = getattr(optimizer, "engine", None)  # ZeroTrainer's optimizer steps its engine
+        if not isinstance(engine, Engine):
+            if os.environ.get(CONFIG_ENV):
+                raise RuntimeError(
+                    f"{CONFIG_ENV} is set and zerodp.integrations.trl was imported, but this Trainer is not zerodp's "
+                    "(it would train plain TRL and ignore the config): a script's own `from trl import SFTTrainer` "
+                    "rebinds the name imported before it (TRL's scripts import inside main()); put `from "
+                    "zerodp.integrations.trl import ZeroSFTTrainer as SFTTrainer` after that line (docs/HF_TRAINER.md, "
+                    f"TRL), or unset {CONFIG_ENV}")
+        elif getattr(args, "sync_ref_model", False) and inside(engine).spec.gathers_per_unit:
+            raise ValueError(
+                "a TRL trainer mixed with ZeroTrainer by hand (`class T(ZeroTrainer, DPOTrainer)`) syncs the reference "
+                "model with TRL's SyncRefModelCallback, which reads the policy's param.data that ZeRO stage 3 leaves "
+                "empty between forwards: use zerodp.integrations.trl's ZeroDPOTrainer (or `class T(ZeroTRLMixin, "
+                "DPOTrainer)`), which syncs on the gathered weights")
+
+
+if RouteCheck not in transformers.trainer.DEFAULT_CALLBACKS:
+    transformers.trainer.DEFAULT_CALLBACKS.append(RouteCheck)
 
 
 class GatheredSyncRefModel(SyncRefModelCallback):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from zerodp.config import ConfigError, ZeroConfig
-from zerodp.engine.layout.flat import FlatGroup, lay_out
+from zerodp.engine.layout.flat import Bucket, FlatGroup, lay_out
 
 UnitRule = str | Sequence[type | str] | Callable[[nn.Module], bool]
 
@@ -81,6 +81,18 @@ def layout(groups: list[list[nn.Parameter]], units: Units, partitions: int, zero
     persistent = {u for u, n in sizes.items() if n < zero.stage3_param_persistence_threshold}
     coalesce = min(zero.stage3_prefetch_bucket_size, zero.reduce_bucket_size)
     return lay_out(groups, partitions, coalesce, units.of_param, persistent, whole)
+
+
+def nothing_partitioned(buckets: Sequence[Bucket], zero: ZeroConfig) -> str | None:
+    """The line stage 3 says when every unit stays whole (all under stage3_param_persistence_threshold, the
+    default 100,000 elements keeping every unit of a small model): memory as at stage 2; None otherwise."""
+    if not buckets or not all(b.persistent for b in buckets):
+        return None
+    threshold = zero.stage3_param_persistence_threshold
+    return (f"[zerodp] stage 3 partitions no parameter of this model: each of its units has fewer than "
+            f"stage3_param_persistence_threshold={threshold:g} elements, so each stays whole on every rank (as "
+            f"at stage 2); set zero_optimization.stage3_param_persistence_threshold lower (0 partitions every "
+            f"unit) to shard them")
 
 
 def _roots(model: nn.Module, rule: UnitRule) -> list[nn.Module]:

@@ -61,11 +61,10 @@ class GatheredStateDict:
         # What a call made on too few ranks is told to do instead (zerodp.deepspeed names its own API).
         self.advice = ENGINE_ADVICE
         self.lone = LoneCall.RAISE  # what a call made on too few ranks returns
-        self.entered = 0  # collective calls of this engine this rank has entered (entering)
         self.gathering = True  # this call gathers (False: it returns placeholders)
         self.bucket_of = {id(s.param): b for b in gatherer.buckets if not b.persistent for s in b.slots}
-        self.tag = f"zerodp/stage3_state_dict/{next(_NUMBER)}"  # this engine's keys in the store
-        self.calls = 0                        # calls that checked for every rank: numbers their keys
+        # whether every rank makes a call, asked through the store under this engine's keys
+        self.ranks = EveryRank(comm, f"zerodp/stage3_state_dict/{next(_NUMBER)}", timeout_s)
         self.root: nn.Module | None = None    # the module whose state_dict() call is under way
         self.root_prefix = ""
         self.keep_vars = False
@@ -129,40 +128,72 @@ class GatheredStateDict:
     def entering(self, call: str) -> None:
         """(the engine) This rank enters a collective call (a gathered_parameters block that gathers,
         full_state_dict, save_checkpoint), which every rank makes in the same order: a rank waiting in a
-        state_dict() call this rank has not made learns that this rank will not make it first (_wait)."""
+        state_dict() call this rank has not made learns that this rank will not make it first (EveryRank)."""
+        self.ranks.entering(call)
+
+    def _every_rank_called(self) -> bool:
+        """Before a call's first gather: whether every rank of the group makes this call too (True), or
+        not (False with LoneCall.PLACEHOLDERS; LoneCall.RAISE raises)."""
+        missing = self.ranks.ask("state_dict() of a stage-3 model", "it gathers the parameters' shards")
+        return True if missing is None else self._lone(*missing)
+
+    def _lone(self, arrived: int, why: str) -> bool:
+        """A call not every rank makes: DeepSpeed's placeholders with one warning line, or the error."""
+        text = (f"state_dict() of a stage-3 model gathers every parameter from all {self.comm.world_size} "
+                f"ranks, but only {arrived} of them called it and {why} (is it called under `if rank == 0:`?)")
+        if self.lone is LoneCall.PLACEHOLDERS:
+            print(f"[zerodp] rank {self.comm.rank}: {text}; it returns DeepSpeed's placeholders (the partitioned "
+                  f"parameters empty) and gathers nothing: {self.advice}", file=sys.stderr, flush=True)
+            return False
+        raise RuntimeError(f"{text}; call model.state_dict() on every rank and save from one, or {self.advice}")
+
+
+class EveryRank:
+    """Whether every rank of a group makes a call that is collective (it gathers), asked through the
+    process group's store, which no collective uses, before the call's first collective.
+
+    Each rank adds 1 to the call's count; the last to arrive marks it complete. A rank that stops
+    waiting subtracts _GAVE_UP in the same atomic add, so it and any rank arriving later agree on
+    whether every rank had arrived (then all gather) or not (then none does). A missing rank already in
+    another collective call of the same owner (`entering`) that this rank has not reached is found at
+    once; otherwise after `timeout_s`, with one line after _FIRST_WAIT_S saying what the call waits for."""
+
+    def __init__(self, comm: Comm, tag: str, timeout_s: float):
+        self.comm, self.tag, self.timeout_s = comm, tag, timeout_s  # tag: this owner's keys in the store
+        self.calls = 0    # calls that asked: numbers their keys
+        self.entered = 0  # collective calls this rank has entered (entering)
+
+    def entering(self, call: str) -> None:
+        """This rank enters a collective call that every rank makes in the same order."""
         if self.comm.world_size > 1 and not self.comm.is_fake():
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{self.tag}/entered/{self.comm.everyone.rank}", f"{self.calls} {self.entered} {call}")
         self.entered += 1
 
-    def _every_rank_called(self) -> bool:
-        """Before a call's first gather: whether every rank of the group makes this call too (True), or
-        not (False with LoneCall.PLACEHOLDERS; LoneCall.RAISE raises).
-
-        Each rank adds 1 to the call's count; the last to arrive marks it complete. A rank that stops
-        waiting subtracts _GAVE_UP in the same atomic add, so it and any rank arriving later agree on
-        whether every rank had arrived (then all gather) or not (then none does)."""
+    def ask(self, what: str, because: str) -> tuple[int, str] | None:
+        """None when every rank of the group (every rank of the world under tp) makes this call; else how
+        many did and why this rank stopped waiting. `what` and `because` name the call in the waiting line."""
         if self.comm.world_size == 1 or self.comm.is_fake():
-            return True
+            return None
         store = dist.distributed_c10d._get_default_store()
-        key, world = f"{self.tag}/{self.calls}", self.comm.everyone.world_size  # tp: every rank of the world
+        key, world = f"{self.tag}/{self.calls}", self.comm.everyone.world_size
         self.calls += 1
         arrived = store.add(key, 1)
         if arrived < 0:
-            return self._lone(arrived + _GAVE_UP, "another rank stopped waiting for it")
+            return arrived + _GAVE_UP, "another rank stopped waiting for it"
         if arrived == world:
             store.set(key + "/all", "1")
-        why = self._wait(store, key + "/all", world)
+        why = self._wait(store, key + "/all", world, f"{what} waits for every rank to call it ({because})")
         if why is None:
-            return True
+            return None
         arrived = store.add(key, -_GAVE_UP) + _GAVE_UP
         if arrived == world:  # the last rank came as this one gave up: it gathers with the others
-            return True
-        return self._lone(arrived, why)
+            return None
+        return arrived, why
 
-    def _wait(self, store: dist.Store, done: str, world: int) -> str | None:
-        """Until every rank has made the call (None), another rank is found in a gather this rank has not
-        reached, or comm_timeout_s passes (then why this rank stops waiting)."""
+    def _wait(self, store: dist.Store, done: str, world: int, line: str) -> str | None:
+        """Until every rank has made the call (None), another rank is found in a call this rank has not
+        reached, or timeout_s passes (then why this rank stops waiting)."""
         start, told = time.monotonic(), False
         others = [f"{self.tag}/entered/{r}" for r in range(world) if r != self.comm.everyone.rank]
         while True:
@@ -177,21 +208,10 @@ class GatheredStateDict:
             waited = time.monotonic() - start
             if not told and waited > min(_FIRST_WAIT_S, self.timeout_s):
                 told = True
-                print(f"[zerodp] rank {self.comm.rank}: state_dict() of a stage-3 model waits for every rank to "
-                      "call it (it gathers the parameters' shards); it fails after "
+                print(f"[zerodp] rank {self.comm.rank}: {line}; it fails after "
                       f"comm_timeout_s={self.timeout_s:g} s if they do not", file=sys.stderr, flush=True)
             if waited > self.timeout_s:
                 return f"comm_timeout_s={self.timeout_s:g} s passed"
-
-    def _lone(self, arrived: int, why: str) -> bool:
-        """A call not every rank makes: DeepSpeed's placeholders with one warning line, or the error."""
-        text = (f"state_dict() of a stage-3 model gathers every parameter from all {self.comm.world_size} "
-                f"ranks, but only {arrived} of them called it and {why} (is it called under `if rank == 0:`?)")
-        if self.lone is LoneCall.PLACEHOLDERS:
-            print(f"[zerodp] rank {self.comm.rank}: {text}; it returns DeepSpeed's placeholders (the partitioned "
-                  f"parameters empty) and gathers nothing: {self.advice}", file=sys.stderr, flush=True)
-            return False
-        raise RuntimeError(f"{text}; call model.state_dict() on every rank and save from one, or {self.advice}")
 
 
 def _waited(store: dist.Store, key: str, seconds: float) -> bool:

@@ -12,6 +12,7 @@ nothing to train). The Engine (engine.py) adds training to one: its stepping par
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable
 
@@ -24,6 +25,7 @@ from zerodp.distributed.device import can_pin, seed_everything
 from zerodp.engine.layout import formats
 from zerodp.engine.layout.flat import Bucket, local, set_local
 from zerodp.engine.layout.layout import Layout, frozen_params
+from zerodp.engine.layout.units import nothing_partitioned
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling
@@ -91,6 +93,9 @@ class ShardedModule:
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm, spec = self.config.zero_optimization, self.comm, self.spec
         layout = Layout.build(groups, spec, comm, zero, frozen)
+        note = nothing_partitioned(layout.gathered, zero) if spec.gathers_per_unit and comm.shard_size > 1 else None
+        if note is not None and comm.everyone.rank == 0:
+            print(note, file=sys.stderr, flush=True)
         fp32_shards = fill.fill(layout.groups, filling, comm, layout.rank, spec.dtype, spec.device,
                                 spec.gathers_per_unit, spec.offload_param,
                                 zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
@@ -103,8 +108,11 @@ class ShardedModule:
             return None
         names = {id(m): n for n, m in self.module.named_modules()}
         units = self.spec.units
-        return Gatherer(units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                        self.spec.offload_param, unit_names=[names.get(id(root), "") for root in units.roots])
+        gatherer = Gatherer(units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
+                            self.spec.offload_param, unit_names=[names.get(id(root), "") for root in units.roots])
+        if self.comm.notice is not None:  # a long wait in a gather names its phase, unit and step
+            self.comm.notice.describe = lambda: gatherer.whereabouts.where()[0]
+        return gatherer
 
     def take_fp32_shards(self) -> list[torch.Tensor]:
         """(training, once) this rank's fp32 values of each trained bucket, which its masters start from."""

@@ -9,6 +9,8 @@ and skips.
                      all-gather of the result.
   optimizer_view.py  what an optimizer may see (`view_of`, `refusal`), `OptimizerLike`, `Optimizers` (a list
                      stepped as one).
+  torch_state.py     `TorchFormat`: optimizer.state_dict() / load_state_dict() in a plain optimizer's format over
+                     the model's parameters (gathered from every rank; cut into shards on load).
   low_precision.py   bf16 masters (the working value + an int16 remainder, exact) and bf16 optimizer states
                      (stochastically rounded): `OptimizerPrecision`, `StateRounding`.
   offload.py         ZeRO-Offload's host side: `HostShards`, the fused CPU kernel, `pinned_bytes`.

@@ -51,7 +51,7 @@ from zerodp.engine.stepping.low_precision import (
     split_master,
 )
 from zerodp.engine.stepping.offload import HostShards, use_fused_kernel
-from zerodp.engine.stepping.optimizer_view import OptimizerLike, rewired
+from zerodp.engine.stepping.optimizer_view import OptimizerLike, has_stepped, rewired
 from zerodp.engine.stepping.unused import UsedParameters
 from zerodp.engine.tensor_parallel.whole import WholeOverTp
 from zerodp.monitor.timers import TimedGathers, gather_phase
@@ -99,9 +99,7 @@ class PartitionedOptimizer(TimedGathers):
         # view of the master in each owned parameter's own shape (whole parameters: optimizer_view.py; a
         # tp shard's whole matrix, whole_over_tp.py).
         self.stepped: list[list[torch.Tensor]] = [self._stepped(b, m) for b, m in zip(self.buckets, self.masters)]
-        per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
-                     for g in layout.groups]
-        self.optimizer = rewired(optimizer, per_group, {id(s.param): layout.shape_of(s) for _, s in layout.slots()})
+        self.optimizer = self._take(optimizer, layout)  # (and user_params, carried)
         # The user's optimizer object now steps on master shards whose gradients only the engine sets:
         # a step called on it by the user (a PyTorch loop's `optimizer.step()`) would change nothing.
         # torch's step pre-hook lets it say so instead.
@@ -117,6 +115,19 @@ class PartitionedOptimizer(TimedGathers):
             self._compensate()
         if self.disk is not None:
             self.disk.open(self.optimizer)  # the masters (and any initial state) go to disk
+
+    def _take(self, optimizer: OptimizerLike, layout: Layout) -> Optimizer:
+        """The user's optimizer rewired to step `stepped`. One that has stepped or loaded a state (a DDP
+        script's resume, before initialize as nanoGPT does) leaves it in `carried`, to be loaded again onto
+        the shards in torch's format (torch_state.py)."""
+        # The parameters the user's optimizer was built on, per group, as torch numbers them in its state_dict
+        # (a factory's: each group's trained parameters in bucket order): torch_state.py keys the state so.
+        self.user_params: list[list[torch.Tensor]] = _user_params(optimizer, layout)
+        per_group = [[t for b, ts in zip(self.buckets, self.stepped) if b.group == g.index for t in ts]
+                     for g in layout.groups]
+        shapes = {id(s.param): layout.shape_of(s) for _, s in layout.slots()}
+        self.carried: dict | None = optimizer.state_dict() if has_stepped(optimizer, shapes) else None
+        return rewired(optimizer, per_group, shapes)
 
     def _compensate(self) -> None:
         """Masters from here on: the working shard + an int16 remainder; the fp32 tensors let go of their storage."""
@@ -438,6 +449,12 @@ class PartitionedOptimizer(TimedGathers):
         host = self.host.bytes() if self.host is not None else {"offload_gradients": 0}
         return {"fp32_master": master, "master_remainders": sum(r.numel() * 2 for r in self.remainders),
                 "optimizer_states": state, **host}
+
+
+def _user_params(optimizer: OptimizerLike, layout: Layout) -> list[list[torch.Tensor]]:
+    if isinstance(optimizer, Optimizer):
+        return [list(g["params"]) for g in optimizer.param_groups]
+    return [[s.param for b in g.buckets for s in b.slots] for g in layout.groups]
 
 
 def clip_coefficient(norm_sq: torch.Tensor, loss_scale: float, clip: float) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -121,10 +121,9 @@ def rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shape
         if not isinstance(built, Optimizer):
             raise TypeError(f"the optimizer factory returned {type(built).__name__}, expected a torch.optim.Optimizer")
         return built
-    initial = _initial_state(optimizer, shapes)  # Adagrad's accumulators, made at construction
-    if initial is None:
-        raise ValueError("the optimizer already has state; pass a freshly built optimizer "
-                         "(load optimizer state through engine.load_checkpoint)")
+    # Adagrad's accumulators, made at construction; None: a state it has stepped or loaded, which the
+    # engine loads again in torch's format once the optimizer steps the shards (torch_state.py, has_stepped)
+    initial = _initial_state(optimizer, shapes) or [{} for _ in per_group]
     optimizer.state.clear()
     for group, tensors, init in zip(optimizer.param_groups, per_group, initial):
         group["params"] = tensors
@@ -132,6 +131,12 @@ def rewired(optimizer: OptimizerLike, per_group: list[list[torch.Tensor]], shape
             optimizer.state[t] = {k: torch.full_like(t, v) if isinstance(v, float) else v.clone()
                                   for k, v in init.items()}
     return optimizer
+
+
+def has_stepped(optimizer: OptimizerLike, shapes: dict[int, torch.Size]) -> bool:
+    """Whether the user's optimizer comes with a state of its own (it has stepped, or loaded one), not the one a
+    freshly built optimizer makes. shapes: as for rewired."""
+    return isinstance(optimizer, Optimizer) and _initial_state(optimizer, shapes) is None
 
 
 def _initial_state(optimizer: Optimizer, shapes: dict[int, torch.Size]) -> list[dict] | None:

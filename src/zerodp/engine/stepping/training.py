@@ -43,6 +43,7 @@ from zerodp.engine.stepping.non_finite import (
 from zerodp.engine.stepping.optimizer import OptimizerLike, PartitionedOptimizer, clip_coefficient
 from zerodp.engine.stepping.precision import LossScaler
 from zerodp.engine.stepping.reducer import Reducer
+from zerodp.engine.stepping.torch_state import TorchFormat
 from zerodp.engine.stepping.unused import UsedParameters
 from zerodp.engine.tensor_parallel.grads import GradPlacements, names_of
 from zerodp.monitor.step import StepMonitor
@@ -58,12 +59,22 @@ class Training:
         # the user's optimizer on this rank's fp32 master shards, and the all-gather of the result
         self.partitioned_optimizer = self._partitioned(optimizer, config, sharded.take_fp32_shards())
         self.optimizer: Optimizer = self.partitioned_optimizer.optimizer  # the torch optimizer it steps
+        # its state_dict() / load_state_dict() in a plain optimizer's format over the model's parameters
+        po = self.partitioned_optimizer
+        self.torch_format = TorchFormat(self.optimizer, po.user_params, po.buckets, po.masters, comm,
+                                        sharded.layout.rank, spec.shards_optimizer, config.comm_timeout_s,
+                                        on_disk=po.disk is not None)
+        if po.carried is not None:  # the optimizer came with a state (a script's resume): onto the shards
+            self.optimizer.load_state_dict(po.carried)
         sharded.adopted.append(self.partitioned_optimizer.adopt_working)  # weights written: masters follow
         self.forward_order = self._forward_order(config)  # overlap_param_gather's gather order; None without it
         self.reducer = self._reducer(config)  # gradients into buckets during backward, reduced (-scattered)
         self.scaler = LossScaler.from_config(config)  # fp16's dynamic loss scale; a fixed 1 otherwise
         self.lr_scheduler = self._scheduler(lr_scheduler, config)  # stepped after each step taken; None: none
         self.clip = config.gradient_clipping  # the global gradient norm is clipped to this (0: no clipping)
+        self.clip_once: float | None = None  # clip_grad_norm_'s max_norm for the coming step; None: not called
+        # the coming step's reduced gradient shards, norm and flags, when clip_grad_norm_ reduced them early
+        self.reduced: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self.micro_steps = self.global_steps = 0  # backward() calls, optimizer steps (taken or skipped)
         self.stepped_at = 0  # micro_steps at the last update: the accumulation window starts there
         self.skipped = 0  # steps skipped for a non-finite gradient norm or loss
@@ -209,9 +220,17 @@ class Training:
 
     def _step(self) -> None:
         """The update itself (step() decided that one is due)."""
+        grads, norm_sq, flags = self.reduced if self.reduced is not None else self._reduce()
+        clip = self.clip if self.clip_once is None else min(c for c in (self.clip, self.clip_once) if c > 0)
+        self.reduced, self.clip_once = None, None
+        self.stepped_at = self.micro_steps
+        self.grad_norm, coef = clip_coefficient(norm_sq, self.scale_used, clip)
+        self._update(grads, coef, norm_sq, flags)
+
+    def _reduce(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """The step's gradient shards, reduced, with their global squared norm and the step's flags."""
         self.settle()
         self._raise_refused()
-        self.stepped_at = self.micro_steps
         if self.sharded.gatherer is not None:
             self.sharded.gatherer.release_all()  # gathered copies are about to go stale
         with self.monitor.span("reduce_wait"):
@@ -224,8 +243,27 @@ class Training:
             norm_sq, flags = self.partitioned_optimizer.grad_norm_squared(grads, flags)
         else:  # the used bits ride in the same all-reduce
             norm_sq, flags = self.used_only.norm_and_agree(self.partitioned_optimizer, grads, flags)
-        self.grad_norm, coef = clip_coefficient(norm_sq, self.scale_used, self.clip)
-        self._update(grads, coef, norm_sq, flags)
+        return grads, norm_sq, flags
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the step about to be taken: called after its last backward()
+        and before step(), it reduces the gradients (the step's own reduction, done now), returns their
+        global norm before clipping, and step() clips them to max_norm (and to gradient_clipping, if lower)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"engine.clip_grad_norm_ computes the 2-norm (zerodp's global gradient norm), got "
+                             f"norm_type={norm_type}")
+        if not max_norm > 0:
+            raise ValueError(f"engine.clip_grad_norm_ expects max_norm > 0, got {max_norm}")
+        if self.micro_steps - self.stepped_at < self.sharded.spec.gas or self.in_no_sync or self.unsynced:
+            raise RuntimeError(
+                f"engine.clip_grad_norm_({max_norm}) is called once per step, after its last backward() and "
+                f"before step(): {self.micro_steps - self.stepped_at} of gradient_accumulation_steps="
+                f"{self.sharded.spec.gas} backward() calls (outside no_sync) have been made since the last step; "
+                "or set the config key gradient_clipping, which clips every step")
+        if self.reduced is None:
+            self.reduced = self._reduce()
+        self.clip_once = float(max_norm)
+        return (self.reduced[1].sqrt().float() / self.scale_used)
 
     def _update(self, grads: list[torch.Tensor], coef: torch.Tensor | None, norm_sq: torch.Tensor,
                 flags: torch.Tensor | None) -> None:
