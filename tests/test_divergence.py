@@ -225,9 +225,34 @@ def _diverged_eval(rank: int) -> tuple[str, float]:
     return "no error", time.monotonic() - t0
 
 
+def _named_at_the_gather(rank: int, rank0_only: bool) -> tuple[str, float]:
+    """Issue 43's two scripts at stage 3 (persistence threshold 0), on the script's own group, no comm_timeout_s:
+    an eval loop split by hand (3 batches on rank 0, 2 on rank 1) then a training step; or nanoGPT's rank-0-only
+    estimate_loss() before each step. The first gather that differs raises on every rank, naming what each gathers."""
+    dataset, model, _ = _data()
+    engine = zerodp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": STAGE3})
+    t0 = time.monotonic()
+    try:
+        for _ in range(2):
+            if not rank0_only or rank == 0:
+                engine.eval()
+                with torch.no_grad():
+                    for (x,) in DataLoader(torch.utils.data.Subset(dataset, range(rank if not rank0_only else 0, 5,
+                                                                              2 if not rank0_only else 5))):
+                        engine(x)
+            engine.train()
+            engine.backward(engine(torch.ones(1, 6)).sum())
+            engine.step()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
 def _cases(rank: int, world: int) -> dict:
     return {"groups": _bound_groups(rank), "unbound": _unbound_line(rank), "generate": _generate(rank),
             "sampler": _sampler_eval(rank), "uneven": _uneven_eval(rank), "both": _both_waiting(rank),
+            "hand_split": _named_at_the_gather(rank, False), "rank0_eval": _named_at_the_gather(rank, True),
             "diverged": _diverged_eval(rank), "slow": _slow_rank(rank)}
 
 
@@ -285,6 +310,18 @@ def test_eval_over_data_the_ranks_do_not_divide_completes_or_names_the_divergenc
     assert "rank 1 is in no zerodp collective" in message and "engine.uneven_forwards()" in message
     print(f"uneven eval without uneven_forwards(): rank 0 raised after {seconds:.1f} s (comm_timeout_s 3)")
     assert 3 <= seconds < 3 + 15
+
+
+@pytest.mark.parametrize("script", ["hand_split", "rank0_eval"])
+def test_a_divergent_forward_is_named_at_its_first_gather_on_every_rank(cases, script):
+    """Within seconds, on the script's own group with no comm_timeout_s (its timeout is the spawn's minutes):
+    every rank raises at the first gather that differs, naming what each rank gathers it for."""
+    for rank in cases:
+        message, seconds = rank[script]
+        assert "stage-3 ranks diverged at this gather" in message, message
+        assert "forward in eval" in message and "training forward" in message, message
+        assert "engine.uneven_forwards()" in message, message
+        assert seconds < 30, seconds  # not the group's timeout (SPAWN_S)
 
 
 def test_ranks_waiting_in_collectives_that_do_not_match_name_where_the_other_waits(cases):

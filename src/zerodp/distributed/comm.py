@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Callable
 
@@ -401,6 +401,18 @@ class Comm:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
         return self._watched("all_gather", (out, inp), lambda: self._all_gather(out, inp, async_op))
+
+    def all_gather_tags(self, tag: torch.Tensor) -> torch.Tensor:
+        """Every rank's small `tag`, stacked (world, n): a control exchange beside the model's traffic (what each
+        stage-3 gather is for, sharding/whereabouts.py), neither in the byte tally nor in comms_logger's records."""
+        out = tag.new_empty((self.world_size, tag.numel()))
+        if self.world_size == 1 or self.is_fake():
+            out[:] = tag
+            return out
+        self.last_op = "all_gather"
+        with self.notice.waiting("all_gather") if self.notice is not None else nullcontext():  # a wait speaks
+            _all_gather_single(out.view(-1), tag, group=self.group)
+        return out
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self.last_op = "all_gather"

@@ -57,7 +57,7 @@ from zerodp.engine.layout.flat import Bucket, local_setter
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.units import Units
 from zerodp.engine.sharding.pool import gather_memory
-from zerodp.engine.sharding.whereabouts import Whereabouts
+from zerodp.engine.sharding.whereabouts import GatherTags, Whereabouts
 from zerodp.monitor.timers import TimedGathers, gather_phase
 
 
@@ -146,6 +146,9 @@ class Gatherer(TimedGathers):
         self.last_unit: int | None = None   # then: the forward's last unit, if kept gathered (kept_last)
         # what the gathers are for, named if one times out (unit_names: each unit's root module's name)
         self.whereabouts = Whereabouts(unit_names or [""] * len(units.roots))
+        # each gather's tag agreed first, where reading it costs the host nothing (whereabouts.GatherTags)
+        self.tags = (GatherTags(comm.shard, self.whereabouts) if comm.shard.world_size > 1 and not comm.is_fake()
+                     and buckets[0].data.device.type == "cpu" else None)
         self.uneven: UnevenForwards | None = None  # inside an uneven_forwards block: its gathers are agreed
         self._handles = []
         for u, (root, bs) in enumerate(zip(units.roots, self.unit_buckets)):
@@ -234,6 +237,9 @@ class Gatherer(TimedGathers):
     # ---- gather / release -----------------------------------------------------------------------
     @gather_phase
     def gather(self, units: list[Bucket]) -> None:
+        if (self.tags is not None and self.uneven is None  # (an uneven block agrees on its gathers itself)
+                and any(self.records[b.index].state is BucketState.RELEASED for b in units)):
+            self.tags.check(units[0].index)  # where this rank waits for them anyway; none for held buckets
         for b in units:
             r = self.records[b.index]
             if r.place is None:
@@ -430,6 +436,8 @@ class Gatherer(TimedGathers):
     def stepped(self, steps: int) -> None:
         """(engine) A step was taken: forwards are counted from here (Whereabouts)."""
         self.whereabouts.stepped(steps)
+        if self.tags is not None:
+            self.tags.stepped()
 
 
 class UnevenForwards:
