@@ -174,6 +174,10 @@ class Config(_Section):
     # (Comm.bound runs them on a twin of it with this timeout).
     # At most ~3 years: the timeout becomes a timedelta and then milliseconds inside torch.distributed.
     comm_timeout_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 600.0
+    # How the sharding collectives (gradient reduce-scatter, parameter all-gather) run: "auto" measures at
+    # set-up which is faster on this backend (on gloo; NCCL keeps its own), "native" the backend's own ops,
+    # "all_reduce" both through an all-reduce (distributed/plan.py). Any other value is refused.
+    collectives: Literal["auto", "native", "all_reduce"] = "auto"
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
     cuda_visible_devices: int | str | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)

@@ -13,7 +13,12 @@ Facts of the engine that the table leaves out, reported rather than hidden:
     block (masters, gradients, staging), whose rounding is `offload_pinned_rounding`;
   * gradients exist from the first one of an accumulation window to the end of its step (like
     zero_grad(set_to_none=True)), and stage 2's reduce buffers only during backward: both are
-    counted in full here, as what the rank holds while they exist.
+    counted in full here, as what the rank holds while they exist;
+  * where the collective plan (distributed/plan.py) does the gradient reduce-scatter as an all-reduce, the
+    whole reduce bucket is summed, not one shard of it: `reduce_whole_bucket` is what that holds beyond the
+    shard for the largest such bucket (N-1 shards of it). It lies in the reduce bucket the reducer holds
+    anyway (reduce_buckets), so it is stated, not added; the all-gather as all-reduce sums in place in the
+    gathered bucket and holds nothing more.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": 0, "fp32_master": 0, "optimizer_states": 0, "reduce_buckets": 0,
+        "reduce_whole_bucket": 0,
         **(trained or {}),
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
         "gathered_params": (0 if not spec.gathers_per_unit else
