@@ -42,15 +42,15 @@ def test_a_tie_keeps_the_native_op():
 
 
 def test_nccl_keeps_its_own_ops_without_a_probe():
-    chosen = plan.without_probe("nccl", "auto", 8, False, [1 << 20])
+    chosen = plan.without_probe("nccl", "auto", 8, False, 1 << 20)
     assert chosen is not None  # no probe
     assert {chosen.implementation(op, 1 << 20) for op in plan.OPS} == {"native"}
     assert "nccl's own ops" in chosen.describe()
-    assert plan.without_probe("gloo", "auto", 2, False, [1 << 20]) is None  # gloo measures
+    assert plan.without_probe("gloo", "auto", 2, False, 1 << 20) is None  # gloo measures
 
 
 def test_nothing_to_choose_is_not_said():
-    for args in (("gloo", "auto", 1, False, [100]), ("fake", "auto", 4, True, [100]), ("gloo", "auto", 2, False, [])):
+    for args in (("gloo", "auto", 1, False, 100), ("fake", "auto", 4, True, 100), ("gloo", "auto", 2, False, 0)):
         chosen = plan.without_probe(*args)
         assert chosen.describe() == "" and chosen.implementation("reduce_scatter", 100) == "native"
 
@@ -58,7 +58,7 @@ def test_nothing_to_choose_is_not_said():
 @pytest.mark.parametrize("implementation", plan.IMPLEMENTATIONS)
 def test_a_forced_choice_is_honoured_at_every_size_and_on_every_backend(implementation):
     for backend in ("gloo", "nccl"):
-        chosen = plan.without_probe(backend, implementation, 2, False, [100])
+        chosen = plan.without_probe(backend, implementation, 2, False, 100)
         assert {chosen.implementation(op, n) for op in plan.OPS for n in (1, 1000, 1 << 30)} == {implementation}
 
 
@@ -124,7 +124,7 @@ def _agreement(rank: int) -> tuple:
     sizes = (2 * 64,)
     winner = "all_reduce" if rank == 0 else "native"
     plan._PROBED[("gloo", (0, 1), sizes)] = _times({(op, sizes[0]): winner for op in plan.OPS})
-    chosen = comm.choose_collectives("auto", [2 * 64])
+    chosen = comm.choose_collectives("auto", 2 * 64)  # a model smaller than PROBE_SIZES: probed at its size
     return chosen, comm.shard.plan is chosen
 
 

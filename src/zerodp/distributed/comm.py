@@ -206,10 +206,11 @@ class Comm:
                 unbound.append(f"the {comm.name} group ({comm.backend}): {reason}")
         return unbound
 
-    def choose_collectives(self, choice: str, bucket_numels: list[int]) -> CollectivePlan:
+    def choose_collectives(self, choice: str, sharded_numel: int) -> CollectivePlan:
         """Collective (every rank, after split; a probe on gloo): how this Comm's shard group runs its
-        reduce-scatters and all-gathers from now on, the config's `collectives` (plan.py). Returns the plan."""
-        chosen = collective_plan.decide(self, choice, bucket_numels)
+        reduce-scatters and all-gathers of the `sharded_numel` elements' buckets from now on, the config's
+        `collectives` (plan.py). Returns the plan."""
+        chosen = collective_plan.decide(self, choice, sharded_numel)
         self.plan = self.shard.plan = chosen
         return chosen
 

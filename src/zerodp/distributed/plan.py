@@ -14,8 +14,9 @@ beyond them; the reduction's result occupies the whole bucket instead of one sha
 (`CollectivePlan.whole_bucket_bytes`, in memory_report).
 
 Which is faster depends on the backend and the size, so it is measured: on gloo, `decide` times each
-implementation at the smallest and largest bucket sizes (`probe`), once per process and group shape; rank 0's
-times decide and are broadcast, so every rank runs the same implementation. NCCL and every other backend keep
+implementation at two sizes (`PROBE_SIZES`, `probe`), once per process and group shape, at set-up before the
+model's memory is taken; a bucket takes the choice of the probed size nearest its own. Rank 0's times decide
+and are broadcast, so every rank runs the same implementation. NCCL and every other backend keep
 their native ops; the fake backend and a world of one have nothing to choose. The config key `collectives`
 forces one implementation ("native" or "all_reduce") instead.
 """
@@ -40,7 +41,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 PROBE_REPEATS = 3
-PROBE_MAX_NUMEL = 1 << 22  # 16 MiB of fp32: larger buckets cost the same per byte, and the probe stays short
+# The probed sizes, in elements, capped by what the model shards: gloo's reduce-scatter falls behind an
+# all-reduce from about 256K fp32 elements (2 ranks, this machine); above 1M the cost per byte holds, and the
+# probe stays short (a few ms per run on 2 ranks) and small.
+PROBE_SIZES = (1 << 16, 1 << 20)
 _PROBED: dict[tuple, dict] = {}  # (backend, ranks, sizes) -> rank 0's times: one probe per process and shape
 
 
@@ -101,13 +105,13 @@ def pick(backend: str, times: dict[tuple[str, int, str], float]) -> CollectivePl
     return CollectivePlan(backend, choices, "measured at set-up")
 
 
-def decide(comm, choice: str, bucket_numels: list[int]) -> CollectivePlan:
+def decide(comm, choice: str, sharded_numel: int) -> CollectivePlan:
     """Collective over comm.everyone when it probes: the plan for `comm` (its shard group runs the sharding
-    collectives). Every rank returns the same plan."""
-    plan = without_probe(comm.backend, choice, comm.shard.world_size, comm.is_fake(), bucket_numels)
+    collectives) when the model shards `sharded_numel` elements. Every rank returns the same plan."""
+    plan = without_probe(comm.backend, choice, comm.shard.world_size, comm.is_fake(), sharded_numel)
     if plan is not None:
         return plan
-    sizes = _agreed_sizes(comm, bucket_numels)
+    sizes = _agreed_sizes(comm, sharded_numel)
     key = (comm.backend, tuple(dist.get_process_group_ranks(comm.shard.group)), sizes)
     if key not in _PROBED:
         _PROBED[key] = probe(comm.shard.group, sizes)
@@ -117,14 +121,14 @@ def decide(comm, choice: str, bucket_numels: list[int]) -> CollectivePlan:
     return pick(comm.backend, dict(zip(keys, ranks0.tolist())))
 
 
-def without_probe(backend: str, choice: str, shard_world: int, fake: bool, bucket_numels: list[int]
+def without_probe(backend: str, choice: str, shard_world: int, fake: bool, sharded_numel: int
                   ) -> CollectivePlan | None:
     """The plan when nothing needs measuring (None: probe): a forced choice, nothing sharded, no peers (a
     world of one, the fake backend), or a backend other than gloo, whose own ops are kept (NCCL's cost what
     one all-reduce does already)."""
     if choice != "auto":
         return forced(backend, choice)
-    if not bucket_numels:
+    if not sharded_numel:
         return CollectivePlan(backend, why="nothing sharded", said=False)
     if shard_world == 1 or fake:
         return CollectivePlan(backend, why="nothing to choose: no peers", said=False)
@@ -133,11 +137,11 @@ def without_probe(backend: str, choice: str, shard_world: int, fake: bool, bucke
     return None
 
 
-def _agreed_sizes(comm, bucket_numels: list[int]) -> tuple[int, ...]:
-    """The smallest and largest bucket (capped), rank 0's: the probe runs the same sizes everywhere."""
-    numels = [min(max(n, 1), PROBE_MAX_NUMEL) for n in bucket_numels] or [1]
+def _agreed_sizes(comm, sharded_numel: int) -> tuple[int, ...]:
+    """PROBE_SIZES, none above what the model shards, whole shards each; rank 0's, so the probe runs the same
+    sizes everywhere."""
     world = comm.shard.world_size
-    sizes = torch.tensor([-(-min(numels) // world) * world, -(-max(numels) // world) * world], dtype=torch.int64)
+    sizes = torch.tensor([-(-min(n, sharded_numel) // world) * world for n in PROBE_SIZES], dtype=torch.int64)
     _from_rank0(comm, sizes)
     return tuple(sorted(set(sizes.tolist())))
 

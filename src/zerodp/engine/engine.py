@@ -69,9 +69,6 @@ def wrap(module: nn.Module, optimizer: OptimizerLike | None, config: Config, com
     spec, filling, optimizer, groups = agreed_set_up(module, optimizer, config, comm, source, param_init_fn,
                                                      stage3_unit)
     sharded = ShardedModule(module, config, comm, spec, filling, groups, checkpoint_io)
-    # how the sharding collectives run on this backend (a probe on gloo); nothing is sharded at stage 0
-    sharding = spec.shards_optimizer or spec.gathers_per_unit
-    comm.choose_collectives(config.collectives, [b.numel for b in sharded.layout.gathered] if sharding else [])
     return Engine(sharded, optimizer, lr_scheduler) if spec.trains else sharded
 
 
