@@ -179,3 +179,14 @@ def test_an_engine_trains_to_the_same_weights_with_either_implementation(stage):
         assert "reduce-scatter all_reduce, all-gather all_reduce (forced" in runs["all_reduce", stage][1]
         assert runs["auto", stage][1] == two_ranks()[0]["engines"]["auto", stage][1]  # every rank the same plan
         assert "(measured at set-up)" in runs["auto", stage][1]
+
+
+def test_the_set_up_line_says_the_plan_and_says_nothing_when_there_was_nothing_to_choose():
+    from zerodp.engine.summary import set_up_line
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
+    said = plan.forced("gloo", "all_reduce").describe()
+    assert set_up_line(config, 2, 2, collectives=said).endswith(
+        "= 4; collectives on gloo: reduce-scatter all_reduce, all-gather all_reduce (forced by the config key "
+        "'collectives')")
+    silent = plan.without_probe("gloo", "auto", 1, False, 100).describe()
+    assert set_up_line(config, 1, 1, collectives=silent).endswith("x 1 ranks = 2")
