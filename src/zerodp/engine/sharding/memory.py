@@ -61,13 +61,13 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         "frozen_params": _nbytes(frozen.data) if frozen is not None and frozen.data is not None else 0,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         "gradients": 0, "fp32_master": 0, "optimizer_states": 0, "reduce_buckets": 0,
-        "reduce_whole_bucket": 0,
         **(trained or {}),
         # Stage 3: the gathered copies held right now (persistent buckets between steps).
         "gathered_params": (0 if not spec.gathers_per_unit else
                             sum(b.data.untyped_storage().nbytes() for b in layout.gathered)),
     }
     report.setdefault("step_transient", 0)
+    report.setdefault("reduce_whole_bucket", 0)  # a frozen model reduces nothing
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     host = {"fp32_master": optimizer_on_host, "optimizer_states": optimizer_on_host,
             "working_params": spec.offload_param, "frozen_params": spec.offload_param}  # stage 3's offload_param
