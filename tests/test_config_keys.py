@@ -34,6 +34,7 @@ EFFECTS = {
     "communication_data_type": "test_reduction.py::test_bf16_gradients_reduced_in_fp32_are_closer_to_the_exact_mean",
     "seed": "test_reduction.py::test_seed_seeds_every_rank_with_seed_plus_rank",
     "broadcast_buffers": "test_buffers.py::test_broadcast_buffers_false_leaves_each_rank_its_own_running_stats",
+    "collectives": "test_collective_plan.py::test_an_engine_trains_to_the_same_weights_with_either_implementation",
     "comm_timeout_s": "test_divergence.py::test_comm_timeout_s_bounds_zerodp_collectives_on_the_scripts_own_group",
     "wait_notice_s": "test_divergence.py::test_a_plain_slow_rank_gets_waiting_lines_and_no_error",
     "fp16.enabled": "test_engine.py::test_low_precision_matches_within_its_precision",

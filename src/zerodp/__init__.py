@@ -123,7 +123,7 @@ def initialize(model: nn.Module, optimizer: OptimizerLike | None = None,
     wrapped = wrap(model, optimizer, cfg, comm, lr_scheduler, stage3_unit, checkpoint_io=checkpoint_io,
                    source=source, param_init_fn=param_init_fn)
     log_set_up(cfg, comm.world_size, inside(wrapped).spec.shard_size, comm.everyone.rank,
-               forward_only=not inside(wrapped).spec.trains)
+               forward_only=not inside(wrapped).spec.trains, collectives=comm.plan.describe())
     return wrapped
 
 

@@ -208,6 +208,10 @@ class Config(_Section):
     # Seconds a collective of zerodp's may keep this rank waiting before it says so in one line (the collective,
     # where the engine is, where the other ranks are), then again at doubling intervals (distributed/waits.py).
     wait_notice_s: Annotated[float, Field(gt=0, le=1e8, allow_inf_nan=False)] = 60.0
+    # How the sharding collectives (gradient reduce-scatter, parameter all-gather) run: "auto" measures at
+    # set-up which is faster on this backend (on gloo; NCCL keeps its own), "native" the backend's own ops,
+    # "all_reduce" both through an all-reduce (distributed/plan.py). Any other value is refused.
+    collectives: Literal["auto", "native", "all_reduce"] = "auto"
     # DeepSpeed never reads it (an unknown top-level key to it); DeepSpeedExamples' configs carry it.
     cuda_visible_devices: int | str | None = None
     fp16: FP16Config = Field(default_factory=FP16Config)

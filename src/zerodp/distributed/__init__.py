@@ -7,6 +7,8 @@
                 sharding's subgroups, a named device mesh's or an mpu's data- and tensor-parallel groups.
   waits.py      `WaitNotice`: a collective that keeps this rank waiting over wait_notice_s says so, and where
                 the other ranks are, in one line at doubling intervals.
+  plan.py       `CollectivePlan`: how each sharding collective runs on this backend (natively, or as an
+                all-reduce), chosen by a probe at set-up on gloo; the torch rename of the flat collectives.
   failures.py   a peer's failure named: `PeerFailure`, a rank's `Failure` as the agreement reports it.
   traffic.py    what the collectives report: the bytes each moves (`Traffic`), comms_logger's `Watcher`.
   teardown.py   the groups freed at exit, before the interpreter finalizes.

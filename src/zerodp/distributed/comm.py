@@ -1,9 +1,8 @@
 """The few collectives zerodp uses, on one process group, with a tally of the bytes each moves.
 
 `Comm` is the single owner of distributed state: the engine holds one and every other module
-receives it. It also hides a torch rename: torch >= 2.13 calls the flat collectives
-`all_gather_single` / `reduce_scatter_single` and warns on the old names, which are all that
-torch 2.11 has.
+receives it. How its reduce-scatters and all-gathers are carried out on the backend (natively, or through
+an all-reduce) is its `plan`, chosen by measurement at set-up (plan.py, `choose_collectives`).
 
 It also owns the two ways a problem on one rank reaches every rank instead of hanging the others:
 `Comm.agree` (every rank reports ok or its error in one small collective, before the collectives that
@@ -29,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerodp.distributed import plan as collective_plan
 from zerodp.distributed import said_once, teardown
 from zerodp.distributed.device import backend as device_backend
 from zerodp.distributed.device import set_device
@@ -41,11 +41,9 @@ from zerodp.distributed.groups import (
     names_roles,
     subgroup,
 )
+from zerodp.distributed.plan import CollectivePlan
 from zerodp.distributed.traffic import Done, NoticedWork, Traffic, WatchedWork, Watcher
 from zerodp.distributed.waits import WaitNotice
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # gloo's own default is 30 minutes: a stalled peer would hold every other rank that long.
@@ -124,6 +122,8 @@ class Comm:
         # Called around each of the four collectives (comms_logger, monitor/comms.py); shared with
         # the shard and replica groups, like the traffic tally. Empty: nothing is called.
         self.watchers: list[Watcher] = watchers if watchers is not None else []
+        # How reduce_scatter and all_gather are carried out (plan.py): native until choose_collectives
+        self.plan = CollectivePlan(self.backend)
         self.last_op = "collective"  # the kind issued last: names a timed-out collective (peer_failure)
         # comm_timeout_s when the config gives it (bound): every zerodp collective waits at most this long;
         # None: the groups' own timeouts
@@ -218,6 +218,14 @@ class Comm:
         notice = WaitNotice(notice_s, dist.get_rank(), ranks, f"{self._bound_tag or 'zerodp/waiting'}/notice")
         for comm in comms:
             comm.notice = notice
+
+    def choose_collectives(self, choice: str, sharded_numel: int) -> CollectivePlan:
+        """Collective (every rank, after split; a probe on gloo): how this Comm's shard group runs its
+        reduce-scatters and all-gathers of the `sharded_numel` elements' buckets from now on, the config's
+        `collectives` (plan.py). Returns the plan."""
+        chosen = collective_plan.decide(self, choice, sharded_numel)
+        self.plan = self.shard.plan = chosen
+        return chosen
 
     def _adopt(self, mesh) -> None:
         names = mesh.mesh_dim_names
@@ -390,13 +398,16 @@ class Comm:
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self.last_op = "reduce_scatter"
-        self.traffic.add("reduce_scatter", self._ring(inp.numel() * inp.element_size()), self.name)
+        impl = self.plan.implementation("reduce_scatter", inp.numel())
+        # tallied as the collective asked for, with the bytes its implementation moves (an all-reduce's: 2x)
+        moved = (2 if impl == "all_reduce" else 1) * self._ring(inp.numel() * inp.element_size())
+        self.traffic.add("reduce_scatter", moved, self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
         if self.is_fake():  # out may be this rank's chunk of inp itself: mul with out= allows that
             torch.mul(inp.view(self.world_size, -1)[self.rank], self.world_size, out=out)
             return Done() if async_op else None
-        return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op)
+        return collective_plan.reduce_scatter(impl, self.group, out, inp, self.rank, self.world_size, async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `inp` into `out` (`inp` may be this rank's chunk of `out`)."""
@@ -411,18 +422,20 @@ class Comm:
             return out
         self.last_op = "all_gather"
         with self.notice.waiting("all_gather") if self.notice is not None else nullcontext():  # a wait speaks
-            _all_gather_single(out.view(-1), tag, group=self.group)
+            collective_plan.all_gather("native", self.group, out.view(-1), tag, self.rank, self.world_size, False)
         return out
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         self.last_op = "all_gather"
-        self.traffic.add("all_gather", self._ring(out.numel() * out.element_size()), self.name)
+        impl = self.plan.implementation("all_gather", out.numel())
+        moved = (2 if impl == "all_reduce" else 1) * self._ring(out.numel() * out.element_size())
+        self.traffic.add("all_gather", moved, self.name)
         if self.world_size == 1:
             return self._local_copy(out, inp, async_op)
         if self.is_fake():
             self._fake_gather(out, inp)
             return Done() if async_op else None
-        return _all_gather_single(out, inp, group=self.group, async_op=async_op)
+        return collective_plan.all_gather(impl, self.group, out, inp, self.rank, self.world_size, async_op)
 
     def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
         """call(), with every watcher told of it: op and the larger tensor's bytes, then, when it

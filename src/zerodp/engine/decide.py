@@ -218,6 +218,10 @@ def agreed_set_up(module: nn.Module, optimizer: OptimizerLike | None, config: Co
     warn_if_slow_bf16(spec.device, spec.dtype, comm.rank)
     comm.split(spec.shard_size)  # hierarchical sharding's groups (nothing when flat)
     in_buffers = groups + ([frozen_params(module, groups)] if spec.shards_frozen else [])
+    # How the sharding collectives run on this backend (a probe on gloo), before the model's memory is taken:
+    # the probe's transient buffers then add nothing to set-up's peak. Nothing is sharded at stage 0.
+    sharded = sum(p.numel() for g in in_buffers for p in g) if spec.shards_optimizer or spec.gathers_per_unit else 0
+    comm.choose_collectives(config.collectives, sharded)
     fill.start(filling, comm, spec.device, {id(p) for g in in_buffers for p in g})
     return spec, filling, optimizer, groups
 

@@ -21,9 +21,10 @@ _NOTHING = "nothing sharded: plain data parallelism"
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 
 
-def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: bool = False) -> str:
+def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: bool = False,
+                collectives: str = "") -> str:
     """One line: stage (what it shards, over how many ranks), offload, dtype, batch sizes (forward_only:
-    a frozen-only engine, which has none)."""
+    a frozen-only engine, which has none), and how the collectives run (CollectivePlan.describe)."""
     zero = config.zero_optimization
     what = _SHARDED[zero.stage]
     over = f" over {shard_size} of {world_size} ranks" if what else f", {world_size} rank(s)"
@@ -31,11 +32,12 @@ def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: 
                if section.device == "cpu"]
     line = (f"zerodp: ZeRO stage {zero.stage} ({what + ' sharded' if what else _NOTHING}{over}); offload: "
             f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype {_DTYPE_NAMES[str(config.dtype)]}; ")
+    tail = f"; {collectives}" if collectives else ""
     if forward_only:
-        return line + "forward only (no optimizer, nothing to train)"
+        return line + "forward only (no optimizer, nothing to train)" + tail
     batch = config.batch(world_size)
     return line + (f"batch {batch.micro_batch_size} per rank x {batch.gradient_accumulation_steps} accumulation "
-                   f"x {world_size} ranks = {batch.train_batch_size}")
+                   f"x {world_size} ranks = {batch.train_batch_size}") + tail
 
 
 def no_stage_chosen(config: Config) -> bool:
@@ -44,7 +46,8 @@ def no_stage_chosen(config: Config) -> bool:
     return "zero_optimization" not in config.model_fields_set or "stage" not in zero.model_fields_set
 
 
-def log_set_up(config: Config, world_size: int, shard_size: int, rank: int, forward_only: bool = False) -> None:
+def log_set_up(config: Config, world_size: int, shard_size: int, rank: int, forward_only: bool = False,
+               collectives: str = "") -> None:
     """The set-up line at INFO, on rank 0 only (one line per job, not one per rank)."""
     if rank == 0:
-        logger.info("%s", set_up_line(config, world_size, shard_size, forward_only))
+        logger.info("%s", set_up_line(config, world_size, shard_size, forward_only, collectives))

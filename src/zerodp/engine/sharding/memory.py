@@ -13,7 +13,12 @@ Facts of the engine that the table leaves out, reported rather than hidden:
     block (masters, gradients, staging), whose rounding is `offload_pinned_rounding`;
   * gradients exist from the first one of an accumulation window to the end of its step (like
     zero_grad(set_to_none=True)), and stage 2's reduce buffers only during backward: both are
-    counted in full here, as what the rank holds while they exist.
+    counted in full here, as what the rank holds while they exist;
+  * where the collective plan (distributed/plan.py) does the gradient reduce-scatter as an all-reduce, the
+    whole reduce bucket is summed, not one shard of it: `reduce_whole_bucket` is what that holds beyond the
+    shard for the largest such bucket (N-1 shards of it). It lies in the reduce bucket the reducer holds
+    anyway (reduce_buckets), so it is stated, not added; the all-gather as all-reduce sums in place in the
+    gathered bucket and holds nothing more.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     # for gathers that none uses now (host memory: the pool's idle slots, sharding/pool.py)
     report["gathered_params"], report["gather_pool_idle"] = sharded.gathered_bytes()
     report.setdefault("step_transient", 0)
+    report.setdefault("reduce_whole_bucket", 0)  # a frozen model reduces nothing
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
     on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file
     host = {"fp32_master": optimizer_on_host and not on_disk, "master_remainders": False,

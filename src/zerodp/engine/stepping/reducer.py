@@ -342,5 +342,8 @@ class Reducer:
         """Bytes of the gradients while they exist, and the most the reduce-buffer pool has held."""
         size = torch.empty((), dtype=self.acc_dtype).element_size()
         grads = sum((b.shard_numel if self.kept is Kept.SHARD else b.numel) * size for b in self.buckets)
-        pool = self.pool_peak * torch.empty((), dtype=self.dtype).element_size()
-        return {"gradients": grads, "reduce_buckets": pool}
+        sent = torch.empty((), dtype=self.dtype).element_size()
+        # the collective plan's reduce-scatter as all-reduce sums the whole bucket, not one shard of it
+        whole = (self.comm.plan.whole_bucket_bytes([b.numel for b in self.buckets], sent, self.comm.shard_size)
+                 if self.scatters else 0)
+        return {"gradients": grads, "reduce_buckets": self.pool_peak * sent, "reduce_whole_bucket": whole}

@@ -369,6 +369,7 @@ class Training:
         layout, comm = self.sharded.layout, self.sharded.comm
         grads, opt = self.reducer.bytes(), self.partitioned_optimizer
         out = {"gradients": grads["gradients"], **opt.bytes(), "reduce_buckets": grads["reduce_buckets"],
+               "reduce_whole_bucket": grads["reduce_whole_bucket"],
                # without offload, optimizer.step() feeds the optimizer `grad.float()` for non-fp32 gradients,
                # sub_group_size elements at a time
                "step_transient": opt.step_copy_bytes([b.shard_numel for b in layout.buckets], self.reducer.acc_dtype)}

@@ -148,7 +148,8 @@ class ZeroTrainer(Trainer):
     def _say_set_up(self) -> None:
         """One line on rank 0: the stage, offload and dtype that run, among the Trainer's own set-up lines
         (its logger, at INFO), or as a warning when no stage was chosen (plain data parallelism)."""
-        line = set_up_line(self.engine.config, inside(self.engine).comm.world_size, inside(self.engine).spec.shard_size)
+        line = set_up_line(self.engine.config, inside(self.engine).comm.world_size, inside(self.engine).spec.shard_size,
+                           collectives=inside(self.engine).comm.plan.describe())
         if no_stage_chosen(self.engine.config):
             _trainer_log.warning("ZeroTrainer was given no ZeRO stage (no zero_config, or one without "
                                  "zero_optimization.stage), so it trains plain data parallelism: %s. Pass e.g. "
