@@ -128,10 +128,32 @@ def _agreement(rank: int) -> tuple:
     return chosen, comm.shard.plan is chosen
 
 
+def _raw_words(comm: Comm, rank: int) -> dict:
+    """Each implementation's all-gather of words that are not numbers: bf16 storage of packed bytes (NaN payloads,
+    -0.0, subnormals: every 16-bit pattern), and fp32 alike; what arrives, as its bits."""
+    out = {}
+    for impl in plan.IMPLEMENTATIONS:
+        comm.plan = plan.forced("gloo", impl)
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            words = _words(rank, bits).view(dtype)
+            gathered = torch.empty(2 * words.numel(), dtype=dtype)
+            comm.all_gather(gathered, words)
+            out[impl, str(dtype)] = gathered.view(bits)
+    return out
+
+
+def _words(rank: int, bits: torch.dtype) -> torch.Tensor:
+    info = torch.iinfo(bits)
+    g = torch.Generator().manual_seed(10 + rank)
+    words = torch.randint(info.min, info.max, (256,), generator=g, dtype=torch.int64).to(bits)
+    words[:2] = torch.tensor([info.min, -1], dtype=bits)  # -0.0 and an all-ones NaN
+    return words
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     comm = Comm()
     out = {"collectives": {**_collectives(comm, rank, torch.float32), **_collectives(comm, rank, torch.bfloat16)},
-           "agreed": _agreement(rank)}
+           "raw": _raw_words(comm, rank), "agreed": _agreement(rank)}
     out["engines"] = {(choice, stage): _engine_run(rank, choice, stage)
                       for stage in (2, 3) for choice in ("native", "all_reduce", "auto")}
     return out
@@ -157,6 +179,14 @@ def test_both_implementations_give_the_same_values_on_two_ranks():
     for rank, result in enumerate(two_ranks()):
         shard, gathered = result["collectives"]["all_reduce", "torch.float32", False, False]
         assert torch.equal(shard, total.view(2, -1)[rank]) and torch.equal(gathered, sources)
+
+
+def test_the_all_gather_as_all_reduce_carries_every_bit_of_words_that_are_not_numbers():
+    """Packed 4-bit words stored as bf16 read as NaNs, -0.0 and subnormals: a float sum would rewrite them."""
+    for result in two_ranks():
+        for (impl, dtype), got in result["raw"].items():
+            bits = torch.int16 if dtype == "torch.bfloat16" else torch.int32
+            assert torch.equal(got, torch.cat([_words(0, bits), _words(1, bits)])), (impl, dtype)
 
 
 def test_every_rank_runs_rank_0s_choice():

@@ -210,7 +210,9 @@ def reduce_scatter(impl: str, group, out: torch.Tensor, inp: torch.Tensor, rank:
 
 def all_gather(impl: str, group, out: torch.Tensor, inp: torch.Tensor, rank: int, world: int, async_op: bool):
     """Every rank's `inp` concatenated into `out` (`inp` may be this rank's chunk of it). As all-reduce,
-    `out` is zeroed but for this rank's chunk and summed in place."""
+    `out` is zeroed but for this rank's chunk and summed in place, as integers: each byte then has one nonzero
+    summand, so every bit arrives as it was sent (a float sum would turn -0.0 into +0.0 and quiet a NaN's
+    payload, which is where packed 4-bit words stored as bf16 live)."""
     if impl == "native":
         return _all_gather_single(out, inp, group=group, async_op=async_op)
     chunks = out.view(world, -1)
@@ -218,4 +220,6 @@ def all_gather(impl: str, group, out: torch.Tensor, inp: torch.Tensor, rank: int
         chunks[rank].copy_(inp.view(-1))
     chunks[:rank].zero_()
     chunks[rank + 1:].zero_()
-    return dist.all_reduce(out, group=group, async_op=async_op)
+    flat = out.view(-1)
+    words = flat.view(torch.int32) if flat.numel() * flat.element_size() % 4 == 0 else flat.view(torch.uint8)
+    return dist.all_reduce(words, group=group, async_op=async_op)
