@@ -135,9 +135,20 @@ def _bf16_run(rank: int, stage: int, offload: bool = False) -> dict:
             "dtypes": dtypes}
 
 
+def quant_state_bytes(model) -> int:
+    """The bytes of the quantisation state bitsandbytes keeps beside the packed words: the tensors its
+    state_dict writes (absmax, quant_map: the QuantState's own tensors, not copies), each once."""
+    kept = {t.data_ptr(): t for k, t in model.state_dict().items() if k.endswith((".absmax", ".quant_map"))}
+    return sum(t.numel() * t.element_size() for t in kept.values())
+
+
 def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
+    from zerodp.checkpoint.export_engine import save_hf
+    from zerodp.models import hf_folder
+
     model = qlora(storage)
     base_bytes = sum(p.numel() * p.element_size() for p in frozen(model))
+    quant_bytes = quant_state_bytes(model)
     engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2),
                                config(stage, bf16=precision == "bf16"))
     if stage != 3:
@@ -155,6 +166,8 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
             engine.save_checkpoint(os.path.join(work(), f"ckpt-{storage}-{precision}"))
     adapter = os.path.join(work(), f"adapter-{storage}-{precision}")
     model.save_pretrained(adapter, is_main_process=rank == 0)  # every rank: it gathers
+    if precision == "fp32":  # zerodp's own HF folder: the 4-bit base as bitsandbytes writes it, the adapter
+        save_hf(engine, os.path.join(work(), f"hf-{storage}"), hf_folder.description(model, None))
     with torch.no_grad():
         logits = engine(input_ids=PROBE).logits
         engine.eval()  # bitsandbytes would repack a CPU weight for inference here: zerodp keeps it packed
@@ -162,7 +175,8 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
         engine.train()
     return {"losses": losses, "state": engine.full_state_dict(), "at_set_up": at_set_up, "logits": logits,
             "eval_logits": eval_logits,
-            "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"]}
+            "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"],
+            "quant_state": engine.memory_report()["quant_state"], "quant_bytes": quant_bytes}
 
 
 def _train(engine, rank: int) -> dict:
@@ -303,8 +317,10 @@ def test_qlora_base_sharded_at_stage3_packed_words_untouched_trains_as_one_proce
             for k in words:
                 assert torch.equal(got[k], words[k]), f"{k} ({when}): packed words changed"
         assert r["state"][next(iter(words))].dtype == STORAGE[storage]
-        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding
+        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding, and
+        # the quantisation state whole (not sharded), as memory_report counts it
         assert r["base_bytes"] / 2 <= r["held"] < r["base_bytes"] / 2 * 1.1, (r["held"], r["base_bytes"])
+        assert r["quant_state"] == r["quant_bytes"] > 0, (r["quant_state"], r["quant_bytes"])
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
     if precision == "fp32":  # the same training as one process: every entry, bitsandbytes' quant state too
@@ -324,6 +340,50 @@ def test_qlora_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_train
     with torch.no_grad():
         untrained = qlora(storage)(input_ids=PROBE).logits
     assert (untrained - logits).abs().max() > 1e-3, "training must have changed the adapter's logits"
+
+
+def quantized_base(storage: str):
+    """The 4-bit base alone, as bitsandbytes loads it: what its own save_pretrained writes is its state_dict."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        base_folder(), quantization_config=transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=STORAGE[storage],
+            bnb_4bit_compute_dtype=torch.bfloat16), dtype=torch.bfloat16, device_map="cpu")
+
+
+@pytest.mark.parametrize("storage", ["bf16", "uint8"])
+def test_qlora_hf_folder_saved_from_stage3_holds_bitsandbytes_entries_and_loads_to_the_trained_logits(storage):
+    """save_hf of a QLoRA PEFT model at stage 3 on 2 ranks: the base's model.safetensors holds what
+    bitsandbytes writes (packed words, absmax, quant_map, quant_state.bitsandbytes__nf4) bit for bit, config.json
+    its quantization_config, and the folder with its adapter/ loads as users load a base and an adapter."""
+    from safetensors.torch import load_file
+
+    ours = runs()[0][f"qlora/{storage}/fp32"]
+    folder = os.path.join(work(), f"hf-{storage}")
+    theirs = quantized_base(storage).state_dict()
+    written = load_file(os.path.join(folder, "model.safetensors"))
+    assert written.keys() == theirs.keys()
+    assert any(k.endswith(".quant_state.bitsandbytes__nf4") for k in written)
+    for k in theirs:
+        assert written[k].dtype == theirs[k].dtype and torch.equal(written[k].view(torch.uint8).flatten(),
+                                                                   theirs[k].view(torch.uint8).flatten()), k
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    assert base.config.quantization_config.bnb_4bit_quant_storage == STORAGE[storage]
+    loaded = peft.PeftModel.from_pretrained(base, os.path.join(folder, "adapter"))
+    loaded.train()  # as trained: bitsandbytes would repack a CPU weight in eval mode
+    with torch.no_grad():
+        logits = loaded(input_ids=PROBE).logits
+    torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_peft_checkpoint_consolidated_as_an_hf_folder_is_refused_by_name():
+    from zerodp.checkpoint.errors import CheckpointError
+    from zerodp.checkpoint.export import write_hf_folder
+
+    runs()
+    with pytest.raises(CheckpointError, match=r"holds a PEFT model \(base_model\.model\..*no adapter config.*save_hf"):
+        write_hf_folder(os.path.join(work(), "ckpt-uint8-fp32"), os.path.join(work(), "refused"),
+                        hf_config=base_folder())
+    assert not os.path.exists(os.path.join(work(), "refused"))
 
 
 @pytest.mark.parametrize("storage", ["bf16", "uint8"])

@@ -6,8 +6,8 @@ bitsandbytes' `Params4bit` (QLoRA's NF4/FP4 base): its `.data` is the packed 4-b
 `bnb_4bit_quant_storage` dtype, and its quantisation state (`quant_state`: absmax, the code, the shape)
 is an attribute of the parameter object, which zerodp never replaces, so it stays beside the words on
 every rank, whole (an fp32 absmax per 64-weight block: 1/8 of the words' bytes, about 1/32 with
-bnb_4bit_use_double_quant; not sharded yet, and not counted by memory_report), and bitsandbytes writes it
-into each state_dict.
+bnb_4bit_use_double_quant; not sharded: memory_report counts it as `quant_state`), and bitsandbytes writes
+it into each state_dict.
 
 Refused by name at initialize, on every rank before any collective:
   * a trained Params4bit: 4-bit words have no gradient; train adapters on it (LoRA) instead;
@@ -35,6 +35,20 @@ from torch.distributed.tensor import DTensor
 def is_params4bit(p: torch.Tensor) -> bool:
     """bitsandbytes' Params4bit, known without importing bitsandbytes."""
     return any(c.__name__ == "Params4bit" and c.__module__.startswith("bitsandbytes") for c in type(p).__mro__)
+
+
+def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of the 4-bit weights' quantisation states (absmax, the code, a double quantisation's own
+    state2 and offset), each storage once: what a rank holds beside the packed words (memory_report)."""
+    found: dict[int, torch.Tensor] = {}
+    for p in module.parameters():
+        state = getattr(p, "quant_state", None) if is_params4bit(p) else None
+        while state is not None:
+            for t in vars(state).values():
+                if isinstance(t, torch.Tensor):
+                    found.setdefault(t.untyped_storage().data_ptr(), t)
+            state = getattr(state, "state2", None)
+    return list(found.values())
 
 
 def check(module: nn.Module, trained: set[int], from_source: bool) -> None:
