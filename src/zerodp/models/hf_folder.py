@@ -50,6 +50,8 @@ WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
 # `w.absmax`, `w.quant_map`, with double quantisation `w.nested_absmax` and `w.nested_quant_map`, and
 # `w.quant_state.bitsandbytes__nf4` (or __fp4: the rest of the state as JSON bytes).
 QUANT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+# What an 8-bit layer `m` (Linear8bitLt) writes beside its int8 weight `m.weight`: its row scales and format.
+INT8_ENTRIES = ("SCB", "weight_format")
 
 
 def hidden_size(config: Any) -> int | None:
@@ -319,10 +321,11 @@ def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
         if tuple(shape) != tuple(t.shape) and ours not in beside:  # packed 4-bit words have their own shape
             raise ValueError(f"the weights do not fit this HF config's model: '{name_of[id(t)]}' is "
                              f"{tuple(shape)}, the model's is {tuple(t.shape)}")
-        for name in (ours, *beside.get(ours, ())):  # bitsandbytes' entries follow their weight's key
-            targets.setdefault(name, []).append(key + name[len(ours):])
+        module = key.rpartition(".")[0] + "."  # bitsandbytes' entries go where their weight's module goes
+        for name in (ours, *beside.get(ours, ())):
+            targets.setdefault(name, []).append(module + name[len(ours.rpartition(".")[0]) + 1:])
             shape, dtype = weights.shapes[name]
-            stored[key + name[len(ours):]] = torch.empty(shape, dtype=dtype, device="meta")
+            stored[targets[name][-1]] = torch.empty(shape, dtype=dtype, device="meta")
     split = split_torch_state_dict_into_shards(stored, filename_pattern=WEIGHTS.replace(".safetensors",
                                                "{suffix}.safetensors"), max_shard_size=max_shard_size)
     files = {f: {k: (stored[k].shape, stored[k].dtype) for k in keys} for f, keys in split.filename_to_tensors.items()}
@@ -335,11 +338,13 @@ def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
 
 
 def quant_entries(shapes: Mapping[str, Any]) -> dict[str, list[str]]:
-    """{packed weight: the names bitsandbytes writes beside it} among `shapes`' names: a 4-bit weight's
+    """{quantised weight: the names bitsandbytes writes beside it} among `shapes`' names: a 4-bit weight's
     state_dict entry is its packed words (in the quant storage dtype, its own shape), followed by its
-    quantisation state (`.absmax`, `.quant_map`, `.nested_*`, `.quant_state.bitsandbytes__nf4`), which
-    from_pretrained reads back under the weight's key plus the same suffix."""
+    quantisation state (`.absmax`, `.quant_map`, `.nested_*`, `.quant_state.bitsandbytes__nf4`); an 8-bit
+    layer's, its int8 weight and, beside it in the module, `SCB` and `weight_format`. from_pretrained reads
+    them back under the same names in the weight's module."""
     packed = {n[:-len(".quant_map")] for n in shapes if n.endswith(".quant_map")}
+    packed |= {n[:-len("SCB")] + "weight" for n in shapes if n.endswith(".SCB")}
     beside: dict[str, list[str]] = {}
     for n in shapes:
         if _owner(n) in packed:
@@ -360,11 +365,12 @@ def stored_dtype(weights: Weights) -> Any:
 
 
 def _owner(name: str) -> str:
-    """The weight a bitsandbytes quantisation entry belongs to (`w.absmax`, `w.quant_state.x` -> `w`)."""
+    """The weight a bitsandbytes quantisation entry belongs to (`w.absmax`, `w.quant_state.x` -> `w`; an 8-bit
+    layer's `m.SCB` -> `m.weight`); "" for any other name."""
     if ".quant_state." in name:
         return name.split(".quant_state.")[0]
     head, _, tail = name.rpartition(".")
-    return head if tail in QUANT_SUFFIXES else ""
+    return head if tail in QUANT_SUFFIXES else f"{head}.weight" if tail in INT8_ENTRIES else ""
 
 
 def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:
