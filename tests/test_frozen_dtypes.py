@@ -224,7 +224,7 @@ def _train(engine, rank: int) -> dict:
 def _jobs(rank: int, world: int) -> dict:
     out = {f"{kind}/{stage}": _bf16_run(rank, stage, kind.endswith("offload")) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
-    out["qlora-stage2/uint8/fp32"] = _qlora_run(rank, "uint8", "fp32", stage=2)
+    out.update({f"qlora-stage2/{s}/fp32": _qlora_run(rank, s, "fp32", stage=2) for s in ("uint8", "int8")})
     return out
 
 
@@ -496,8 +496,9 @@ def test_a_tensor_subclass_with_a_storage_of_its_own_is_refused_by_name():
         _initialize(model)
 
 
-def test_qlora_at_stage2_keeps_the_packed_base_whole_on_every_rank_and_trains_as_one_process():
-    ours, ref = [r["qlora-stage2/uint8/fp32"] for r in runs()], qlora_reference("uint8")
+@pytest.mark.parametrize("storage", ["uint8", "int8"])
+def test_qlora_at_stage2_keeps_the_packed_base_whole_on_every_rank_and_trains_as_one_process(storage):
+    ours, ref = [r[f"qlora-stage2/{storage}/fp32"] for r in runs()], qlora_reference(storage)
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
     assert_same_state(ours[0]["state"], ref["state"], 1e-6)

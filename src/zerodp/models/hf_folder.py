@@ -7,7 +7,9 @@ initialiser of a model on meta: zerodp.initialize's default for one), `load_toke
 folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, lets `save_pretrained` write config.json and
 generation_config.json, and asks HF which weights it would store under which keys in which shards
-(`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load).
+(`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load;
+a bitsandbytes 4-bit or 8-bit weight written as bitsandbytes writes it, its quantisation entries beside it:
+`quant_entries`).
 The weights themselves are written tensor by tensor as they arrive (models.weight_files), so neither
 the writer nor a rank sending them ever holds the whole model; the tokenizer is copied through
 `AutoTokenizer`. What a checkpoint records to make this
