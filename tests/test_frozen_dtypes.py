@@ -161,7 +161,7 @@ def quant_state_bytes(model) -> int:
 
 
 def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
-    from zerodp.checkpoint.export_engine import save_hf
+    from zerodp.checkpoint.export_engine import save_hf, save_weights
     from zerodp.models import hf_folder
 
     model = qlora(storage)
@@ -184,8 +184,10 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
             engine.save_checkpoint(os.path.join(work(), f"ckpt-{storage}-{precision}"))
     adapter = os.path.join(work(), f"adapter-{storage}-{precision}")
     model.save_pretrained(adapter, is_main_process=rank == 0)  # every rank: it gathers
-    if precision == "fp32":  # zerodp's own HF folder: the 4-bit base as bitsandbytes writes it, the adapter
+    if precision == "fp32":  # zerodp's own HF folder: the 4-bit base as bitsandbytes writes it, the adapter;
         save_hf(engine, os.path.join(work(), f"hf-{storage}"), hf_folder.description(model, None))
+        # and save_16bit_model's file: every floating entry in 16 bits but bitsandbytes' own
+        save_weights(engine, os.path.join(work(), f"16bit-{storage}.pt"), torch.float16)
     with torch.no_grad():
         logits = engine(input_ids=PROBE).logits
         engine.eval()  # bitsandbytes would repack a CPU weight for inference here: zerodp keeps it packed
@@ -402,6 +404,21 @@ def test_qlora_hf_folder_saved_from_stage3_holds_bitsandbytes_entries_and_loads_
     with torch.no_grad():
         logits = loaded(input_ids=PROBE).logits
     torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", EXPORTED)
+def test_16bit_weights_file_from_stage3_keeps_the_quantized_words_and_state_as_bitsandbytes_writes_them(storage):
+    """save_weights with a 16-bit dtype (zerodp.deepspeed's save_16bit_model) casts floating entries, but
+    not the packed words (in bf16 storage some read as NaNs) nor bitsandbytes' fp32 absmax and scales."""
+    runs()
+    saved = torch.load(os.path.join(work(), f"16bit-{storage}.pt"))
+    reference = qlora(storage).state_dict()
+    assert saved.keys() == reference.keys()
+    exact = {*packed(reference), *bitsandbytes_entries(reference)}
+    for k in exact:
+        assert saved[k].dtype == reference[k].dtype and torch.equal(saved[k].view(torch.uint8),
+                                                                    reference[k].view(torch.uint8)), k
+    assert {saved[k].dtype for k in saved if k not in exact and reference[k].is_floating_point()} == {torch.float16}
 
 
 def test_a_peft_checkpoint_consolidated_as_an_hf_folder_is_refused_by_name():

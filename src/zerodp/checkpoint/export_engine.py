@@ -70,7 +70,7 @@ def save_hf(engine: Engine, out: str | os.PathLike, description: dict[str, Any])
     itself: from_pretrained would load an adapter found there on its own, in the base's dtype, and PEFT
     would then add it a second time.)"""
     weights, module, writer = inside(engine).weights(), inside(engine).module, _writes(engine)
-    peft = hf_peft.split_adapter(module, weights)
+    peft = hf_peft.split_adapter(module, weights, keep=writer)
     if peft is None:
         return hf_folder.write_folder(out, weights, description, writer=writer)
     base, adapter = peft
@@ -101,7 +101,8 @@ def _tee(stream: Iterable[tuple[str, torch.Tensor]], file: TorchSaveFile | None,
 
 
 def _select(weights: Weights, dtype: torch.dtype | None, names: set[str] | None) -> Weights:
-    """Only `names` (an alias kept only with its tensor's name), floating tensors cast to `dtype`."""
+    """Only `names` (an alias kept only with its tensor's name), floating tensors cast to `dtype`, except
+    bitsandbytes' quantized words and their quantisation state, which are written as bitsandbytes reads them."""
     keep = set(weights.shapes) if names is None else names
     renamed: dict[str, str] = {}  # a name left out whose alias is kept: its values go by the alias
     for alias, name in weights.ties.items():
@@ -109,14 +110,17 @@ def _select(weights: Weights, dtype: torch.dtype | None, names: set[str] | None)
             renamed.setdefault(name, alias)
     ties = {a: renamed.get(n, n) for a, n in weights.ties.items() if a in keep and a != renamed.get(n)}
 
-    def cast(d: torch.dtype) -> torch.dtype:
-        return dtype if dtype is not None and d.is_floating_point else d
+    beside = hf_folder.quant_entries(weights.shapes)
+    exact = set(beside).union(*beside.values())  # packed words in bf16 storage may read as NaNs: never cast
 
-    shapes = {n: (s, cast(d)) for n, (s, d) in weights.shapes.items() if n in keep}
+    def cast(n: str, d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point and n not in exact else d
+
+    shapes = {n: (s, cast(n, d)) for n, (s, d) in weights.shapes.items() if n in keep}
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for n, t in weights.stream:
             if n in keep or n in renamed:
-                yield renamed.get(n, n), t.to(cast(t.dtype))
+                yield renamed.get(n, n), t.to(cast(n, t.dtype))
             del t  # before the stream makes its next one (a generator expression would hold it)
     return Weights(shapes, ties, stream())

@@ -175,12 +175,13 @@ def peft_names(names: Iterable[str]) -> list[str]:
     return [n for n in names if n.startswith("base_model.model.")]
 
 
-def split_adapter(model: nn.Module, weights: Weights) -> tuple[Weights, dict[str, torch.Tensor]] | None:
+def split_adapter(model: nn.Module, weights: Weights, keep: bool = True
+                  ) -> tuple[Weights, dict[str, torch.Tensor]] | None:
     """For a PEFT model, its weights as two: the base model's (under the base's own names, what its model
     folder holds: `alias`; modules_to_save's trained copies left out) and a dict that fills, as that stream is
     read, with the adapter's entries under the model's names (what `model.save_pretrained(dir,
     state_dict=...)` writes as PEFT's adapter files: the adapter is small, held whole, copied out of the
-    stream's buckets). None for any other model."""
+    stream's buckets; only when `keep`: the rank that writes). None for any other model."""
     from zerodp.engine.sharding.weights import Weights
 
     alias, optional = weight_names(model)
@@ -194,7 +195,8 @@ def split_adapter(model: nn.Module, weights: Weights) -> tuple[Weights, dict[str
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights.stream:
             if name in adapter:
-                kept[name] = t.clone()  # a view of a gathered bucket: held, it would keep the bucket alive
+                if keep:
+                    kept[name] = t.clone()  # a view of a gathered bucket: held, it would keep the bucket alive
             else:
                 yield renamed[name], t
             del t
