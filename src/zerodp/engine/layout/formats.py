@@ -27,8 +27,8 @@ Linear8bitLt computes from `module.state.CB`, a second reference it takes from t
 forward (and reads again in backward), and writes back into `weight.data` after each forward: held, it would
 keep the whole matrix on every rank and read a released gather. `int8_follows_weight` makes that
 reference the weight's own `.data`, whatever zerodp points it at (this rank's shard, a gathered bucket),
-and keeps SCB in the state, whole on every rank (memory_report's `quant_state`); bitsandbytes writes it
-into each state_dict as before.
+and keeps SCB whole on every rank (memory_report's `quant_state`); bitsandbytes writes it into each
+state_dict as before.
 
 `keep_packing` turns off bitsandbytes' CPU repacking, which an eval-mode forward does to a 4-bit weight on a
 CPU with AVX512-BF16 (it replaces the weight's `.data` with another layout, which a stage-3 shard cannot
@@ -56,7 +56,7 @@ def is_int8params(p: torch.Tensor) -> bool:
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     """The tensors of the quantised weights' states, each storage once: what a rank holds beside the packed
     words (memory_report): a 4-bit weight's absmax, code, a double quantisation's state2 and offset; an
-    8-bit weight's row scales (SCB, kept in its module's state by int8_follows_weight)."""
+    8-bit weight's row scales (SCB: one tensor on the weight and its layer's state, int8_follows_weight)."""
     found: dict[int, torch.Tensor] = {}
     for p in module.parameters():
         state = getattr(p, "quant_state", None) if is_params4bit(p) else None
@@ -79,12 +79,13 @@ def _int8_layers(module: nn.Module) -> list[nn.Module]:
 
 def int8_follows_weight(module: nn.Module) -> None:
     """Each 8-bit layer's `state.CB` made its weight's `.data`, read when bitsandbytes reads it; the weight's
-    own references to the matrix and its scales dropped, the scales kept in the state (module docstring)."""
+    own reference to the whole matrix dropped (so that forward does not take it back into the state); the
+    scales, one tensor, on both (bitsandbytes' load_state_dict copies into the weight's)."""
     for m in _int8_layers(module):
         state, weight = m.state, m.weight
         if weight.SCB is not None:  # no forward yet: the scales are on the weight
             state.SCB = weight.SCB
-        weight.CB = weight.SCB = None  # so that forward does not take them back into the state
+        weight.CB, weight.SCB = None, state.SCB
         if not isinstance(state, _Following):
             state.__dict__.pop("CB", None)
             state.__class__ = _following(type(state))
