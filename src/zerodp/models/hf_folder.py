@@ -323,9 +323,8 @@ def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
         if tuple(shape) != tuple(t.shape) and ours not in beside:  # packed 4-bit words have their own shape
             raise ValueError(f"the weights do not fit this HF config's model: '{name_of[id(t)]}' is "
                              f"{tuple(shape)}, the model's is {tuple(t.shape)}")
-        module = key.rpartition(".")[0] + "."  # bitsandbytes' entries go where their weight's module goes
-        for name in (ours, *beside.get(ours, ())):
-            targets.setdefault(name, []).append(module + name[len(ours.rpartition(".")[0]) + 1:])
+        for name in (ours, *beside.get(ours, ())):  # bitsandbytes' entries go where their weight's module goes
+            targets.setdefault(name, []).append(_module_of(key) + name[len(_module_of(ours)):])
             shape, dtype = weights.shapes[name]
             stored[targets[name][-1]] = torch.empty(shape, dtype=dtype, device="meta")
     split = split_torch_state_dict_into_shards(stored, filename_pattern=WEIGHTS.replace(".safetensors",
@@ -364,6 +363,12 @@ def stored_dtype(weights: Weights) -> Any:
     quant = set(beside).union(*beside.values())
     dtypes = {d for n, (_, d) in weights.shapes.items() if d.is_floating_point and n not in quant}
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _module_of(name: str) -> str:
+    """The module part of a state_dict name, with its dot (`a.b.weight` -> `a.b.`; `weight` -> ``)."""
+    head, dot, _ = name.rpartition(".")
+    return head + dot
 
 
 def _owner(name: str) -> str:
