@@ -29,10 +29,12 @@ transformers = pytest.importorskip("transformers")
 MICRO, STEPS, SAVE_AT, SEQ, VOCAB = 2, 4, 2, 12, 300
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 BF16_CASES = [("bf16_base", 2), ("bf16_base", 3), ("bf16_base_offload", 3)]  # offload_param: shards on the host
-STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32}
+STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32, "int8": torch.int8}
 # QLoRA at stage 3: (bnb_4bit_quant_storage, the config's precision); fp32 words under bf16: packed words are
-# never cast, although an fp32 frozen parameter is
-QLORA_CASES = [("bf16", "fp32"), ("uint8", "fp32"), ("bf16", "bf16"), ("uint8", "bf16"), ("fp32", "bf16")]
+# never cast, although an fp32 frozen parameter is; "int8": LLM.int8 (load_in_8bit), its int8 words as packed
+QLORA_CASES = [("bf16", "fp32"), ("uint8", "fp32"), ("bf16", "bf16"), ("uint8", "bf16"), ("fp32", "bf16"),
+               ("int8", "fp32")]
+EXPORTED = ["bf16", "uint8", "int8"]  # the fp32-config cases: saved as an HF folder, consolidated, resumed
 PROBE = torch.arange(SEQ).view(1, SEQ) * 7 % VOCAB
 
 
@@ -68,17 +70,25 @@ def bf16_lora():
     return model
 
 
-def qlora(storage: str):
-    """QLoRA as the Hugging Face docs set it up for FSDP and DeepSpeed ZeRO-3: NF4, bnb_4bit_quant_storage,
-    bf16 compute; the model left in training mode (bitsandbytes repacks a CPU weight in eval mode)."""
+def quantized_base(storage: str):
+    """The base as bitsandbytes loads it, as the Hugging Face docs set QLoRA up for FSDP and DeepSpeed ZeRO-3
+    (NF4, bnb_4bit_quant_storage, bf16 compute), or in LLM.int8 (storage "int8": load_in_8bit); left in
+    training mode (bitsandbytes repacks a 4-bit CPU weight in eval mode). Its state_dict is what
+    bitsandbytes' own save_pretrained writes."""
     bnb = pytest.importorskip("bitsandbytes")  # the `test` extra pins it
     assert bnb.__version__ == "0.50.2"
-    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                            bnb_4bit_quant_storage=STORAGE[storage],
-                                            bnb_4bit_compute_dtype=torch.bfloat16)
+    quant = (transformers.BitsAndBytesConfig(load_in_8bit=True) if storage == "int8" else
+             transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_quant_storage=STORAGE[storage],
+                                             bnb_4bit_compute_dtype=torch.bfloat16))
     base = transformers.AutoModelForCausalLM.from_pretrained(base_folder(), quantization_config=quant,
                                                              dtype=torch.bfloat16, device_map="cpu")
-    base.train()
+    return base.train()
+
+
+def qlora(storage: str):
+    """QLoRA: PEFT LoRA on the quantized base."""
+    base = quantized_base(storage)
     torch.manual_seed(0)  # LoRA's A is drawn
     model = peft.get_peft_model(base, peft.LoraConfig(**LORA))
     torch.manual_seed(100)
@@ -90,8 +100,15 @@ def qlora(storage: str):
 
 
 def packed(state: dict) -> dict[str, torch.Tensor]:
-    """The packed 4-bit words of a state dict (each weight bitsandbytes writes a quant_map beside), as bytes."""
-    return {k: v.view(torch.uint8) for k, v in state.items() if f"{k}.quant_map" in state}
+    """The packed words of a state dict, as bytes: each 4-bit weight (bitsandbytes writes a quant_map beside
+    it) and 8-bit weight (an SCB beside it in its module)."""
+    return {k: v.view(torch.uint8) for k, v in state.items()
+            if f"{k}.quant_map" in state or (k.endswith(".weight") and f"{k[:-len('weight')]}SCB" in state)}
+
+
+def bitsandbytes_entries(state: dict) -> list[str]:
+    """The quantisation state's entries bitsandbytes writes beside the packed words."""
+    return [k for k in state if ".quant_" in k or k.endswith((".absmax", ".SCB", ".weight_format"))]
 
 
 def batches(world: int = 2) -> list[torch.Tensor]:
@@ -135,9 +152,21 @@ def _bf16_run(rank: int, stage: int, offload: bool = False) -> dict:
             "dtypes": dtypes}
 
 
+def quant_state_bytes(model) -> int:
+    """The bytes of the quantisation state bitsandbytes keeps beside the packed words: the tensors its
+    state_dict writes (absmax, quant_map: the QuantState's own tensors, not copies; an 8-bit layer's SCB),
+    each once."""
+    kept = {t.data_ptr(): t for k, t in model.state_dict().items() if k.endswith((".absmax", ".quant_map", ".SCB"))}
+    return sum(t.numel() * t.element_size() for t in kept.values())
+
+
 def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
+    from zerodp.checkpoint.export_engine import save_hf, save_weights
+    from zerodp.models import hf_folder
+
     model = qlora(storage)
     base_bytes = sum(p.numel() * p.element_size() for p in frozen(model))
+    quant_bytes = quant_state_bytes(model)
     engine = zerodp.initialize(model, torch.optim.AdamW(trainable(model), lr=1e-2),
                                config(stage, bf16=precision == "bf16"))
     if stage != 3:
@@ -155,6 +184,10 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
             engine.save_checkpoint(os.path.join(work(), f"ckpt-{storage}-{precision}"))
     adapter = os.path.join(work(), f"adapter-{storage}-{precision}")
     model.save_pretrained(adapter, is_main_process=rank == 0)  # every rank: it gathers
+    if precision == "fp32":  # zerodp's own HF folder: the 4-bit base as bitsandbytes writes it, the adapter;
+        save_hf(engine, os.path.join(work(), f"hf-{storage}"), hf_folder.description(model, None))
+        # and save_16bit_model's file: every floating entry in 16 bits but bitsandbytes' own
+        save_weights(engine, os.path.join(work(), f"16bit-{storage}.pt"), torch.float16)
     with torch.no_grad():
         logits = engine(input_ids=PROBE).logits
         engine.eval()  # bitsandbytes would repack a CPU weight for inference here: zerodp keeps it packed
@@ -162,7 +195,21 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
         engine.train()
     return {"losses": losses, "state": engine.full_state_dict(), "at_set_up": at_set_up, "logits": logits,
             "eval_logits": eval_logits,
-            "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"]}
+            "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"],
+            "quant_state": engine.memory_report()["quant_state"], "quant_bytes": quant_bytes,
+            "int8_elsewhere": int8_held_elsewhere(model)}
+
+
+def int8_held_elsewhere(model) -> int:
+    """Bytes of int8 matrices an 8-bit layer holds apart from its weight's own .data (bitsandbytes keeps a
+    second reference in `state.CB` from the first forward on): at stage 3, a whole matrix kept on every rank."""
+    held = {}
+    for m in model.modules():
+        if hasattr(m, "state") and type(m.weight).__name__ == "Int8Params":
+            for t in (m.state.CB, m.weight.CB):
+                if t is not None and t.untyped_storage().data_ptr() != m.weight.untyped_storage().data_ptr():
+                    held[t.untyped_storage().data_ptr()] = t.numel()
+    return sum(held.values())
 
 
 def _train(engine, rank: int) -> dict:
@@ -179,7 +226,7 @@ def _train(engine, rank: int) -> dict:
 def _jobs(rank: int, world: int) -> dict:
     out = {f"{kind}/{stage}": _bf16_run(rank, stage, kind.endswith("offload")) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
-    out["qlora-stage2/uint8/fp32"] = _qlora_run(rank, "uint8", "fp32", stage=2)
+    out.update({f"qlora-stage2/{s}/fp32": _qlora_run(rank, s, "fp32", stage=2) for s in ("uint8", "int8")})
     return out
 
 
@@ -303,15 +350,18 @@ def test_qlora_base_sharded_at_stage3_packed_words_untouched_trains_as_one_proce
             for k in words:
                 assert torch.equal(got[k], words[k]), f"{k} ({when}): packed words changed"
         assert r["state"][next(iter(words))].dtype == STORAGE[storage]
-        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding
+        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding, and
+        # the quantisation state whole (not sharded), as memory_report counts it
         assert r["base_bytes"] / 2 <= r["held"] < r["base_bytes"] / 2 * 1.1, (r["held"], r["base_bytes"])
+        assert r["quant_state"] == r["quant_bytes"] > 0, (r["quant_state"], r["quant_bytes"])
+        assert r["int8_elsewhere"] == 0, "an 8-bit layer keeps its whole matrix beside the shard"
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
     if precision == "fp32":  # the same training as one process: every entry, bitsandbytes' quant state too
         assert_same_state(ours[0]["state"], ref["state"], 1e-6)
 
 
-@pytest.mark.parametrize("storage", ["bf16", "uint8"])
+@pytest.mark.parametrize("storage", EXPORTED)
 def test_qlora_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_trained_logits(storage):
     ours = runs()[0][f"qlora/{storage}/fp32"]
     loaded = peft.PeftModel.from_pretrained(qlora(storage).base_model.model,
@@ -320,19 +370,75 @@ def test_qlora_adapter_saved_from_stage3_loads_with_from_pretrained_to_the_train
     with torch.no_grad():
         logits = loaded(input_ids=PROBE).logits
     torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours["eval_logits"], ours["logits"], rtol=0, atol=0)
+    if storage != "int8":  # 4-bit: zerodp keeps the words packed, so evaluation computes as training does
+        torch.testing.assert_close(ours["eval_logits"], ours["logits"], rtol=0, atol=0)
+    else:  # 8-bit: bitsandbytes evaluates through its int8 matmul (outliers above llm_int8_threshold apart)
+        loaded.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours["eval_logits"], loaded(input_ids=PROBE).logits, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         untrained = qlora(storage)(input_ids=PROBE).logits
     assert (untrained - logits).abs().max() > 1e-3, "training must have changed the adapter's logits"
 
 
-@pytest.mark.parametrize("storage", ["bf16", "uint8"])
+@pytest.mark.parametrize("storage", EXPORTED)
+def test_qlora_hf_folder_saved_from_stage3_holds_bitsandbytes_entries_and_loads_to_the_trained_logits(storage):
+    """save_hf of a QLoRA PEFT model at stage 3 on 2 ranks: the base's model.safetensors holds what
+    bitsandbytes writes (packed words, absmax, quant_map, quant_state.bitsandbytes__nf4) bit for bit, config.json
+    its quantization_config, and the folder with its adapter/ loads as users load a base and an adapter."""
+    from safetensors.torch import load_file
+
+    ours = runs()[0][f"qlora/{storage}/fp32"]
+    folder = os.path.join(work(), f"hf-{storage}")
+    theirs = quantized_base(storage).state_dict()
+    written = load_file(os.path.join(folder, "model.safetensors"))
+    assert written.keys() == theirs.keys()
+    assert any(k.endswith(".quant_state.bitsandbytes__nf4" if storage != "int8" else ".SCB") for k in written)
+    for k in theirs:
+        assert written[k].dtype == theirs[k].dtype and torch.equal(written[k].view(torch.uint8).flatten(),
+                                                                   theirs[k].view(torch.uint8).flatten()), k
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    assert storage == "int8" or base.config.quantization_config.bnb_4bit_quant_storage == STORAGE[storage]
+    loaded = peft.PeftModel.from_pretrained(base, os.path.join(folder, "adapter"))
+    loaded.train()  # as trained: bitsandbytes would repack a CPU weight in eval mode
+    with torch.no_grad():
+        logits = loaded(input_ids=PROBE).logits
+    torch.testing.assert_close(logits, ours["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", EXPORTED)
+def test_16bit_weights_file_from_stage3_keeps_the_quantized_words_and_state_as_bitsandbytes_writes_them(storage):
+    """save_weights with a 16-bit dtype (zerodp.deepspeed's save_16bit_model) casts floating entries, but
+    not the packed words (in bf16 storage some read as NaNs) nor bitsandbytes' fp32 absmax and scales."""
+    runs()
+    saved = torch.load(os.path.join(work(), f"16bit-{storage}.pt"))
+    reference = qlora(storage).state_dict()
+    assert saved.keys() == reference.keys()
+    exact = {*packed(reference), *bitsandbytes_entries(reference)}
+    for k in exact:
+        assert saved[k].dtype == reference[k].dtype and torch.equal(saved[k].view(torch.uint8),
+                                                                    reference[k].view(torch.uint8)), k
+    assert {saved[k].dtype for k in saved if k not in exact and reference[k].is_floating_point()} == {torch.float16}
+
+
+def test_a_peft_checkpoint_consolidated_as_an_hf_folder_is_refused_by_name():
+    from zerodp.checkpoint.errors import CheckpointError
+    from zerodp.checkpoint.export import write_hf_folder
+
+    runs()
+    with pytest.raises(CheckpointError, match=r"holds a PEFT model \(base_model\.model\..*no adapter config.*save_hf"):
+        write_hf_folder(os.path.join(work(), "ckpt-uint8-fp32"), os.path.join(work(), "refused"),
+                        hf_config=base_folder())
+    assert not os.path.exists(os.path.join(work(), "refused"))
+
+
+@pytest.mark.parametrize("storage", EXPORTED)
 def test_qlora_stage3_checkpoint_resumes_on_one_rank_packed_base_included(storage):
     resumed = one_rank()[f"resumed/{storage}/fp32"]
     assert_same_state(resumed["state"], runs()[0][f"qlora/{storage}/fp32"]["state"], 1e-6)
 
 
-@pytest.mark.parametrize("storage", ["bf16", "uint8"])
+@pytest.mark.parametrize("storage", EXPORTED)
 def test_qlora_stage3_checkpoint_consolidates_with_the_packed_words_and_quant_state_as_saved(storage):
     from zerodp.checkpoint.export import consolidate
 
@@ -343,7 +449,7 @@ def test_qlora_stage3_checkpoint_consolidates_with_the_packed_words_and_quant_st
     assert got.keys() == words.keys()
     for k in words:
         assert state[k].dtype == STORAGE[storage] and torch.equal(got[k], words[k]), f"{k}: packed words differ"
-    for k in (k for k in reference if ".quant_" in k or k.endswith(".absmax")):  # bitsandbytes' own entries
+    for k in bitsandbytes_entries(reference):
         assert torch.equal(state[k], reference[k]), k
 
 
@@ -381,12 +487,20 @@ def test_a_4bit_weight_repacked_for_cpu_inference_is_refused_by_name():
         _initialize(model)
 
 
-def test_bitsandbytes_int8_weights_are_refused_by_name():
+def test_bitsandbytes_int8_weights_zerodp_cannot_carry_are_refused_by_name():
     bnb = pytest.importorskip("bitsandbytes")
     model = torch.nn.Sequential(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False), torch.nn.Linear(64, 8))
     model[0].requires_grad_(False)
-    with pytest.raises(ValueError, match=r"'0\.weight' is a bitsandbytes.*Int8Params, a bitsandbytes format zerodp "
-                                         r"does not carry"):
+    with pytest.raises(ValueError, match=r"'0\.weight' is a bitsandbytes.*Int8Params, not quantized yet"):
+        _initialize(model)  # never moved to a device: still float
+    model[0] = bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=True).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"'0\.weight' is a bitsandbytes.*Int8Params, an 8-bit layer's weight kept "
+                                         r"in floating point \(has_fp16_weights=True\)"):
+        _initialize(model)
+    model[0] = torch.nn.Linear(64, 64)
+    model[0].weight = bnb.nn.Int8Params(torch.ones(64, 64, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"'0\.weight' is a bitsandbytes.*Int8Params, an 8-bit weight outside a "
+                                         r"bitsandbytes Linear8bitLt"):
         _initialize(model)
 
 
@@ -399,8 +513,9 @@ def test_a_tensor_subclass_with_a_storage_of_its_own_is_refused_by_name():
         _initialize(model)
 
 
-def test_qlora_at_stage2_keeps_the_packed_base_whole_on_every_rank_and_trains_as_one_process():
-    ours, ref = [r["qlora-stage2/uint8/fp32"] for r in runs()], qlora_reference("uint8")
+@pytest.mark.parametrize("storage", ["uint8", "int8"])
+def test_qlora_at_stage2_keeps_the_packed_base_whole_on_every_rank_and_trains_as_one_process(storage):
+    ours, ref = [r[f"qlora-stage2/{storage}/fp32"] for r in runs()], qlora_reference(storage)
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
     assert_same_state(ours[0]["state"], ref["state"], 1e-6)

@@ -17,7 +17,7 @@ from zerodp.checkpoint import deepspeed, whole
 from zerodp.checkpoint.errors import CheckpointError
 from zerodp.checkpoint.read import read_metadata, resolve
 from zerodp.engine.sharding.weights import Weights
-from zerodp.models import hf_folder
+from zerodp.models import hf_folder, hf_peft
 from zerodp.models.weight_files import SafetensorsFile, TorchSaveFile, write_all
 
 # Elements read from the checkpoint at once while exporting (zero_optimization.reduce_bucket_size's
@@ -74,9 +74,16 @@ def write_hf_folder(load_dir: str, out: str, tag: str | None = None, hf_config: 
     """Write the checkpoint as a Hugging Face model folder at `out` (config, generation config,
     model.safetensors with HF's key names, the tokenizer when known); returns notes for the user.
     hf_config: an HF folder or config.json to take the config from instead of the checkpoint's record."""
+    weights = checkpoint_weights(load_dir, tag)
+    peft = hf_peft.peft_names(weights.shapes)
+    if peft:
+        raise CheckpointError(f"--hf: '{load_dir}' holds a PEFT model ({peft[0]}, ...), and a checkpoint records "
+                              "no adapter config, without which no adapter folder can be written: write the HF "
+                              "folder from the engine (zerodp.checkpoint.export_engine.save_hf: the base, and "
+                              "PEFT's adapter in adapter/), or consolidate to .safetensors / .pt")
     try:
         description = hf_folder.read_description(hf_config) if hf_config else _recorded_hf(load_dir, tag)
-        return hf_folder.write_folder(out, checkpoint_weights(load_dir, tag), description)
+        return hf_folder.write_folder(out, weights, description)
     except ValueError as e:
         raise CheckpointError(f"--hf: {e}") from None
 

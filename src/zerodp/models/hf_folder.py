@@ -7,7 +7,9 @@ initialiser of a model on meta: zerodp.initialize's default for one), `load_toke
 folder's, when it has one) and `tokenize` (text per line, concatenated, as HF's run_clm example does). Out: `write_folder` builds the
 model of a recorded config on the meta device, lets `save_pretrained` write config.json and
 generation_config.json, and asks HF which weights it would store under which keys in which shards
-(`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load).
+(`layout`: HF's key names, tied copies dropped as HF drops them: GPT-2's lm_head is re-tied on load;
+a bitsandbytes 4-bit or 8-bit weight written as bitsandbytes writes it, its quantisation entries beside it:
+`quant_entries`).
 The weights themselves are written tensor by tensor as they arrive (models.weight_files), so neither
 the writer nor a rank sending them ever holds the whole model; the tokenizer is copied through
 `AutoTokenizer`. What a checkpoint records to make this
@@ -46,6 +48,12 @@ PREFIXES = ("", "model.", "module.", "module.model.")
 # The names families give a model's width in config.json; a config object answers to `hidden_size`
 # under any of them (transformers' attribute_map), a config.json dict does not.
 WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+# What bitsandbytes' 4-bit layers write beside a packed weight `w` (Params4bit's QuantState.as_dict, packed):
+# `w.absmax`, `w.quant_map`, with double quantisation `w.nested_absmax` and `w.nested_quant_map`, and
+# `w.quant_state.bitsandbytes__nf4` (or __fp4: the rest of the state as JSON bytes).
+QUANT_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+# What an 8-bit layer `m` (Linear8bitLt) writes beside its int8 weight `m.weight`: its row scales and format.
+INT8_ENTRIES = ("SCB", "weight_format")
 
 
 def hidden_size(config: Any) -> int | None:
@@ -201,6 +209,7 @@ def write_folder(out: str | os.PathLike, weights: Weights | Mapping[str, Any], d
         weights = Weights.of(dict(weights))
     model = meta_model(description)
     files, routes, index = layout(model, weights, max_shard_size)  # checked on every caller
+    model.to(stored_dtype(weights))  # save_pretrained names the parameters' dtype in config.json
     if not writer:
         weights.drain()
         return []
@@ -256,7 +265,7 @@ def _write_files(folder: Path, files: dict[str, dict], routes: dict[str, list[tu
 
 def meta_model(description: dict[str, Any]):
     """The model of a recorded config (description()'s), on meta, in fp32 (what is stored: the fp32
-    master weights)."""
+    master weights; write_folder names the dtype of a frozen base, stored_dtype)."""
     import torch
     import transformers
 
@@ -292,7 +301,8 @@ def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     state = model.state_dict()
-    prefix = _prefix(weights.shapes, set(state))
+    beside = quant_entries(weights.shapes)
+    prefix = _prefix({n: v for n, v in weights.shapes.items() if n not in beside.get(_owner(n), ())}, set(state))
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     kept = remove_tied_weights_from_state_dict(dict(state), model)
@@ -306,23 +316,68 @@ def layout(model, weights: Weights, max_shard_size: int | str = MAX_SHARD_SIZE
     if missing:
         raise ValueError(f"the weights miss {len(missing)} tensor(s) of this HF config's model, e.g. "
                          f"{', '.join(missing[:3])}: is the config the one this model was trained with?")
-    stored = {}
+    stored, targets = {}, {}  # HF key -> its meta tensor; name in weights -> its HF keys
     for key, t in saved.items():
-        shape, dtype = weights.shapes[prefix + name_of[id(t)]]
-        if tuple(shape) != tuple(t.shape):
+        ours = prefix + name_of[id(t)]
+        shape, dtype = weights.shapes[ours]
+        if tuple(shape) != tuple(t.shape) and ours not in beside:  # packed 4-bit words have their own shape
             raise ValueError(f"the weights do not fit this HF config's model: '{name_of[id(t)]}' is "
                              f"{tuple(shape)}, the model's is {tuple(t.shape)}")
-        stored[key] = torch.empty(shape, dtype=dtype, device="meta")
+        for name in (ours, *beside.get(ours, ())):  # bitsandbytes' entries go where their weight's module goes
+            targets.setdefault(name, []).append(_module_of(key) + name[len(_module_of(ours)):])
+            shape, dtype = weights.shapes[name]
+            stored[targets[name][-1]] = torch.empty(shape, dtype=dtype, device="meta")
     split = split_torch_state_dict_into_shards(stored, filename_pattern=WEIGHTS.replace(".safetensors",
                                                "{suffix}.safetensors"), max_shard_size=max_shard_size)
     files = {f: {k: (stored[k].shape, stored[k].dtype) for k in keys} for f, keys in split.filename_to_tensors.items()}
     routes: dict[str, list[tuple[str, str]]] = {}
-    for key, t in saved.items():
-        ours = prefix + name_of[id(t)]
-        routes.setdefault(weights.ties.get(ours, ours), []).append((split.tensor_to_filename[key], key))
+    for ours, keys in targets.items():
+        routes.setdefault(weights.ties.get(ours, ours), []).extend((split.tensor_to_filename[k], k) for k in keys)
     index = ({"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
               "weight_map": split.tensor_to_filename} if split.is_sharded else None)
     return files, routes, index
+
+
+def quant_entries(shapes: Mapping[str, Any]) -> dict[str, list[str]]:
+    """{quantised weight: the names bitsandbytes writes beside it} among `shapes`' names: a 4-bit weight's
+    state_dict entry is its packed words (in the quant storage dtype, its own shape), followed by its
+    quantisation state (`.absmax`, `.quant_map`, `.nested_*`, `.quant_state.bitsandbytes__nf4`); an 8-bit
+    layer's, its int8 weight and, beside it in the module, `SCB` and `weight_format`. from_pretrained reads
+    them back under the same names in the weight's module."""
+    packed = {n[:-len(".quant_map")] for n in shapes if n.endswith(".quant_map")}
+    packed |= {n[:-len("SCB")] + "weight" for n in shapes if n.endswith(".SCB")}
+    beside: dict[str, list[str]] = {}
+    for n in shapes:
+        if _owner(n) in packed:
+            beside.setdefault(_owner(n), []).append(n)
+    return beside
+
+
+def stored_dtype(weights: Weights) -> Any:
+    """The dtype config.json names (from_pretrained's dtype="auto"): the one the floating weights are stored
+    in when they share one (a frozen bf16 or 4-bit base: its bf16 embeddings and norms, which an fp32 load
+    would change), else float32 (the masters). bitsandbytes' packed words and their state are left out."""
+    import torch
+
+    beside = quant_entries(weights.shapes)
+    quant = set(beside).union(*beside.values())
+    dtypes = {d for n, (_, d) in weights.shapes.items() if d.is_floating_point and n not in quant}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _module_of(name: str) -> str:
+    """The module part of a state_dict name, with its dot (`a.b.weight` -> `a.b.`; `weight` -> ``)."""
+    head, dot, _ = name.rpartition(".")
+    return head + dot
+
+
+def _owner(name: str) -> str:
+    """The weight a bitsandbytes quantisation entry belongs to (`w.absmax`, `w.quant_state.x` -> `w`; an 8-bit
+    layer's `m.SCB` -> `m.weight`); "" for any other name."""
+    if ".quant_state." in name:
+        return name.split(".quant_state.")[0]
+    head, _, tail = name.rpartition(".")
+    return head if tail in QUANT_SUFFIXES else f"{head}.weight" if tail in INT8_ENTRIES else ""
 
 
 def _copy_tokenizer(source: str | None, folder: Path) -> list[str]:

@@ -25,6 +25,10 @@ imported here: a model of its classes has imported it.
           state is the one zerodp.initialize finds. With PEFT's default, get_peft_model on a meta base draws
           the adapter on CPU and moves it to meta, dropping the values; zerodp then draws it the same way
           from the state after: B zero, A as PEFT draws it, but not the whole build's numbers.
+  export  `split_adapter`: a PEFT model's weights as the base model's (its model folder, bitsandbytes' packed
+          words and quantisation state included) and the adapter's (PEFT's adapter files), which
+          export_engine.save_hf writes into one folder: transformers' from_pretrained loads a folder holding
+          a model and an adapter as the model with the adapter on it.
   refused The initialisers that read the base's weights (PiSSA, OLoRA, LoftQ, DoRA's magnitude, ...) and
           LoRA on embeddings or convolutions, on meta: an error naming the parameter, before any collective.
 """
@@ -33,9 +37,14 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from zerodp.engine.sharding.weights import Weights
 
 REPLAYED = (True, False, "gaussian")  # init_lora_weights values whose draws init_fn replays
 
@@ -159,3 +168,36 @@ def _lora_init(layer: nn.Module, adapter: str, which: str, how: object) -> None:
     else:  # reset_lora_parameters: zero, so that the untrained adapter adds nothing
         for p in b.parameters(recurse=False):
             p.zero_()
+
+
+def peft_names(names: Iterable[str]) -> list[str]:
+    """The names among `names` that only a PEFT model has (its wrapper's `base_model.model.` before them)."""
+    return [n for n in names if n.startswith("base_model.model.")]
+
+
+def split_adapter(model: nn.Module, weights: Weights, keep: bool = True
+                  ) -> tuple[Weights, dict[str, torch.Tensor]] | None:
+    """For a PEFT model, its weights as two: the base model's (under the base's own names, what its model
+    folder holds: `alias`; modules_to_save's trained copies left out) and a dict that fills, as that stream is
+    read, with the adapter's entries under the model's names (what `model.save_pretrained(dir,
+    state_dict=...)` writes as PEFT's adapter files: the adapter is small, held whole, copied out of the
+    stream's buckets; only when `keep`: the rank that writes). None for any other model."""
+    from zerodp.engine.sharding.weights import Weights
+
+    alias, optional = weight_names(model)
+    if alias is None:
+        return None
+    adapter = {n for n in weights.shapes if n in optional or ".modules_to_save." in n}
+    renamed = {n: alias(n) for n in weights.shapes if n not in adapter}
+    ties = {renamed[a]: renamed[n] for a, n in weights.ties.items() if a in renamed and n in renamed}
+    kept: dict[str, torch.Tensor] = {}
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights.stream:
+            if name in adapter:
+                if keep:
+                    kept[name] = t.clone()  # a view of a gathered bucket: held, it would keep the bucket alive
+            else:
+                yield renamed[name], t
+            del t
+    return Weights({renamed[n]: v for n, v in weights.shapes.items() if n in renamed}, ties, stream()), kept

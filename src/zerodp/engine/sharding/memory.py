@@ -27,9 +27,10 @@ import torch
 
 from zerodp.activations import attached
 from zerodp.distributed.device import is_accelerator, max_memory_allocated, max_memory_reserved, memory_allocated
+from zerodp.engine.layout.formats import quant_state_tensors
 
-MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "gradients", "fp32_master",
-                "master_remainders", "optimizer_states")
+MODEL_STATES = ("working_params", "frozen_params", "frozen_params_and_buffers", "quant_state", "gradients",
+                "fp32_master", "master_remainders", "optimizer_states")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -44,7 +45,7 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     host memory when `optimizer_on_host` (ZeRO-Offload).
 
     model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) +
-    frozen params kept whole and buffers +
+    frozen params kept whole and buffers + the quantized weights' quantisation state (quant_state) +
     gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
@@ -64,6 +65,8 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
         "frozen_params": sum(_nbytes(g.data) for g in layout.frozen if g.data is not None),
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
+        # bitsandbytes' quantized weights: their quantisation state, whole on every rank beside the words
+        "quant_state": sum(_nbytes(t) for t in quant_state_tensors(module)),
         "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),
     }

@@ -55,6 +55,7 @@ class ShardedModule:
         self.spec = spec  # the facts decided once (decide.local_check)
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load
         formats.keep_packing(module)  # a 4-bit weight's words stay where the layout puts them
+        formats.int8_follows_weight(module)  # an 8-bit layer computes from its weight wherever it is
         frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
         self._cast_and_sync_untrained(groups, frozen or [], filling)
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
