@@ -539,3 +539,22 @@ def test_max_in_cpu_elements_of_shards_stay_in_host_memory(tmp_path):
     assert report["host_model_states"] == report["params_in_cpu"] + report["nvme_param_buffers"]
     everything = _stage3(tmp_path, max_in_cpu=10**9)  # DeepSpeed's default: a small model stays in memory
     assert inside(everything).sharded.on_disk.file is None and everything.memory_report()["nvme_param_file"] == 0
+
+
+def test_estimates_parameter_bytes_on_disk_are_the_engines(capsys, tmp_path):
+    """formulas.params_on_disk (zerodp estimate --offload nvme, stage 3's "+ params" row) against an engine's
+    memory_report: the parameter partition on disk (the engine's padding to 64-element rows beside it), and
+    buffers within the formula's bound plus each buffer's rounding to 4096 bytes."""
+    from zerodp.plan import estimate
+    from zerodp.plan.formulas import params_on_disk
+    engine = _stage3(tmp_path)
+    _steps(engine, 0, 1)
+    report, slots = engine.memory_report(), [s for b in inside(engine).layout.gathered for s in b.slots]
+    n, tensors = sum(s.numel for s in slots), len(slots)  # (the parameters themselves are empty between uses)
+    planned = params_on_disk(n, 1, "fp32", buffer_count=3, buffer_size=100_000_000)
+    buckets = len(inside(engine).layout.gathered)
+    assert planned["disk"] <= report["params_on_disk"] <= planned["disk"] + 4 * 64 * (tensors + buckets)
+    assert report["nvme_param_buffers"] <= planned["host_buffers"] + 3 * 4096
+    assert planned["traffic"] == 3 * planned["disk"]  # read for the forward and the backward, written once
+    estimate.main(["--model", "125M", "--world", "8", "--stage", "3", "--measure", "none", "--offload", "nvme"])
+    assert "+ params" in capsys.readouterr().out
