@@ -310,12 +310,15 @@ class Gatherer(TimedGathers):
 
     def _read_ahead(self, last: Bucket, forward: bool) -> None:
         """offload_param "nvme": the shards on disk of the buckets gathered next after `last` in the first
-        forward's order (before it, in a backward), beyond those being gathered, are read ahead (on_disk.py)."""
+        forward's order (before it, in a backward), beyond those being gathered, are read ahead (on_disk.py).
+        The first forward, whose order is being recorded, guesses the buckets' own order."""
         place = self.records[last.index].place
         if self.on_disk is None or place is None:
             return
         order, records, released = self.order, self.records, BucketState.RELEASED
-        if forward:
+        if forward and not self.traced:
+            nxt = (b for b in self.buckets[last.index + 1:] if records[b.index].state is released)
+        elif forward:
             nxt = (order[i] for i in range(place + 1, len(order)) if records[order[i].index].state is released)
         else:
             nxt = (order[i] for i in range(place - 1, -1, -1)
@@ -436,6 +439,8 @@ class Gatherer(TimedGathers):
         self.whereabouts.stepped(steps)
         if self.tags is not None:
             self.tags.stepped()
+        if self.on_disk is not None:  # the next forward's first shards, read while the caller prepares it
+            self.on_disk.ahead(b for b in (self.order or self.buckets) if not self.is_gathered(b))
 
 
 class UnevenForwards:

@@ -11,8 +11,9 @@ Where each shard lives, decided once at set-up (`ShardsOnDisk`):
 The host buffers: buffer_count buffers of the largest shard on disk (buffer_size elements is their bound: a
 larger shard is refused at initialize, naming the size to set). A buffer holds one shard that is
   read ahead   `ahead(buckets)`: the Gatherer names the buckets its next gathers need, in the order it already
-               knows (the first forward's, walked forward in a forward and back in a backward); the first
-               buffer_count - 1 of those on disk are read while the current unit computes.
+               knows (the first forward's, walked forward in a forward and back in a backward; after a step
+               the next forward's first); the first buffer_count - 1 of those on disk are read while the
+               current unit computes.
   in use       `reading(b)`: a gather's copy of b's shard into its place in the gathered bucket (the read
                ahead waited for, or read at once); `updating(b)`: b.owned points at the buffer while the
                step (or a gathered_parameters write) writes it,
@@ -103,9 +104,6 @@ class ShardsOnDisk:
                              f"shard of bucket {k} ({largest:,} elements, {self.units.get(k, '')}), which a buffer "
                              f"holds whole: set buffer_size to at least {largest:,}, or make stage 3's buckets "
                              "smaller (stage3_prefetch_bucket_size, smaller units: stage3_unit)")
-        if self.offset and self.s.buffer_count < 1:
-            raise ValueError("offload_param.buffer_count 0: the shards on disk pass through at least one host "
-                             "buffer; set buffer_count to 1 or more (2 or more reads ahead)")
 
     # ---- set-up -------------------------------------------------------------------------------------
     def put(self, b: Bucket, values: torch.Tensor) -> None:
