@@ -84,11 +84,13 @@ def _fault(rank, world, kind, root):
     return "no error", time.monotonic() - start
 
 
-def _save_midway(rank, world, root, ckpt):
-    """4 steps with the states on disk, saved after step 2; the final weights."""
+def _save_midway(rank, world, root, ckpt, stage=2):
+    """4 steps with the states on disk (at stage 3 the parameter shards too), saved after step 2; the final
+    weights."""
     case = oracle.Case(gas=1)
     model = oracle.build(case)
-    cfg = oracle.config_for(case, 2, world, offload_optimizer={"device": "nvme", "nvme_path": root})
+    cfg = oracle.config_for(case, stage, world, offload_optimizer={"device": "nvme", "nvme_path": root},
+                            **(_params(root, max_in_cpu=0) if stage == 3 else {}))
     engine = zerodp.initialize(model, oracle.one_group(model), cfg)
     for step, micro in enumerate(oracle.batches(world, 1, steps=4)):
         if step == 2:
@@ -140,6 +142,7 @@ def runs(world: int) -> tuple[dict, str, list[str]]:
     if world == 2:
         _MADE.append(tempfile.mkdtemp(prefix="zerodp-ckpt-"))
         jobs += [("fault", "write", root), ("fault", "param_write", root), ("save", root, os.path.join(_MADE[-1], "c"))]
+        jobs += [("save", root, os.path.join(_MADE[-1], "c3"), 3)]
         jobs += [("fault", "param_missing", os.path.join(root, "absent"))]
         if _mounts() is not None:
             jobs += [("fault", kind, path) for kind, path in _mounts().items()]
@@ -257,14 +260,15 @@ def test_a_checkpoint_resumes_across_nvme_cpu_and_no_offload(tmp_path, saved, re
     assert [f for f in os.listdir(tmp_path) if f != "ckpt"] == []  # the scratch files are never in the directory
 
 
-def test_a_checkpoint_saved_from_disk_on_two_ranks_resumes_on_one_with_host_offload():
-    """Saved midway by 2 ranks with their states on disk, loaded by one process with "cpu" offload and the
-    2 ranks' batch: it ends where the 2 ranks ended."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_saved_from_disk_on_two_ranks_resumes_on_one_with_host_offload(stage):
+    """Saved midway by 2 ranks with their states on disk (at stage 3 the parameter shards too), loaded by one
+    process with "cpu" offload and the 2 ranks' batch: it ends where the 2 ranks ended."""
     ranks, root, _ = runs(2)
-    job = next(k for k in ranks[0] if k[0] == "save")
+    job = next(k for k in ranks[0] if k[0] == "save" and (len(k) > 3) == (stage == 3))
     case = oracle.Case(gas=1)
     model = oracle.build(case)
-    cfg = oracle.config_for(case, 2, 1, offload=True)
+    cfg = oracle.config_for(case, stage, 1, offload=True, **({"offload_param": True} if stage == 3 else {}))
     cfg["train_micro_batch_size_per_gpu"] = 2 * oracle.MICRO
     engine = zerodp.initialize(model, oracle.one_group(model), cfg)
     engine.load_checkpoint(job[2])
