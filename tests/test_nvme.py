@@ -563,3 +563,17 @@ def test_estimates_parameter_bytes_on_disk_are_the_engines(capsys, tmp_path):
     assert planned["traffic"] == 3 * planned["disk"]  # read for the forward and the backward, written once
     estimate.main(["--model", "125M", "--world", "8", "--stage", "3", "--measure", "none", "--offload", "nvme"])
     assert "+ params" in capsys.readouterr().out
+
+
+def test_weights_written_through_gathered_parameters_reach_the_parameter_file(tmp_path):
+    """gathered_parameters(modifier_rank=0) writes the new values into the shards on disk (and the masters):
+    the next gathers read them back, and a step starts from them."""
+    engine = _stage3(tmp_path)
+    model = inside(engine).module
+    with engine.gathered_parameters(modifier_rank=0):
+        for p in model.parameters():
+            p.data.fill_(0.25)
+    assert all(b.owned.numel() == 0 for b in inside(engine).layout.gathered)  # back on disk
+    with engine.gathered_parameters():
+        assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in model.parameters())
+    assert all(torch.equal(v, torch.full_like(v, 0.25)) for v in engine.full_state_dict().values())
