@@ -497,8 +497,8 @@ def test_a_stalled_parameter_read_is_named_within_comm_timeout_s(tmp_path, monke
 def test_parameter_shards_are_read_ahead_through_buffer_count_buffers(tmp_path, monkeypatch, buffer_count):
     """Once the first forward has given the order, each unit's shard is read while the unit before it computes
     (forward) or after it (backward), buffer_count - 1 ahead, and the next forward's first after a step: a
-    gather finds its shard read already. One buffer reads nothing ahead. The shards reach the gathers equal to "cpu" offload's, and the host holds only the
-    buffers between steps."""
+    gather finds its shard read already. One buffer reads nothing ahead. The shards reach the gathers equal to
+    "cpu" offload's, and the host holds only the buffers between steps."""
     from zerodp.engine.sharding.on_disk import ShardsOnDisk
     found = []  # per gather of a shard on disk: was it read ahead?
     real = ShardsOnDisk.reading

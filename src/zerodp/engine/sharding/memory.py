@@ -102,9 +102,9 @@ def _placed(report: dict[str, int], offload_param: bool, optimizer_on_host: bool
     """host_model_states, disk_model_states and device_model_states where anything is offloaded (see memory_report)."""
     on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file
     params_on_disk = "nvme_param_file" in report  # offload_param "nvme": the parameter shards are in a file
+    in_host = offload_param and not params_on_disk  # stage 3's offload_param "cpu"
     host = {"fp32_master": optimizer_on_host and not on_disk, "master_remainders": False,
-            "optimizer_states": optimizer_on_host and not on_disk,  # stage 3's offload_param "cpu":
-            "working_params": offload_param and not params_on_disk, "frozen_params": offload_param and not params_on_disk}
+            "optimizer_states": optimizer_on_host and not on_disk, "working_params": in_host, "frozen_params": in_host}
     if not (any(host.values()) or on_disk or params_on_disk):
         return
     # ZeRO-Offload: these live in host memory (with a host gradient copy), or on disk through host buffers

@@ -271,7 +271,8 @@ class ShardsOnDisk:
     def bytes(self) -> dict[str, int]:
         """What memory_report shows of the tier: the shards in the file and kept in host memory, the file's
         bytes (slots rounded to 4096) and the host buffers."""
-        return {"params_on_disk": sum(n * self.dtype[k].itemsize for k, n in self.numel.items()), "params_in_cpu": self.keep_bytes,
+        return {"params_on_disk": sum(n * self.dtype[k].itemsize for k, n in self.numel.items()),
+                "params_in_cpu": self.keep_bytes,
                 "nvme_param_file": self.file.nbytes if self.file is not None else 0,
                 "nvme_param_buffers": sum(b.numel() for b in self.buffers)}
 
