@@ -55,16 +55,18 @@ def _train(rank, world, case, stage, root):
     return oracle.train_engine(rank, world, case, stage, top=SETTINGS[stage][1], **_zero(stage, root))
 
 
-def _train_params(rank, world, case, root):
-    """Stage 3 with the optimizer states and the parameter shards on disk."""
-    return oracle.train_engine(rank, world, case, 3, top=SETTINGS[3][1], **_zero(3, root), **_params(root))
+def _train_params(rank, world, case, root, meta=False):
+    """Stage 3 with the optimizer states and the parameter shards on disk (meta: the model built on the meta
+    device, each shard written to the file as it is materialised)."""
+    return oracle.train_engine(rank, world, case, 3, top=SETTINGS[3][1], meta=meta, **_zero(3, root), **_params(root))
 
 
 def _fault(rank, world, kind, root):
     """initialize (and a step) with the fault `kind`; the error's text on this rank, and how long it took."""
     start = time.monotonic()
-    model = oracle.build(oracle.CASES["plain"])
     params, kind = kind.startswith("param_"), kind.removeprefix("param_")  # param_*: offload_param's tier
+    # (the parameter files: over the full tmpfs's 16k on each rank, so that neither fits, whichever checks first)
+    model = oracle.build(oracle.CASES["plain"]) if not params else oracle.build(oracle.Case(model={"hidden": 80}))
     cfg = (oracle.config_for(oracle.Case(gas=1), 3, world, reduce_bucket_size=500, **_params(root, max_in_cpu=0))
            if params else
            oracle.config_for(oracle.Case(gas=1), 2, world, offload_optimizer={"device": "nvme", "nvme_path": root}))
@@ -142,7 +144,7 @@ def runs(world: int) -> tuple[dict, str, list[str]]:
     if world == 2:
         _MADE.append(tempfile.mkdtemp(prefix="zerodp-ckpt-"))
         jobs += [("fault", "write", root), ("fault", "param_write", root), ("save", root, os.path.join(_MADE[-1], "c"))]
-        jobs += [("save", root, os.path.join(_MADE[-1], "c3"), 3)]
+        jobs += [("save", root, os.path.join(_MADE[-1], "c3"), 3), ("train_params", "plain", root, True)]
         jobs += [("fault", "param_missing", os.path.join(root, "absent"))]
         if _mounts() is not None:
             jobs += [("fault", kind, path) for kind, path in _mounts().items()]
@@ -180,6 +182,14 @@ def test_states_and_parameters_on_disk_at_stage3_match_single_process_fp32(case,
     assert memory["disk_model_states"] == memory["fp32_master"] + memory["optimizer_states"] + memory["params_on_disk"]
     assert memory["host_model_states"] == (memory["nvme_host_buffers"] + memory["nvme_param_buffers"]
                                            + memory["params_in_cpu"])
+
+
+def test_parameters_on_disk_from_a_meta_build_match_single_process_fp32():
+    ranks, root, _ = runs(2)
+    ours, ref = ranks[0][("train_params", "plain", root, True)], oracle.train_reference("plain", 2)
+    for k in ref["state"]:
+        torch.testing.assert_close(ours["state"][k], ref["state"][k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert ours["memory"]["params_on_disk"] > 0
 
 
 @pytest.mark.parametrize("world", [1, 2])
