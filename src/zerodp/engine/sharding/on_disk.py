@@ -94,6 +94,9 @@ class ShardsOnDisk:
         self.reads: dict[int, tuple[int, list[Future]]] = {}  # bucket index -> (buffer, requests): read ahead
         self.writes: list[tuple[int, int, list[Future]]] = []  # (buffer, bucket index, requests), oldest first
         self.resident_depth = 0  # resident() contexts open: every shard is a host tensor of its own
+        # the first write that failed since the last flush(), which raises it: a rank whose write fails while
+        # the step still writes must reach the step's agreement as the others do, not leave it early
+        self.write_error: DiskTierError | None = None
         self.keep_bytes = 0  # the kept shards' bytes (host memory)
 
     def _check_buffers(self) -> None:
@@ -181,8 +184,12 @@ class ShardsOnDisk:
         self.writes.append((buf, b.index, self._transfer(True, buf, b.index)))
 
     def flush(self) -> None:
-        """Every write in flight done (the end of a step): a failed one raises, naming the file and bucket."""
+        """Every write in flight done (the end of a step): a failed one (since the last flush) raises, naming
+        the file and bucket."""
         self._finish_writes(None)
+        error, self.write_error = self.write_error, None
+        if error is not None:
+            raise error
 
     # ---- checkpoints --------------------------------------------------------------------------------
     @contextmanager
@@ -250,6 +257,8 @@ class ShardsOnDisk:
         buf, k, requests = self.writes.pop(i)
         try:
             self._wait(requests, "writing", k)
+        except DiskTierError as e:  # raised by flush()
+            self.write_error = self.write_error or e
         finally:
             self.free.append(buf)
 
