@@ -587,3 +587,14 @@ def test_weights_written_through_gathered_parameters_reach_the_parameter_file(tm
     with engine.gathered_parameters():
         assert all(torch.equal(p, torch.full_like(p, 0.25)) for p in model.parameters())
     assert all(torch.equal(v, torch.full_like(v, 0.25)) for v in engine.full_state_dict().values())
+
+
+def test_the_set_up_line_says_where_each_offload_goes():
+    from zerodp.engine.summary import set_up_line
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}
+    both = {**zero, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}
+    mixed = {**zero, "offload_optimizer": {"device": "cpu"}}
+    line = {name: set_up_line(zerodp.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": z}), 1, 1)
+            for name, z in (("both", both), ("mixed", mixed))}
+    assert "offload: optimizer and parameters to nvme;" in line["both"]
+    assert "offload: optimizer to cpu and parameters to nvme;" in line["mixed"]
