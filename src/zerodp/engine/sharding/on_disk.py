@@ -170,11 +170,11 @@ class ShardsOnDisk:
         self._drop(b.index)  # a read ahead holds the old values
         self._finish_writes(b.index)
         buf = self._take()
-        if read:
-            self._wait(self._transfer(False, buf, b.index), "reading", b.index)
         empty = b.owned
-        b.owned = self._view(buf, b)
         try:
+            if read:
+                self._wait(self._transfer(False, buf, b.index), "reading", b.index)
+            b.owned = self._view(buf, b)
             yield
         except BaseException:
             self.free.append(buf)  # half written: the file keeps the old values
