@@ -108,6 +108,14 @@ EFFECTS = {
         "test_offload_param.py::test_stage3_offload_param_keeps_the_shards_in_host_memory_and_reports_them_there",
     "zero_optimization.offload_param.pin_memory":
         "test_offload_param.py::test_stage3_offload_param_on_cuda_holds_only_gathered_windows_on_the_device",
+    "zero_optimization.offload_param.nvme_path":
+        "test_nvme.py::test_a_missing_nvme_path_is_a_clear_error_at_initialize",
+    "zero_optimization.offload_param.buffer_count":
+        "test_nvme.py::test_parameter_shards_are_read_ahead_through_buffer_count_buffers",
+    "zero_optimization.offload_param.buffer_size":
+        "test_nvme.py::test_a_shard_larger_than_buffer_size_is_refused_naming_the_size",
+    "zero_optimization.offload_param.max_in_cpu":
+        "test_nvme.py::test_max_in_cpu_elements_of_shards_stay_in_host_memory",
     "zero_optimization.cpu_offload": "test_config_keys.py::test_cpu_offload_is_deepspeeds_old_name_for_offload_optimizer",
     "zero_optimization.step_unused_parameters": "test_unused.py::test_step_unused_parameters_true_decays_them_as_deepspeed_does",
     "zero_optimization.mics_shard_size": "test_hierarchical.py::test_world4_matches_single_process",

@@ -32,12 +32,17 @@ def test_offload_param_below_stage3_is_ignored_with_one_warning_line_as_deepspee
     assert f"offload_param is ignored at stage {stage}, as DeepSpeed ignores it" in caplog.text
 
 
-def test_offload_param_to_nvme_is_refused():
-    with pytest.raises(zerodp.ConfigError, match=r"parameter shards on disk \(offload_param \"nvme\"\) are not implemented"):
-        zerodp.load_config(_config(offload_param={"device": "nvme", "nvme_path": "/local_nvme"}))
+def test_offload_param_to_nvme_needs_a_path_and_a_buffer():
+    """(tests/test_nvme.py trains with it.)"""
+    with pytest.raises(zerodp.ConfigError, match=r"offload_param.device \"nvme\" needs offload_param.nvme_path"):
+        zerodp.load_config(_config(offload_param={"device": "nvme"}))
+    with pytest.raises(zerodp.ConfigError, match=r"offload_param.buffer_count 0 with device \"nvme\""):
+        zerodp.load_config(_config(offload_param={"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 0}))
+    cfg = zerodp.load_config(_config(offload_param={"device": "nvme", "nvme_path": "/local_nvme"}))
+    assert cfg.zero_optimization.offload_param.device == "nvme"
 
 
-def test_deepspeeds_nvme_buffer_keys_are_accepted_with_no_effect():
+def test_deepspeeds_nvme_buffer_keys_load_with_cpu_offload_which_reads_them_not():
     keys = {"device": "cpu", "pin_memory": True, "buffer_count": 4, "buffer_size": 1e8, "max_in_cpu": 1e9}
     cfg = zerodp.load_config(_config(offload_param=keys)).zero_optimization.offload_param
     assert (cfg.device, cfg.buffer_count, cfg.buffer_size) == ("cpu", 4, 100_000_000)

@@ -15,7 +15,6 @@ shard's axis: a Megatron shard without partition_dim is refused, on every rank b
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -54,8 +53,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, optimizer_sta
     """
     training = inside(engine).training
     with inside(engine).comm.names_peer_failure("in engine.load_checkpoint()"):
-        # offload_optimizer "nvme": the masters and states read in, loaded into, and written back
-        with training.model_states_in_memory() if training is not None else nullcontext():
+        # the disk tiers: the masters, states and parameter shards read in, loaded into, and written back
+        with training.model_states_in_memory() if training is not None else inside(engine).sharded.shards_in_memory():
             return _load(engine, load_dir, tag, optimizer_states, lr_scheduler_states, module_only)
 
 

@@ -21,7 +21,6 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from contextlib import nullcontext
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -66,9 +65,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None, client_state:
 
 
 def _states_in_memory(engine):
-    """The masters and optimizer states as tensors for the save (offload_optimizer "nvme" reads them in)."""
+    """The masters, optimizer states and parameter shards as tensors for the save (the disk tiers read them in)."""
     training = inside(engine).training
-    return training.model_states_in_memory() if training is not None else nullcontext()
+    return training.model_states_in_memory() if training is not None else inside(engine).sharded.shards_in_memory()
 
 
 def _save(engine, save_dir: str, tag: str | None, client_state: dict | None, keep_last: int | None) -> str:

@@ -62,14 +62,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "sizes DeepSpeed's CPUAdam thread pool; the "
                                                               "torch optimizer uses torch's threads "
                                                               "(torch.set_num_threads)",
-    "zero_optimization.offload_param.nvme_path": "sizes parameter shards on disk (offload_param \"nvme\"), which "
-                                                "is refused",
-    "zero_optimization.offload_param.buffer_count": "sizes parameter shards on disk (offload_param \"nvme\"), which "
-                                                "is refused",
-    "zero_optimization.offload_param.buffer_size": "sizes parameter shards on disk (offload_param \"nvme\"), which "
-                                                "is refused",
-    "zero_optimization.offload_param.max_in_cpu": "sizes parameter shards on disk (offload_param \"nvme\"), which "
-                                                "is refused",
     **{f"comet.{k}": "the comet section is refused when enabled (zerodp has no Comet monitor)"
        for k in ("samples_log_interval", "project", "workspace", "api_key", "experiment_name", "experiment_key",
                  "online", "mode")},

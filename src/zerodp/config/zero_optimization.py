@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from zerodp.config.base import ConfigError, NonNegativeInt, PositiveInt, _Section
 from zerodp.sizes import REDUCE_BUCKET_SIZE  # ZeroConfig.reduce_bucket_size's default (why: there)
@@ -39,22 +39,19 @@ class OffloadOptimizerConfig(_OffloadConfig):
 
 
 class OffloadParamConfig(_OffloadConfig):
-    """Stage 3's parameter shards in host memory (DeepSpeed's offload_param): each gather copies the
-    rank's shard to the device first. buffer_count, buffer_size, max_in_cpu and nvme_path size DeepSpeed's
-    parameter shards on disk ("nvme"), which zerodp refuses: accepted (DeepSpeed's types) with no effect."""
+    """Stage 3's parameter shards in host memory ("cpu", DeepSpeed's offload_param: each gather copies the
+    rank's shard to the device first), or on disk ("nvme": in a scratch file of the rank's under nvme_path,
+    read ahead of each gather through buffer_count host buffers; engine/sharding/on_disk.py). nvme_path,
+    buffer_count, buffer_size and max_in_cpu are read only with "nvme", as in DeepSpeed."""
 
     nvme_path: str | None = None
+    # "nvme": host buffers of one bucket's shard each: one in use, the others read ahead or being written
     buffer_count: NonNegativeInt = 5
+    # "nvme": the most elements a buffer holds; a larger shard on disk is refused at initialize (the buffers
+    # are allocated at the largest shard's size, at most this)
     buffer_size: NonNegativeInt = 100_000_000
+    # "nvme": elements of shards kept in host memory for good (the first buckets'), never in the file
     max_in_cpu: NonNegativeInt = 1_000_000_000
-
-    @field_validator("device")
-    @classmethod
-    def _no_nvme(cls, device: str) -> str:
-        if device == "nvme":
-            raise ValueError("parameter shards on disk (offload_param \"nvme\") are not implemented; use \"cpu\" "
-                             "for host memory (offload_optimizer \"nvme\" puts the optimizer states on disk)")
-        return device
 
 
 class ZeroConfig(_Section):
@@ -110,6 +107,17 @@ class ZeroConfig(_Section):
         if self.offload_optimizer.device == "nvme" and not self.offload_optimizer.nvme_path:
             raise ValueError("offload_optimizer.device \"nvme\" needs offload_optimizer.nvme_path: a directory on "
                              "the disk where each rank keeps its optimizer states' scratch file")
+        return self
+
+    @model_validator(mode="after")
+    def _param_nvme_needs_a_path_and_a_buffer(self) -> ZeroConfig:
+        off = self.offload_param
+        if off.device == "nvme" and not off.nvme_path:
+            raise ValueError("offload_param.device \"nvme\" needs offload_param.nvme_path: a directory on the disk "
+                             "where each rank keeps its parameter shards' scratch file")
+        if off.device == "nvme" and off.buffer_count < 1:
+            raise ValueError("offload_param.buffer_count 0 with device \"nvme\": the shards on disk pass through "
+                             "host buffers; set buffer_count to at least 1 (2 or more to read ahead)")
         return self
 
     @model_validator(mode="after")

@@ -86,7 +86,8 @@ def local_check(config: Config, comm: Comm, module: nn.Module, optimizer: Optimi
     check_available(config)  # an enabled monitor's package is missing: every rank hears of it
     # config/zero_optimization.py resets offload_param below stage 3.
     spec = EngineSpec(stage, batch, shard_size, config.dtype, device, units,
-                      zero.offload_param.device == "cpu", views, shards_frozen=stage == 3, trains=trains)
+                      zero.offload_param.device in ("cpu", "nvme"), views, shards_frozen=stage == 3, trains=trains,
+                      params_on_disk=zero.offload_param.device == "nvme")
     return spec, filling, optimizer, groups
 
 

@@ -28,10 +28,15 @@ def set_up_line(config: Config, world_size: int, shard_size: int, forward_only: 
     zero = config.zero_optimization
     what = _SHARDED[zero.stage]
     over = f" over {shard_size} of {world_size} ranks" if what else f", {world_size} rank(s)"
-    offload = [name for name, section in (("optimizer", zero.offload_optimizer), ("parameters", zero.offload_param))
-               if section.device == "cpu"]
+    offload = [(name, section.device) for name, section in (("optimizer", zero.offload_optimizer),
+                                                            ("parameters", zero.offload_param))
+               if section.device != "none"]
+    if len({device for _, device in offload}) == 1:  # "optimizer and parameters to cpu"
+        said = f"{' and '.join(name for name, _ in offload)} to {offload[0][1]}"
+    else:
+        said = " and ".join(f"{name} to {device}" for name, device in offload) or "none"
     line = (f"zerodp: ZeRO stage {zero.stage} ({what + ' sharded' if what else _NOTHING}{over}); offload: "
-            f"{' and '.join(offload) + ' to cpu' if offload else 'none'}; dtype {_DTYPE_NAMES[str(config.dtype)]}; ")
+            f"{said}; dtype {_DTYPE_NAMES[str(config.dtype)]}; ")
     tail = f"; {collectives}" if collectives else ""
     if forward_only:
         return line + "forward only (no optimizer, nothing to train)" + tail

@@ -107,6 +107,19 @@ def on_disk(num_params: int, world: int, stage: int, optimizer: str = "adam", su
     return {"disk": disk, "host_buffers": 4 * sub_group * buffer_count, "traffic": 2 * disk}
 
 
+def params_on_disk(num_params: int, world: int, dtype: str = "bf16", buffer_count: int = 5,
+                   buffer_size: int = 100_000_000, gas: int = 1) -> dict[str, int]:
+    """offload_param "nvme" (stage 3, engine/sharding/on_disk.py), per rank: `disk`, the working-precision
+    parameter partition (2Ψ/N in bf16; the file rounds each bucket's shard up to 4096 bytes; max_in_cpu's shards,
+    kept in host memory, are left out); `host_buffers`, buffer_count buffers of the largest shard on disk, at most
+    buffer_size elements (here: at most the partition); `traffic`, the bytes one step moves: each shard read for
+    the forward and again for the backward of every micro-step, and written once after the step."""
+    disk = round(num_params * WORKING_BYTES[dtype] / world)
+    shard = min(buffer_size, -(-num_params // world))
+    return {"disk": disk, "host_buffers": WORKING_BYTES[dtype] * shard * buffer_count,
+            "traffic": (2 * gas + 1) * disk}
+
+
 def finetune(num_params: int, trainable: int, world: int, stage: int, dtype: str = "bf16", optimizer: str = "adam",
              gradient_accumulation_steps: int = 1, offload_optimizer: bool = False,
              offload_param: bool = False) -> dict[str, int]:

@@ -205,7 +205,8 @@ class FlatGroup:
     dtype: torch.dtype | None = None
 
     def allocate(self, dtype: torch.dtype, fp32_buckets: Iterable[torch.Tensor], rank: int,
-                    sharded: bool = False, host_shards: bool = False, pin: bool = False) -> None:
+                 sharded: bool = False, host_shards: bool = False, pin: bool = False,
+                 store: Callable[[Bucket, torch.Tensor], None] | None = None) -> None:
         """Allocate the flat buffer, fill it, and turn every parameter into a view of it.
 
         fp32_buckets: each bucket's values in turn, whole; or, when sharded, only this rank's shard of
@@ -215,12 +216,16 @@ class FlatGroup:
         buffer of its own for the gathered parameters, whose storage is freed between uses.
         host_shards (stage 3's offload_param): that flat buffer of shards is in host memory (pinned
         with `pin`); only the gathered buffers are on the device.
+        store (stage 3's offload_param "nvme", sharding/on_disk.py): where each bucket's shard goes instead of
+        a flat buffer (`store(b, its values)`, b.owned an empty tensor of `dtype` until then); no flat buffer.
         """
         if not self.buckets:
             return
         device = self.buckets[0].slots[0].param.device
         size = sum(b.shard_numel for b in self.buckets) if sharded else self.numel
-        if host_shards:
+        if store is not None:
+            self.data = None
+        elif host_shards:
             self.data = torch.empty(size, dtype=dtype, device="cpu", pin_memory=pin)
         else:
             self.data = torch.empty(size, dtype=dtype, device=device)
@@ -230,8 +235,12 @@ class FlatGroup:
             whole = full.numel() == b.numel
             if sharded:
                 b.data = torch.empty(b.numel, dtype=dtype, device=device)
-                b.owned = self.data[offset:offset + b.shard_numel]
-                b.owned.copy_(b.shard(full, rank) if whole else full)
+                if store is not None:
+                    b.owned = torch.empty(0, dtype=dtype)
+                    store(b, b.shard(full, rank) if whole else full)
+                else:
+                    b.owned = self.data[offset:offset + b.shard_numel]
+                    b.owned.copy_(b.shard(full, rank) if whole else full)
                 offset += b.shard_numel
             else:
                 b.data = self.data[b.start:b.start + b.numel]

@@ -43,6 +43,9 @@ class EngineSpec:
     # Something to train. False: a frozen-only engine (a DPO reference model, a distillation teacher),
     # built without any optimizer for a model with no trainable parameter: forward only.
     trains: bool = True
+    # Stage 3's offload_param "nvme": the parameter shards live in a file of this rank's (sharding/on_disk.py)
+    # and in host memory only while used (offload_param is then true too: they reach the device from the host).
+    params_on_disk: bool = False
 
     @property
     def gas(self) -> int:

@@ -158,3 +158,28 @@ def _assign(model: nn.Module, index: dict[int, int]) -> dict[int, int]:
         out[id(m)] = unit
         stack += [(c, unit) for c in reversed(list(m.children()))]
     return out
+
+
+def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
+    """The forward's last unit stays gathered into the backward when its gathered elements fit in the
+    prefetch budget (keeping it is prefetching it for the backward): `last`, else None."""
+    moving = sum(b.numel for b in last_buckets if not b.persistent)
+    return last if last is not None and moving <= prefetch_numel else None
+
+
+def unit_buckets(units: Units, buckets: list[Bucket]) -> list[list[Bucket]]:
+    """Each unit's buckets: those of every parameter its modules register, in index order."""
+    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
+    return [sorted({id(b): b for p in used if (b := bucket_of.get(id(p))) is not None}.values(),
+                   key=lambda b: b.index) for used in units.uses]
+
+
+def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
+    """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
+    that is not persistent once in the forward, and once more in the backward unless the model's own
+    unit or the last unit kept gathered (`last_unit`, see kept_last) reads it."""
+    of_unit = unit_buckets(units, buckets)
+    kept = {b.index for u in (units.outer, last_unit) if u is not None for b in of_unit[u]}
+    moving = [b for b in buckets if not b.persistent]
+    again = [b for b in moving if b.index not in kept]
+    return len(moving) + len(again), sum(b.numel for b in moving + again)

@@ -16,7 +16,7 @@ initialisers (initialisers.ModuleInit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -140,12 +140,14 @@ def start(filling: Filling, comm: Comm, device: torch.device, trained: set[int])
 
 def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype: torch.dtype,
          device: torch.device, sharded: bool, host_shards: bool, pin: bool,
-         frozen: tuple[FlatGroup, ...] = ()) -> list[torch.Tensor]:
+         frozen: tuple[FlatGroup, ...] = (), store: Callable[[Bucket, torch.Tensor], None] | None = None
+         ) -> list[torch.Tensor]:
     """Materialise every group's flat buffer bucket by bucket; returns this rank's fp32 shard of each
     trained bucket (the masters start from these): fresh tensors, or, in fp32 with the shards on the
     device, views of the working shards themselves (the fp32 master is the working shard; no second copy).
     `frozen` (stage 3's frozen parameters, a group per storage dtype) is filled the same way last, in its own
-    dtype (its values are moved, never cast); it has no master."""
+    dtype (its values are moved, never cast); it has no master. `store` (offload_param "nvme"): where each
+    shard goes instead of a flat buffer (FlatGroup.allocate)."""
     names = {id(p): n for n, p in filling.module.named_parameters()}
     shards: list[torch.Tensor] = []
     fresh = dtype != torch.float32 or host_shards
@@ -157,7 +159,7 @@ def fill(layout: list[FlatGroup], filling: Filling, comm: Comm, rank: int, dtype
                     swap_tensors(s.param, _parameter(s.param, torch.empty(0, dtype=kept, device=device)))
         values = _bucket_values(g, filling, comm, rank, sharded, names, shards if fresh and trained else None,
                                 torch.float32 if trained else kept)
-        g.allocate(kept, values, rank, sharded=sharded, host_shards=host_shards, pin=pin)
+        g.allocate(kept, values, rank, sharded=sharded, host_shards=host_shards, pin=pin, store=store)
         if not fresh and trained:
             shards += [b.owned for b in g.buckets]
     if filling.inits is not None:

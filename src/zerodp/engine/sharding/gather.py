@@ -55,35 +55,12 @@ from torch.utils._pytree import tree_leaves
 from zerodp.distributed.comm import Comm
 from zerodp.engine.layout.flat import Bucket, local_setter
 from zerodp.engine.layout.layout import Layout
-from zerodp.engine.layout.units import Units
+# (unit_buckets, planned_gathers, kept_last: the units' facts stage 3 gathers by, imported from here too)
+from zerodp.engine.layout.units import Units, kept_last, planned_gathers, unit_buckets  # noqa: F401
+from zerodp.engine.sharding.on_disk import ShardsOnDisk
 from zerodp.engine.sharding.pool import gather_memory
 from zerodp.engine.sharding.whereabouts import GatherTags, Whereabouts
 from zerodp.monitor.timers import TimedGathers, gather_phase
-
-
-def kept_last(last: int | None, last_buckets: list[Bucket], prefetch_numel: int) -> int | None:
-    """The forward's last unit stays gathered into the backward when its gathered elements fit in the
-    prefetch budget (keeping it is prefetching it for the backward): `last`, else None."""
-    moving = sum(b.numel for b in last_buckets if not b.persistent)
-    return last if last is not None and moving <= prefetch_numel else None
-
-
-def unit_buckets(units: Units, buckets: list[Bucket]) -> list[list[Bucket]]:
-    """Each unit's buckets: those of every parameter its modules register, in index order."""
-    bucket_of = {id(s.param): b for b in buckets for s in b.slots}
-    return [sorted({id(b): b for p in used if (b := bucket_of.get(id(p))) is not None}.values(),
-                   key=lambda b: b.index) for used in units.uses]
-
-
-def planned_gathers(units: Units, buckets: list[Bucket], last_unit: int | None) -> tuple[int, int]:
-    """All-gathers per micro-step, and their elements, once the forward's order is known: each bucket
-    that is not persistent once in the forward, and once more in the backward unless the model's own
-    unit or the last unit kept gathered (`last_unit`, see kept_last) reads it."""
-    of_unit = unit_buckets(units, buckets)
-    kept = {b.index for u in (units.outer, last_unit) if u is not None for b in of_unit[u]}
-    moving = [b for b in buckets if not b.persistent]
-    again = [b for b in moving if b.index not in kept]
-    return len(moving) + len(again), sum(b.numel for b in moving + again)
 
 
 class BucketState(Enum):
@@ -117,11 +94,12 @@ class BucketRecord:
 
 class Gatherer(TimedGathers):
     def __init__(self, units: Units, layout: Layout, comm: Comm, prefetch_numel: int,
-                 host_shards: bool = False, unit_names: list[str] | None = None):
+                 host_shards: bool = False, unit_names: list[str] | None = None, on_disk: ShardsOnDisk | None = None):
         self.comm = comm
         buckets = layout.gathered  # trained and frozen (Bucket.frozen): gathered alike, index = position
         self.buckets = buckets
         self.host_shards = host_shards  # offload_param: b.owned is in host memory
+        self.on_disk = on_disk  # offload_param "nvme": the shards in a file, read ahead of their gathers
         self.prefetch_numel = prefetch_numel
         # where a gathered bucket's memory comes from: a pool of host slots, or storage resize_ (pool.py)
         self.memory = gather_memory(buckets[0].data.device, comm.is_fake(), buckets)
@@ -187,6 +165,7 @@ class Gatherer(TimedGathers):
                 return self.gather(buckets)
             self.gather(buckets)
             self._prefetch_after(buckets[-1])
+            self._read_ahead(buckets[-1], forward=True)
             if frozen and torch.is_grad_enabled():
                 self._after_unit_backward(unit, frozen, (args, kwargs))
         return hook
@@ -233,6 +212,7 @@ class Gatherer(TimedGathers):
         self.whereabouts.doing = ("backward", unit, 0)
         self.gather(units)
         self._prefetch_before(units[0])
+        self._read_ahead(units[0], forward=False)
 
     # ---- gather / release -----------------------------------------------------------------------
     @gather_phase
@@ -272,7 +252,11 @@ class Gatherer(TimedGathers):
         b, source = r.bucket, r.bucket.owned
         if self.host_shards:  # the host shard goes to its own place in the device bucket, gathered in place
             source = b.shard(b.data, self.comm.shard_rank)
-            source.copy_(b.owned, non_blocking=True)
+            if self.on_disk is None:
+                source.copy_(b.owned, non_blocking=True)
+            else:  # (from a buffer that is reused at once: a copy done before it is given back)
+                with self.on_disk.reading(b) as shard:
+                    source.copy_(shard)
         r.work = self.comm.shard_gather(b.data, source, async_op=True)
         r.state = BucketState.GATHERING
 
@@ -323,6 +307,23 @@ class Gatherer(TimedGathers):
             if r.state is BucketState.RELEASED and not r.done:
                 self._start(r)
         self.back_window = (end, min(begin, stop))
+
+    def _read_ahead(self, last: Bucket, forward: bool) -> None:
+        """offload_param "nvme": the shards on disk of the buckets gathered next after `last` in the first
+        forward's order (before it, in a backward), beyond those being gathered, are read ahead (on_disk.py).
+        The first forward, whose order is being recorded, guesses the buckets' own order."""
+        place = self.records[last.index].place
+        if self.on_disk is None or place is None:
+            return
+        order, records, released = self.order, self.records, BucketState.RELEASED
+        if forward and not self.traced:
+            nxt = (b for b in self.buckets[last.index + 1:] if records[b.index].state is released)
+        elif forward:
+            nxt = (order[i] for i in range(place + 1, len(order)) if records[order[i].index].state is released)
+        else:
+            nxt = (order[i] for i in range(place - 1, -1, -1)
+                   if records[order[i].index].state is released and not records[order[i].index].done)
+        self.on_disk.ahead(nxt)
 
     def release(self, units: list[Bucket]) -> None:
         for b in units:
@@ -438,6 +439,8 @@ class Gatherer(TimedGathers):
         self.whereabouts.stepped(steps)
         if self.tags is not None:
             self.tags.stepped()
+        if self.on_disk is not None:  # the next forward's first shards, read while the caller prepares it
+            self.on_disk.ahead(b for b in (self.order or self.buckets) if not self.is_gathered(b))
 
 
 class UnevenForwards:

@@ -52,6 +52,10 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. With
     offload_optimizer "nvme" the masters and states are disk_model_states instead (nvme_file: the file's bytes,
     slots rounded to 4096), and host_model_states holds the buffers they stream through (nvme_host_buffers).
+    With offload_param "nvme" (on_disk.py) the parameter shards (working_params, frozen_params) are counted as
+    params_on_disk (in disk_model_states) and params_in_cpu (the max_in_cpu shards kept in host memory), beside
+    the file's bytes (nvme_param_file) and the host buffers they pass through (nvme_param_buffers, in
+    host_model_states).
     Reduce buckets, the step's transient fp32 gradient copy and checkpointed activations are listed beside it;
     CUDA allocator figures when on CUDA. Stage 3's gathered copies: gathered_params (the buckets gathered now)
     and gather_pool_idle (host memory the gather pool keeps for the next gathers, sharding/pool.py; 0 on an
@@ -61,9 +65,9 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     flat = {**layout.by_param(), **layout.by_frozen_param()}
     untrained = {id(t): t for t in list(module.parameters()) + list(module.buffers()) if id(t) not in flat}
     report = {
-        "working_params": sum(_nbytes(g.data) for g in layout.groups if g.data is not None),
+        "working_params": sum(_shards_bytes(g) for g in layout.groups),
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
-        "frozen_params": sum(_nbytes(g.data) for g in layout.frozen if g.data is not None),
+        "frozen_params": sum(_shards_bytes(g) for g in layout.frozen),
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
         # bitsandbytes' quantized weights: their quantisation state, whole on every rank beside the words
         "quant_state": sum(_nbytes(t) for t in quant_state_tensors(module)),
@@ -76,19 +80,9 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     report.setdefault("step_transient", 0)
     report.setdefault("reduce_whole_bucket", 0)  # a frozen model reduces nothing
     report["model_states"] = sum(report[k] for k in MODEL_STATES)
-    on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file
-    host = {"fp32_master": optimizer_on_host and not on_disk, "master_remainders": False,
-            "optimizer_states": optimizer_on_host and not on_disk,
-            "working_params": spec.offload_param, "frozen_params": spec.offload_param}  # stage 3's offload_param
-    if any(host.values()) or on_disk:  # ZeRO-Offload: these live in host memory (with a host gradient copy)
-        report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
-                                       + report.get("offload_gradients", 0) + report.get("offload_staging", 0)
-                                       + report.get("nvme_host_buffers", 0))
-        off_device = sum(report[k] for k, on in host.items() if on)
-        if on_disk:
-            report["disk_model_states"] = report["fp32_master"] + report["optimizer_states"]
-            off_device += report["disk_model_states"]
-        report["device_model_states"] = report["model_states"] - off_device
+    if sharded.on_disk is not None:
+        report.update(sharded.on_disk.bytes())
+    _placed(report, spec.offload_param, optimizer_on_host)
     checkpointer = attached(module)
     if checkpointer is not None:
         report.update(checkpointer.bytes())
@@ -97,6 +91,36 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
         report["cuda_peak_allocated"] = max_memory_allocated(spec.device)
         report["cuda_peak_reserved"] = max_memory_reserved(spec.device)
     return report
+
+
+def _shards_bytes(g) -> int:
+    """A flat group's bytes of this rank's shards: its flat buffer, or (offload_param "nvme", which has none)
+    its buckets' shards."""
+    if g.data is not None:
+        return _nbytes(g.data)
+    return sum(b.shard_numel * b.owned.element_size() for b in g.buckets if b.owned is not None)
+
+
+def _placed(report: dict[str, int], offload_param: bool, optimizer_on_host: bool) -> None:
+    """host_model_states, disk_model_states and device_model_states where anything is offloaded (see memory_report)."""
+    on_disk = "nvme_file" in report  # offload_optimizer "nvme": the masters and states are in the rank's file
+    params_on_disk = "nvme_param_file" in report  # offload_param "nvme": the parameter shards are in a file
+    in_host = offload_param and not params_on_disk  # stage 3's offload_param "cpu"
+    host = {"fp32_master": optimizer_on_host and not on_disk, "master_remainders": False,
+            "optimizer_states": optimizer_on_host and not on_disk, "working_params": in_host, "frozen_params": in_host}
+    if not (any(host.values()) or on_disk or params_on_disk):
+        return
+    # ZeRO-Offload: these live in host memory (with a host gradient copy), or on disk through host buffers
+    report["host_model_states"] = (sum(report[k] for k, on in host.items() if on)
+                                   + report.get("offload_gradients", 0) + report.get("offload_staging", 0)
+                                   + report.get("nvme_host_buffers", 0) + report.get("params_in_cpu", 0)
+                                   + report.get("nvme_param_buffers", 0))
+    off_device = sum(report[k] for k, on in host.items() if on) + report.get("params_in_cpu", 0)
+    if on_disk or params_on_disk:
+        report["disk_model_states"] = ((report["fp32_master"] + report["optimizer_states"] if on_disk else 0)
+                                       + report.get("params_on_disk", 0))
+        off_device += report["disk_model_states"]
+    report["device_model_states"] = report["model_states"] - off_device
 
 
 def whole_parameter_shares(owned: list[int], rank: int, state_bytes: int) -> dict[str, int]:

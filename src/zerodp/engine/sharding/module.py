@@ -2,7 +2,8 @@
 
 It owns what every sharded model has, trained or not: the layout (which parameter sits in which flat bucket,
 and which shard is this rank's), the materialisation of those buckets from the model, its initialisers or
-files, stage 3's per-unit gather and release (with the parameter shards in host memory under offload_param),
+files, stage 3's per-unit gather and release (with the parameter shards in host memory under offload_param
+"cpu", in a file of this rank's under "nvme": on_disk.py),
 `gathered_parameters` (and writing weights back through it), the weights as a stream for export, and the
 floating buffers kept equal across ranks. A frozen reference or teacher model is this part alone: no optimizer,
 no reducer, no loss scaler and no gradient hook exist for it (`zerodp.shard`, or `zerodp.initialize` with
@@ -25,7 +26,7 @@ from zerodp.distributed.device import can_pin, seed_everything
 from zerodp.engine.layout import formats
 from zerodp.engine.layout.flat import Bucket, local, set_local
 from zerodp.engine.layout.layout import Layout, frozen_params
-from zerodp.engine.layout.units import nothing_partitioned
+from zerodp.engine.layout.units import nothing_partitioned, unit_buckets
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.setup import fill
 from zerodp.engine.setup.fill import Filling
@@ -33,6 +34,7 @@ from zerodp.engine.sharding.buffers import BufferSync
 from zerodp.engine.sharding.gather import BucketState, Gatherer
 from zerodp.engine.sharding.gathered_state import GatheredStateDict, LoneCall
 from zerodp.engine.sharding.memory import memory_report
+from zerodp.engine.sharding.on_disk import ParamDiskSettings, ShardsOnDisk
 from zerodp.engine.sharding.weights import Weights, engine_weights
 
 # (buckets whole on every rank, the ids of the parameters written, or None for all): what a listener
@@ -61,6 +63,8 @@ class ShardedModule:
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
                             else None)
+        # stage 3's offload_param "nvme": the parameter shards' file and host buffers; None otherwise
+        self.on_disk: ShardsOnDisk | None = None
         layout, fp32_shards = self._flat_buffers(groups, frozen, filling)
         self.layout: Layout = layout  # the buckets the sharded parameters are views into, this rank's shard
         # this rank's fp32 values of each trained bucket, which the masters start from (taken once by training)
@@ -97,20 +101,48 @@ class ShardedModule:
         note = nothing_partitioned(layout.gathered, zero) if spec.gathers_per_unit and comm.shard_size > 1 else None
         if note is not None and comm.everyone.rank == 0:
             print(note, file=sys.stderr, flush=True)
+        if spec.params_on_disk:
+            self.on_disk = self._shards_on_disk(layout)
         fp32_shards = fill.fill(layout.groups, filling, comm, layout.rank, spec.dtype, spec.device,
                                 spec.gathers_per_unit, spec.offload_param,
-                                zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen)
+                                zero.offload_param.pin_memory and can_pin(), frozen=layout.frozen,
+                                store=self.on_disk.put if self.on_disk is not None else None)
         if self.config.seed is not None:  # after the initialisers, which draw rank 0's values
             seed_everything(self.config.seed + comm.rank)
         return layout, fp32_shards
 
+    def _shards_on_disk(self, layout: Layout) -> ShardsOnDisk:
+        """The parameter shards' file under offload_param.nvme_path, its space checked and reserved: a missing,
+        unwritable or full directory (or buffers too small) on any rank is raised on every rank."""
+        off = self.config.zero_optimization.offload_param
+        settings = ParamDiskSettings.from_config(self.config, off.pin_memory and can_pin())
+        names = self._unit_names()
+        units: dict[int, str] = {}
+        for u, bs in enumerate(unit_buckets(self.spec.units, layout.gathered)):
+            for b in bs:
+                units[b.index] = f"{units[b.index]}, " if b.index in units else "unit "
+                units[b.index] += repr(names[u] or "(the model)")
+        dtypes = [(b, self.spec.dtype) for g in layout.groups for b in g.buckets]
+        dtypes += [(b, g.dtype) for g in layout.frozen for b in g.buckets]
+        error = tier = None
+        try:
+            tier = ShardsOnDisk(sorted(dtypes, key=lambda e: e[0].index), layout.rank, settings, units)
+        except (OSError, ValueError) as e:
+            error = e
+        self.comm.agree(error, "zerodp.initialize (offload_param \"nvme\")")
+        return tier
+
+    def _unit_names(self) -> list[str]:
+        """Each stage-3 unit's root module's name ("" for the model itself)."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        return [names.get(id(root), "") for root in self.spec.units.roots]
+
     def _gatherer(self, layout: Layout) -> Gatherer | None:
         if not self.spec.gathers_per_unit:
             return None
-        names = {id(m): n for n, m in self.module.named_modules()}
-        units = self.spec.units
-        gatherer = Gatherer(units, layout, self.comm, self.config.zero_optimization.stage3_prefetch_bucket_size,
-                            self.spec.offload_param, unit_names=[names.get(id(root), "") for root in units.roots])
+        gatherer = Gatherer(self.spec.units, layout, self.comm,
+                            self.config.zero_optimization.stage3_prefetch_bucket_size, self.spec.offload_param,
+                            unit_names=self._unit_names(), on_disk=self.on_disk)
         if self.comm.notice is not None:  # a long wait in a gather names its phase, unit and step
             self.comm.notice.describe = lambda: gatherer.whereabouts.where()[0]
         return gatherer
@@ -169,11 +201,14 @@ class ShardedModule:
         for b in buckets:
             self.comm.broadcast(b.data, src_rank)
             lo, hi = self.layout.shard_start(b), self.layout.shard_start(b) + b.shard_numel
-            if b.owned.data_ptr() == b.data[lo:hi].data_ptr():  # the shard is a view of the bucket already
+            if b.owned.numel() and b.owned.data_ptr() == b.data[lo:hi].data_ptr():  # a view of the bucket already
                 continue
-            for _, s, start, end in self.layout.owned_slots(b):
-                if params is None or id(s.param) in params:
-                    b.owned[start - lo:end - lo].copy_(b.data[start:end])
+            with self.on_disk.updating(b, read=True) if self.on_disk is not None else nullcontext():
+                for _, s, start, end in self.layout.owned_slots(b):
+                    if params is None or id(s.param) in params:
+                        b.owned[start - lo:end - lo].copy_(b.data[start:end])
+        if self.on_disk is not None:
+            self.on_disk.flush()
         for listener in self.adopted:
             listener(buckets, params)
 
@@ -209,8 +244,14 @@ class ShardedModule:
     def full_frozen(self, b: Bucket) -> torch.Tensor:
         """Stage 3's frozen bucket b, whole, in its own dtype (its bits), from every rank's shard (collective)."""
         full = torch.empty(b.numel, dtype=b.owned.dtype, device=self.spec.device)
-        self.comm.shard_gather(full, b.owned.to(self.spec.device))
+        with self.on_disk.reading(b) if self.on_disk is not None else nullcontext(b.owned) as shard:
+            self.comm.shard_gather(full, shard.to(self.spec.device))
         return full
+
+    def shards_in_memory(self):
+        """A context in which every parameter shard is a tensor in host memory (b.owned): with offload_param
+        "nvme" they are read in for its body and written back after it (a checkpoint's save or load)."""
+        return self.on_disk.resident(self.layout.gathered) if self.on_disk is not None else nullcontext()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights keyed like module.state_dict(), trained ones in fp32 (their masters), frozen ones in

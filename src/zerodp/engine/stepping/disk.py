@@ -25,12 +25,8 @@ collected or the process ends, however it ends; it is never read as a checkpoint
 from __future__ import annotations
 
 import errno
-import fcntl
-import os
-import shutil
-import tempfile
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import os  # noqa: F401 - tests patch os.preadv / os.pwritev through this module
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -38,12 +34,11 @@ from typing import Callable, Iterator
 import torch
 from torch.optim import Optimizer
 
-_BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and addresses (every disk's logical block divides it)
-_IOV_MAX = 1024  # buffers one preadv/pwritev call takes (Linux's IOV_MAX)
+# the scratch file itself, shared with stage 3's parameter shards on disk (sharding/on_disk.py)
+from zerodp.engine.sharding.scratch import DiskTierError, ScratchFile, aligned_bytes
+from zerodp.engine.sharding.scratch import round_up as _round
 
-
-class DiskTierError(OSError):
-    """The disk tier cannot be made or written, or a read stalled."""
+__all__ = ["DiskSettings", "DiskTier", "DiskTierError", "ScratchFile", "aligned_bytes", "states_per_element"]
 
 
 @dataclass(frozen=True)
@@ -69,17 +64,6 @@ class DiskSettings:
                    aio.block_size, aio.queue_depth, aio.thread_count, aio.single_submit, config.comm_timeout_s, pin)
 
 
-def _round(nbytes: int) -> int:
-    return -(-nbytes // _BLOCK) * _BLOCK
-
-
-def aligned_bytes(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 host tensor of nbytes whose address is _BLOCK-aligned (O_DIRECT's rule)."""
-    raw = torch.empty(nbytes + _BLOCK, dtype=torch.uint8, pin_memory=pin)
-    start = -raw.data_ptr() % _BLOCK
-    return raw[start:start + nbytes]
-
-
 def states_per_element(optimizer: Optimizer) -> int:
     """How many per-element state tensors the optimizer keeps per parameter (Adam 2, SGD with momentum 1):
     a copy of it, with each param group's settings (amsgrad adds one), stepped once on a probe tensor."""
@@ -98,71 +82,6 @@ def states_per_element(optimizer: Optimizer) -> int:
                              "\"cpu\" offload for this optimizer") from e
         most = max(most, sum(1 for v in copy.state[probe].values() if torch.is_tensor(v) and v.shape == probe.shape))
     return most
-
-
-class ScratchFile:
-    """This rank's file under nvme_path, with O_DIRECT, its blocks reserved up front. Its name is removed as
-    soon as it is open: the kernel frees its blocks when the last descriptor closes, which is when the tier is
-    collected or the process ends, however it ends (an error, os._exit, a signal)."""
-
-    def __init__(self, root: str, rank: int, nbytes: int, settings: DiskSettings):
-        _check_directory(root)
-        free = shutil.disk_usage(root).free
-        if free < nbytes:
-            raise DiskTierError(errno.ENOSPC, f"offload_optimizer.nvme_path {root!r} has {free:,} bytes free; rank "
-                                f"{rank}'s fp32 masters and optimizer states need {nbytes:,}: free space there, or "
-                                "point nvme_path at a larger disk")
-        self.fd, path = tempfile.mkstemp(prefix=f"zerodp-rank{rank}-", suffix=".states", dir=root)
-        os.unlink(path)
-        self.path = f"{path} (rank {rank}'s scratch file, removed from the directory once open)"
-        self.nbytes, self.s = nbytes, settings
-        self._close = weakref.finalize(self, os.close, self.fd)
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
-            self.direct = True
-        except OSError:  # a filesystem without O_DIRECT: the page cache dropped after each transfer instead
-            self.direct = False
-        try:
-            os.posix_fallocate(self.fd, 0, nbytes)  # no write can then fail for space
-        except OSError as e:
-            self._close()
-            raise DiskTierError(e.errno, f"offload_optimizer.nvme_path {root!r}: reserving {nbytes:,} bytes for rank "
-                                f"{rank}'s optimizer states failed ({os.strerror(e.errno)}): free space there, or "
-                                "point nvme_path at a larger disk") from e
-        self.pool = ThreadPoolExecutor(settings.thread_count, thread_name_prefix="zerodp-disk")
-
-    def transfer(self, write: bool, offset: int, buf: torch.Tensor) -> list[Future]:
-        """Start reading (or writing) buf, a _BLOCK-aligned uint8 tensor, at offset: block_size requests in at
-        most queue_depth runs, on the pool's threads."""
-        view = memoryview(buf.numpy())
-        bs = self.s.block_size
-        requests = [(offset + i, view[i:i + bs]) for i in range(0, len(view), bs)]
-        per_run = -(-len(requests) // self.s.queue_depth)
-        return [self.pool.submit(self._run, write, requests[i:i + per_run]) for i in range(0, len(requests), per_run)]
-
-    def _run(self, write: bool, requests: list[tuple[int, memoryview]]) -> None:
-        step = 1 if self.s.single_submit else _IOV_MAX
-        for i in range(0, len(requests), step):
-            batch = requests[i:i + step]
-            want, offset = sum(len(v) for _, v in batch), batch[0][0]
-            done = (os.pwritev if write else os.preadv)(self.fd, [v for _, v in batch], offset)
-            if done != want:
-                raise OSError(errno.EIO, f"{'wrote' if write else 'read'} {done} of {want} bytes at offset {offset}")
-            if not self.direct:
-                os.posix_fadvise(self.fd, offset, want, os.POSIX_FADV_DONTNEED)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        self._close()
-
-
-def _check_directory(root: str) -> None:
-    if not os.path.isdir(root):
-        raise DiskTierError(errno.ENOENT, f"offload_optimizer.nvme_path {root!r} is not a directory: create it (on "
-                            "the disk for the optimizer states) or point nvme_path at one")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise DiskTierError(errno.EACCES, f"offload_optimizer.nvme_path {root!r} is not writable by this process "
-                            f"(uid {os.getuid()}): each rank creates its scratch file there")
 
 
 class Buffers:

@@ -26,6 +26,8 @@ step makes them fp32, steps, and puts them back (`_materialise`, `_settle`); rea
 ZeRO-Infinity's disk tier (`disk`: offload_optimizer "nvme"): the same host step, with the masters and the
 optimizer state in a file of this rank's, streamed through a bounded pool of host buffers one sub-group at a
 time (disk.py); each stepped master is copied to its working shard before it is written back.
+Stage 3's working shards on disk (offload_param "nvme", sharding/on_disk.py): each new one goes through a host
+buffer of that tier to its file (`_writing`); the step ends when every write is done, on every rank.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from zerodp.distributed.device import can_pin
 from zerodp.engine.layout.flat import ALIGN, Bucket
 from zerodp.engine.layout.layout import Layout
 from zerodp.engine.layout.spec import EngineSpec
+from zerodp.engine.sharding.on_disk import ShardsOnDisk
 from zerodp.engine.stepping.disk import DiskSettings, DiskTier
 from zerodp.engine.stepping.low_precision import (
     OptimizerPrecision,
@@ -62,13 +65,14 @@ class PartitionedOptimizer(TimedGathers):
                  comm: Comm, spec: EngineSpec, offload: bool = False, pin_memory: bool = True,
                  allgather_bucket_size: int = 500_000_000, sub_group_size: int = 100_000_000,
                  used_only: UsedParameters | None = None, precision: OptimizerPrecision = OptimizerPrecision(),
-                 disk: DiskSettings | None = None):
+                 disk: DiskSettings | None = None, params_on_disk: ShardsOnDisk | None = None):
         if disk is not None and precision.low:
             raise ValueError("bf16.bf16_optimizer_states / bf16_master_weights_and_grads with offload_optimizer "
                              "\"nvme\" is not supported: the disk tier streams fp32 masters and states; use "
                              "offload_optimizer \"cpu\" (bf16 states) or none")
         offload = offload or disk is not None  # the disk tier steps on the host too
         self.comm, self.offload = comm, offload
+        self.params_on_disk = params_on_disk  # offload_param "nvme": the working shards' file (None: in memory)
         self.precision = precision  # masters and states below fp32 between steps (low_precision.py)
         self.sharded = spec.shards_optimizer  # False (stage 0): every rank steps every bucket whole
         self.gathers_after_step = spec.gathers_after_step
@@ -88,7 +92,8 @@ class PartitionedOptimizer(TimedGathers):
         # With stage 3's offload_param the working shard is in host memory: the master stays on the
         # device (unless offload) so that the optimizer does not follow it to the host.
         self.separate = bool(self.buckets) and (offload or self.buckets[0].data.dtype != torch.float32
-                                                or self.buckets[0].owned.device != self.buckets[0].data.device)
+                                                or self.buckets[0].owned.device != self.buckets[0].data.device
+                                                or params_on_disk is not None)
         self.host: HostShards | None = None  # offload: masters, gradients and staging in host memory
         self.disk: DiskTier | None = None  # offload to disk: masters and optimizer states in this rank's file
         self.masters = self._masters(fp32_shards, offload and pin_memory and can_pin(), sub_group_size, disk)
@@ -133,6 +138,10 @@ class PartitionedOptimizer(TimedGathers):
         """Masters from here on: the working shard + an int16 remainder; the fp32 tensors let go of their storage."""
         if self.offload or not self.separate or self.buckets[0].data.dtype != torch.bfloat16:
             raise ValueError("bf16.bf16_master_weights_and_grads needs bf16.enabled and no offload_optimizer")
+        if self.params_on_disk is not None:
+            raise ValueError("bf16.bf16_master_weights_and_grads with offload_param \"nvme\" is not supported: a "
+                             "compensated master is its working shard plus a remainder, and the working shards are "
+                             "on disk between uses; use offload_param \"cpu\" or none")
         for k, (b, m) in enumerate(zip(self.buckets, self.masters)):
             if m.untyped_storage().nbytes() != m.numel() * 4:  # a view of a larger block: freed alone, it must own it
                 raise RuntimeError(f"bucket {k}'s fp32 master is a view; compensated masters need their own")
@@ -271,11 +280,18 @@ class PartitionedOptimizer(TimedGathers):
         rank is raised on every rank (before the gather that would leave the others waiting)."""
         error = None
         try:
-            self.disk.stream(self.optimizer, grads, lambda part: self._step_part(part, coef, fold),
-                             lambda k, m: self.buckets[k].owned.copy_(m))
+            self.disk.stream(self.optimizer, grads, lambda part: self._step_part(part, coef, fold), self._send)
         except OSError as e:
             error = e
         self.comm.agree(error, "the optimizer step (offload_optimizer \"nvme\")")
+
+    def _send(self, k: int, m: torch.Tensor) -> None:
+        with self._writing(self.buckets[k]):
+            self.buckets[k].owned.copy_(m)
+
+    def _writing(self, b: Bucket):
+        """b.owned in host memory to be written (offload_param "nvme": a buffer, then written to the file)."""
+        return self.params_on_disk.updating(b) if self.params_on_disk is not None else nullcontext()
 
     def _step_part(self, part: list[int], coef: torch.Tensor | None, fold: bool) -> None:
         """One optimizer.step() over masters[part], their gradients set."""
@@ -366,13 +382,15 @@ class PartitionedOptimizer(TimedGathers):
             b, m = self.buckets[k], self.masters[k]
             if self.disk is not None:
                 if not self.disk.sent:  # (a step sent each master as it stepped it)
-                    b.owned.copy_(self.disk.master(k))
+                    self._send(k, self.disk.master(k))
             elif self.host is not None:
-                self.host.send_weights(k, b.owned)
+                with self._writing(b):
+                    self.host.send_weights(k, b.owned)
             elif self.remainders:
                 self._settle(k)  # (masters read or written since the step: their new values split)
             elif self.separate:
-                b.owned.copy_(m, non_blocking=True)
+                with self._writing(b):  # (a buffer written to disk after it: the copy must be done by then)
+                    b.owned.copy_(m, non_blocking=self.params_on_disk is None)
             if self.gathers_after_step:
                 while self.pending and in_flight + b.numel > self.allgather_numel:
                     in_flight -= self.buckets[self.pending[0][0]].numel
@@ -383,8 +401,19 @@ class PartitionedOptimizer(TimedGathers):
             self.host.send_done()
         if self.disk is not None:
             self.disk.sent = False
+        if self.params_on_disk is not None:
+            self._flush_parameters()
         if not defer:
             self.wait_for_parameters()
+
+    def _flush_parameters(self) -> None:
+        """Every working shard written to its file; a failed write on any rank is raised on every rank."""
+        error = None
+        try:
+            self.params_on_disk.flush()
+        except OSError as e:
+            error = e
+        self.comm.agree(error, "writing the updated parameter shards (offload_param \"nvme\")")
 
     def adopt_working(self, buckets: list[Bucket], params: set[int] | None) -> None:
         """The sharded module wrote one rank's working values of `params` (ids; None: all) into `buckets`

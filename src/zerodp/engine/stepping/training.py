@@ -110,7 +110,7 @@ class Training:
         if offload.device != "nvme":
             return PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, offload.device == "cpu",
                                         offload.pin_memory, zero.allgather_bucket_size, zero.sub_group_size,
-                                        self.used_only, precision)
+                                        self.used_only, precision, params_on_disk=s.on_disk)
         # The disk tier: a missing, unwritable or full nvme_path (or too few buffers) on any rank is raised on
         # every rank, before the first collective that would leave the others waiting.
         disk = DiskSettings.from_config(config, offload.pin_memory and can_pin())
@@ -118,7 +118,7 @@ class Training:
         try:
             part = PartitionedOptimizer(optimizer, s.layout, fp32_shards, s.comm, s.spec, True, offload.pin_memory,
                                         zero.allgather_bucket_size, zero.sub_group_size, self.used_only, precision,
-                                        disk)
+                                        disk, s.on_disk)
         except (OSError, ValueError) as e:
             error = e
         s.comm.agree(error, "zerodp.initialize (offload_optimizer \"nvme\")")
@@ -336,12 +336,14 @@ class Training:
         (bf16.bf16_master_weights_and_grads) are made fp32 for it, until the next step."""
         return self.partitioned_optimizer.materialised_masters()
 
+    @contextmanager
     def model_states_in_memory(self):
-        """A context in which master_shards() and the optimizer's state are tensors in host memory: with the disk
-        tier (offload_optimizer "nvme") they are read in for its body and written back after it, which a
-        checkpoint's save or load needs (this rank's states are then in host memory at once); otherwise they
-        always are."""
-        return self.partitioned_optimizer.in_memory()
+        """A context in which master_shards(), the optimizer's state and the parameter shards are tensors in host
+        memory: with the disk tiers (offload_optimizer / offload_param "nvme") they are read in for its body and
+        written back after it, which a checkpoint's save or load needs (this rank's states are then in host
+        memory at once); otherwise they always are."""
+        with self.partitioned_optimizer.in_memory(), self.sharded.shards_in_memory():
+            yield
 
     def stepped_tensors(self) -> list[list[torch.Tensor]]:
         """Per bucket, what the optimizer steps: [its master shard], or, where it steps whole parameters,
