@@ -65,8 +65,10 @@ def _fault(rank, world, kind, root):
     """initialize (and a step) with the fault `kind`; the error's text on this rank, and how long it took."""
     start = time.monotonic()
     params, kind = kind.startswith("param_"), kind.removeprefix("param_")  # param_*: offload_param's tier
-    # (the parameter files: over the full tmpfs's 16k on each rank, so that neither fits, whichever checks first)
-    model = oracle.build(oracle.CASES["plain"]) if not params else oracle.build(oracle.Case(model={"hidden": 80}))
+    # The parameter files and a "full" fault's files exceed the full tmpfs's 16k on each rank, so that neither
+    # rank's fits, whichever checks first: two files that each fit but not together would race for the space.
+    wide = params or kind == "full"
+    model = oracle.build(oracle.Case(model={"hidden": 80}) if wide else oracle.CASES["plain"])
     cfg = (oracle.config_for(oracle.Case(gas=1), 3, world, reduce_bucket_size=500, **_params(root, max_in_cpu=0))
            if params else
            oracle.config_for(oracle.Case(gas=1), 2, world, offload_optimizer={"device": "nvme", "nvme_path": root}))
