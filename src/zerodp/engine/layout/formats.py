@@ -72,6 +72,52 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def block_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(its key in m's state_dict, tensor) of the quantisation state of bitsandbytes layer m's weight that has one
+    value per block of words: a 4-bit weight's absmax (and, with double quantisation, its nested state's absmax),
+    an 8-bit weight's row scales (SCB). Sharded 1/N with the words at stage 3 and gathered with them. The tensors
+    shared by all blocks (the code, a nested offset) are not listed: they stay whole. [] for any other module."""
+    if _of_bitsandbytes(m, "Linear4bit") and is_params4bit(m.weight) and m.weight.quant_state is not None:
+        state = m.weight.quant_state
+        nested = [("weight.nested_absmax", state.state2.absmax)] if getattr(state, "nested", False) else []
+        return [("weight.absmax", state.absmax), *nested]
+    if _of_bitsandbytes(m, "Linear8bitLt") and is_int8params(m.weight) and hasattr(m, "state"):
+        scales = m.weight.SCB if m.weight.SCB is not None else m.state.SCB  # the one int8_follows_weight keeps
+        return [("SCB", scales)] if scales is not None else []
+    return []
+
+
+def named_block_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(state_dict name, tensor) of every bitsandbytes layer's block_state in `module`, each tensor once."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, m in module.named_modules():
+        for key, t in block_state(m):
+            found.setdefault(id(t), (f"{name}.{key}" if name else key, t))
+    return list(found.values())
+
+
+def with_block_state(module: nn.Module, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """`params`, each quantized weight followed by its block_state (so that a unit's tensors stay together in
+    the layout's runs)."""
+    beside = block_state_of(module)
+    return [t for p in params for t in (p, *beside.get(id(p), ()))]
+
+
+def block_state_of(module: nn.Module) -> dict[int, list[torch.Tensor]]:
+    """id(quantized weight) -> its block_state tensors, for every bitsandbytes layer in `module` that has one."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for m in module.modules():
+        state = block_state(m)
+        if state:
+            out.setdefault(id(m.weight), [t for _, t in state])
+    return out
+
+
+def _of_bitsandbytes(m: nn.Module, name: str) -> bool:
+    """Whether m is a bitsandbytes layer of class `name` (or a subclass), known without importing bitsandbytes."""
+    return any(c.__name__ == name and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)
+
+
 def _int8_layers(module: nn.Module) -> list[nn.Module]:
     """bitsandbytes' 8-bit layers (Linear8bitLt): an Int8Params weight and the state it computes from."""
     return [m for m in module.modules() if is_int8params(getattr(m, "weight", None)) and hasattr(m, "state")]
