@@ -4,10 +4,12 @@ zerodp moves a parameter as the bytes of its `.data` (sharded, gathered, offload
 lays out one flat group per storage dtype). That is exact for a plain tensor, a DTensor's local shard, and
 bitsandbytes' `Params4bit` (QLoRA's NF4/FP4 base): its `.data` is the packed 4-bit words, in whatever
 `bnb_4bit_quant_storage` dtype, and its quantisation state (`quant_state`: absmax, the code, the shape)
-is an attribute of the parameter object, which zerodp never replaces, so it stays beside the words on
-every rank, whole (an fp32 absmax per 64-weight block: 1/8 of the words' bytes, about 1/32 with
-bnb_4bit_use_double_quant; not sharded: memory_report counts it as `quant_state`), and bitsandbytes writes
-it into each state_dict.
+is an attribute of the parameter object, which zerodp never replaces, and bitsandbytes writes it into
+each state_dict. Its per-block part (`block_state`: an fp32 absmax per 64-weight block, 1/8 of the words'
+bytes; with bnb_4bit_use_double_quant a uint8 absmax and an fp32 nested absmax, about 1/32) is laid out at
+stage 3 as frozen slots beside the words (`with_block_state`), in a flat group of its own dtype, and its
+`.data` swapped like a parameter's: 1/N per rank, whole while its unit runs; the codes stay whole
+(memory_report's `quant_state` counts both).
 
 Refused by name at initialize, on every rank before any collective:
   * a trained Params4bit: 4-bit words have no gradient; train adapters on it (LoRA) instead;
@@ -27,8 +29,8 @@ Linear8bitLt computes from `module.state.CB`, a second reference it takes from t
 forward (and reads again in backward), and writes back into `weight.data` after each forward: held, it would
 keep the whole matrix on every rank and read a released gather. `int8_follows_weight` makes that
 reference the weight's own `.data`, whatever zerodp points it at (this rank's shard, a gathered bucket),
-and keeps SCB whole on every rank (memory_report's `quant_state`); bitsandbytes writes it into each
-state_dict as before.
+and keeps one SCB tensor on the weight and its state, which stage 3 shards like an absmax (`block_state`);
+bitsandbytes writes it into each state_dict as before.
 
 `keep_packing` turns off bitsandbytes' CPU repacking, which an eval-mode forward does to a 4-bit weight on a
 CPU with AVX512-BF16 (it replaces the weight's `.data` with another layout, which a stage-3 shard cannot
