@@ -257,7 +257,19 @@ def _jobs(rank: int, world: int) -> dict:
     out = {f"{kind}/{stage}": _bf16_run(rank, stage, kind.endswith("offload")) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
     out.update({f"qlora-stage2/{s}/fp32": _qlora_run(rank, s, "fp32", stage=2) for s in ("uint8", "int8")})
+    out["deepspeed/bf16"] = _deepspeed_qlora_run(rank)
     return out
+
+
+def _deepspeed_qlora_run(rank: int) -> dict:
+    """QLoRA at stage 3 through zerodp.deepspeed, which gives each partitioned parameter DeepSpeed's ds_* attributes
+    (the quantisation state sharded beside a weight is no parameter and gets none)."""
+    import zerodp.deepspeed
+
+    model = qlora("bf16")
+    engine, *_ = zerodp.deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable(model), lr=1e-2),
+                                             config=config(3))
+    return {**_train(engine, rank), "ds_id": hasattr(first_quantized(model).weight, "ds_id")}
 
 
 def _qlora_one_process(rank: int, world: int) -> dict:
@@ -414,6 +426,13 @@ def test_a_quantized_weight_read_at_stage3_comes_whole_with_its_quantisation_sta
         assert r["read"].keys() == set(bitsandbytes_entries(entries)) and r["read"]
         for k, v in r["read"].items():
             assert v.dtype == entries[k].dtype and torch.equal(v, entries[k]), k
+
+
+def test_qlora_through_zerodp_deepspeed_at_stage3_trains_as_one_process():
+    ours = [r["deepspeed/bf16"] for r in runs()]
+    per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
+    assert per_step == pytest.approx(qlora_reference("bf16")["losses"], rel=1e-6, abs=1e-6)
+    assert all(r["ds_id"] for r in ours)
 
 
 @pytest.mark.parametrize("storage", EXPORTED)
