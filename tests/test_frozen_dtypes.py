@@ -29,12 +29,13 @@ transformers = pytest.importorskip("transformers")
 MICRO, STEPS, SAVE_AT, SEQ, VOCAB = 2, 4, 2, 12, 300
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 BF16_CASES = [("bf16_base", 2), ("bf16_base", 3), ("bf16_base_offload", 3)]  # offload_param: shards on the host
-STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32, "int8": torch.int8}
+STORAGE = {"bf16": torch.bfloat16, "uint8": torch.uint8, "fp32": torch.float32, "int8": torch.int8,
+           "bf16-dq": torch.bfloat16}  # "-dq": double quantisation (bnb_4bit_use_double_quant: a nested state)
 # QLoRA at stage 3: (bnb_4bit_quant_storage, the config's precision); fp32 words under bf16: packed words are
 # never cast, although an fp32 frozen parameter is; "int8": LLM.int8 (load_in_8bit), its int8 words as packed
 QLORA_CASES = [("bf16", "fp32"), ("uint8", "fp32"), ("bf16", "bf16"), ("uint8", "bf16"), ("fp32", "bf16"),
-               ("int8", "fp32")]
-EXPORTED = ["bf16", "uint8", "int8"]  # the fp32-config cases: saved as an HF folder, consolidated, resumed
+               ("int8", "fp32"), ("bf16-dq", "fp32")]
+EXPORTED = ["bf16", "uint8", "int8", "bf16-dq"]  # the fp32-config cases: saved as an HF folder, consolidated, resumed
 PROBE = torch.arange(SEQ).view(1, SEQ) * 7 % VOCAB
 
 
@@ -80,6 +81,7 @@ def quantized_base(storage: str):
     quant = (transformers.BitsAndBytesConfig(load_in_8bit=True) if storage == "int8" else
              transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                              bnb_4bit_quant_storage=STORAGE[storage],
+                                             bnb_4bit_use_double_quant=storage.endswith("-dq"),
                                              bnb_4bit_compute_dtype=torch.bfloat16))
     base = transformers.AutoModelForCausalLM.from_pretrained(base_folder(), quantization_config=quant,
                                                              dtype=torch.bfloat16, device_map="cpu")
@@ -108,7 +110,7 @@ def packed(state: dict) -> dict[str, torch.Tensor]:
 
 def bitsandbytes_entries(state: dict) -> list[str]:
     """The quantisation state's entries bitsandbytes writes beside the packed words."""
-    return [k for k in state if ".quant_" in k or k.endswith((".absmax", ".SCB", ".weight_format"))]
+    return [k for k in state if ".quant_" in k or ".nested_" in k or k.endswith((".absmax", ".SCB", ".weight_format"))]
 
 
 def batches(world: int = 2) -> list[torch.Tensor]:
@@ -152,12 +154,21 @@ def _bf16_run(rank: int, stage: int, offload: bool = False) -> dict:
             "dtypes": dtypes}
 
 
-def quant_state_bytes(model) -> int:
-    """The bytes of the quantisation state bitsandbytes keeps beside the packed words: the tensors its
-    state_dict writes (absmax, quant_map: the QuantState's own tensors, not copies; an 8-bit layer's SCB),
-    each once."""
-    kept = {t.data_ptr(): t for k, t in model.state_dict().items() if k.endswith((".absmax", ".quant_map", ".SCB"))}
-    return sum(t.numel() * t.element_size() for t in kept.values())
+def quant_state_bytes(model) -> tuple[int, int]:
+    """The bytes of the quantisation state bitsandbytes keeps beside the packed words, each tensor once: (its
+    per-block part: each 4-bit weight's absmax and a nested state's absmax, each 8-bit weight's row scales SCB;
+    the rest: the codes (quant_map) and a nested state's offset)."""
+    block, rest = {}, {}
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        while state is not None:
+            block[id(state.absmax)] = state.absmax
+            rest.update({id(t): t for k, t in vars(state).items() if isinstance(t, torch.Tensor) and k != "absmax"})
+            state = getattr(state, "state2", None)
+        if getattr(weight, "SCB", None) is not None:
+            block[id(weight.SCB)] = weight.SCB
+    return tuple(sum(t.numel() * t.element_size() for t in part.values()) for part in (block, rest))
 
 
 def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
@@ -188,6 +199,9 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
         save_hf(engine, os.path.join(work(), f"hf-{storage}"), hf_folder.description(model, None))
         # and save_16bit_model's file: every floating entry in 16 bits but bitsandbytes' own
         save_weights(engine, os.path.join(work(), f"16bit-{storage}.pt"), torch.float16)
+    with engine.gathered_parameters([first_quantized(model).weight]):  # its words and its quantisation state
+        dequantized = dequantize(first_quantized(model)).clone()
+    read = {k: v for k, v in model.state_dict().items() if k in bitsandbytes_entries(model.state_dict(keep_vars=True))}
     with torch.no_grad():
         logits = engine(input_ids=PROBE).logits
         engine.eval()  # bitsandbytes would repack a CPU weight for inference here: zerodp keeps it packed
@@ -197,7 +211,23 @@ def _qlora_run(rank: int, storage: str, precision: str, stage: int = 3) -> dict:
             "eval_logits": eval_logits,
             "base_bytes": base_bytes, "held": engine.memory_report()["frozen_params"],
             "quant_state": engine.memory_report()["quant_state"], "quant_bytes": quant_bytes,
-            "int8_elsewhere": int8_held_elsewhere(model)}
+            "int8_elsewhere": int8_held_elsewhere(model), "dequantized": dequantized, "read": read}
+
+
+def first_quantized(model):
+    """The model's first bitsandbytes layer (4-bit or 8-bit)."""
+    return next(m for m in model.modules() if type(m).__module__.startswith("bitsandbytes"))
+
+
+def dequantize(layer) -> torch.Tensor:
+    """A bitsandbytes layer's weight as the values it computes with: its words read through its quantisation
+    state (4-bit: absmax per block; 8-bit: the row scales)."""
+    import bitsandbytes as bnb
+
+    weight = layer.weight
+    if hasattr(weight, "quant_state"):
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    return weight.data.float() * weight.SCB.view(-1, 1) / 127
 
 
 def int8_held_elsewhere(model) -> int:
@@ -227,7 +257,19 @@ def _jobs(rank: int, world: int) -> dict:
     out = {f"{kind}/{stage}": _bf16_run(rank, stage, kind.endswith("offload")) for kind, stage in BF16_CASES}
     out.update({f"qlora/{s}/{p}": _qlora_run(rank, s, p) for s, p in QLORA_CASES})
     out.update({f"qlora-stage2/{s}/fp32": _qlora_run(rank, s, "fp32", stage=2) for s in ("uint8", "int8")})
+    out["deepspeed/bf16"] = _deepspeed_qlora_run(rank)
     return out
+
+
+def _deepspeed_qlora_run(rank: int) -> dict:
+    """QLoRA at stage 3 through zerodp.deepspeed, which gives each partitioned parameter DeepSpeed's ds_* attributes
+    (the quantisation state sharded beside a weight is no parameter and gets none)."""
+    import zerodp.deepspeed
+
+    model = qlora("bf16")
+    engine, *_ = zerodp.deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable(model), lr=1e-2),
+                                             config=config(3))
+    return {**_train(engine, rank), "ds_id": hasattr(first_quantized(model).weight, "ds_id")}
 
 
 def _qlora_one_process(rank: int, world: int) -> dict:
@@ -350,15 +392,47 @@ def test_qlora_base_sharded_at_stage3_packed_words_untouched_trains_as_one_proce
             for k in words:
                 assert torch.equal(got[k], words[k]), f"{k} ({when}): packed words changed"
         assert r["state"][next(iter(words))].dtype == STORAGE[storage]
-        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding, and
-        # the quantisation state whole (not sharded), as memory_report counts it
+        # each rank holds half of the packed base (and of the bf16 embeddings and norms), plus padding
         assert r["base_bytes"] / 2 <= r["held"] < r["base_bytes"] / 2 * 1.1, (r["held"], r["base_bytes"])
-        assert r["quant_state"] == r["quant_bytes"] > 0, (r["quant_state"], r["quant_bytes"])
         assert r["int8_elsewhere"] == 0, "an 8-bit layer keeps its whole matrix beside the shard"
     per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
     assert per_step == pytest.approx(ref["losses"], rel=1e-6, abs=1e-6)
     if precision == "fp32":  # the same training as one process: every entry, bitsandbytes' quant state too
         assert_same_state(ours[0]["state"], ref["state"], 1e-6)
+
+
+@pytest.mark.parametrize("storage,precision", QLORA_CASES)
+def test_qlora_quantisation_state_is_sharded_at_stage3_half_on_each_rank(storage, precision):
+    """memory_report's quant_state on each of 2 ranks: its half of the per-block state (absmax, a nested absmax,
+    SCB), each element on one rank only, beside the codes kept whole (not the whole state on every rank)."""
+    ours = [r[f"qlora/{storage}/{precision}"] for r in runs()]
+    block, rest = ours[0]["quant_bytes"]
+    shares = [r["quant_state"] - rest for r in ours]
+    assert block > 0 and (rest > 0) == (storage != "int8") and sum(shares) == block, (shares, block, rest)
+    assert all(block / 2 * 0.8 <= share <= block / 2 * 1.2 for share in shares), (shares, block)
+
+
+@pytest.mark.parametrize("storage,precision", QLORA_CASES)
+def test_a_quantized_weight_read_at_stage3_comes_whole_with_its_quantisation_state(storage, precision):
+    """At stage 3 on 2 ranks: inside gathered_parameters([weight]) the weight dequantizes to one process's values
+    (its sharded absmax or SCB gathered with its words), and module.state_dict() holds every quantisation entry
+    whole, as bitsandbytes writes it."""
+    ours = [r[f"qlora/{storage}/{precision}"] for r in runs()]
+    reference = qlora(storage)
+    expected = dequantize(first_quantized(reference))
+    entries = reference.state_dict()
+    for r in ours:
+        assert torch.equal(r["dequantized"], expected)
+        assert r["read"].keys() == set(bitsandbytes_entries(entries)) and r["read"]
+        for k, v in r["read"].items():
+            assert v.dtype == entries[k].dtype and torch.equal(v, entries[k]), k
+
+
+def test_qlora_through_zerodp_deepspeed_at_stage3_trains_as_one_process():
+    ours = [r["deepspeed/bf16"] for r in runs()]
+    per_step = [sum(r["losses"][s] for r in ours) / 2 for s in range(STEPS)]
+    assert per_step == pytest.approx(qlora_reference("bf16")["losses"], rel=1e-6, abs=1e-6)
+    assert all(r["ds_id"] for r in ours)
 
 
 @pytest.mark.parametrize("storage", EXPORTED)

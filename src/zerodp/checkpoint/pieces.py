@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from zerodp.distributed.device import is_accelerator, rng_state
 from zerodp.engine.engine import inside
 from zerodp.engine.layout.flat import local, tp_duplicate, tp_parts
+from zerodp.engine.layout.formats import named_block_state
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,17 @@ def owned_frozen_pieces(engine) -> list[Piece]:
     return _pieces_of(engine, inside(engine).layout.frozen_buckets)
 
 
+def slot_names(engine) -> dict[int, str]:
+    """id(tensor) -> its state_dict name, for every tensor the layout holds: the parameters (a tied one under its
+    first name) and, at stage 3, bitsandbytes' per-block quantisation state (formats.block_state)."""
+    names = {id(t): n for n, t in named_block_state(engine.module)}
+    names.update({id(p): n for n, p in engine.module.named_parameters()})
+    return names
+
+
 def _pieces_of(engine, buckets: list) -> list[Piece]:
     """The pieces this rank's shards of `buckets` hold, each bucket by its place in the list."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    names = slot_names(engine)
     layout, pieces = inside(engine).layout, []
     for i, b in enumerate(buckets):
         lo_r = layout.shard_start(b)
@@ -96,8 +105,8 @@ def _pieces_of(engine, buckets: list) -> list[Piece]:
 
 
 def bucket_params(engine, b) -> list[Piece]:
-    """Every whole parameter of bucket `b`, as the saved layout lists it."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    """Every whole parameter of bucket `b` (and quantisation state), as the saved layout lists it."""
+    names = slot_names(engine)
     return [Piece(names[id(s.param)], s.offset, b.index, 0, s.numel) for s in b.slots]
 
 
@@ -126,7 +135,8 @@ def signature(engine) -> list[dict]:
     first: dict[int, str] = {}
     out = []
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        kind = "trained" if id(t) in trained else "frozen" if id(t) in params else "buffer"
+        # stage 3's sharded bitsandbytes quantisation state is frozen too: in its own dtype, in pieces
+        kind = "trained" if id(t) in trained else "frozen" if id(t) in params or id(t) in sharded else "buffer"
         mine = list(shapes.get(id(t), local(t).shape))
         e = {"name": name, "kind": kind, "shape": list(t.shape if isinstance(t, DTensor) else mine),
              "dtype": str(t.dtype), "alias_of": first.get(id(t)), "group": trained.get(id(t))}

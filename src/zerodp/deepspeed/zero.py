@@ -63,10 +63,12 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     for b in layout.gathered:
         first = layout.shard_start(b)
         for s in b.slots:
+            if id(s.param) not in index:  # a bitsandbytes layer's quantisation state, gathered with its weight
+                continue
             lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
             s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
             s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
-    params = {b.index: [s.param for s in b.slots] for b in layout.gathered}
+    params = {b.index: [s.param for s in b.slots if id(s.param) in index] for b in layout.gathered}
 
     def status(b: Bucket, state: BucketState) -> None:  # at each gather and release: no Python frame per parameter
         deque(map(setattr, params[b.index], repeat("ds_status"), repeat(_STATUS[state])), maxlen=0)

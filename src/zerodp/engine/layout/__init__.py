@@ -8,5 +8,6 @@
   layout.py   `Layout`, the bucket layout made once with this rank's shard, for everything that reads it
               (stage 3's frozen parameters in one group per storage dtype).
   formats.py  the parameter storage formats carried exactly (plain, DTensor, bitsandbytes' Params4bit) and
-              the refusal, by name, of the others (`check`); `keep_packing` (no CPU repack of 4-bit words).
+              the refusal, by name, of the others (`check`); `keep_packing` (no CPU repack of 4-bit words);
+              `block_state` (a quantized weight's per-block state, laid out beside it at stage 3).
 """

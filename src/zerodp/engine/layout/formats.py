@@ -4,10 +4,12 @@ zerodp moves a parameter as the bytes of its `.data` (sharded, gathered, offload
 lays out one flat group per storage dtype). That is exact for a plain tensor, a DTensor's local shard, and
 bitsandbytes' `Params4bit` (QLoRA's NF4/FP4 base): its `.data` is the packed 4-bit words, in whatever
 `bnb_4bit_quant_storage` dtype, and its quantisation state (`quant_state`: absmax, the code, the shape)
-is an attribute of the parameter object, which zerodp never replaces, so it stays beside the words on
-every rank, whole (an fp32 absmax per 64-weight block: 1/8 of the words' bytes, about 1/32 with
-bnb_4bit_use_double_quant; not sharded: memory_report counts it as `quant_state`), and bitsandbytes writes
-it into each state_dict.
+is an attribute of the parameter object, which zerodp never replaces, and bitsandbytes writes it into
+each state_dict. Its per-block part (`block_state`: an fp32 absmax per 64-weight block, 1/8 of the words'
+bytes; with bnb_4bit_use_double_quant a uint8 absmax and an fp32 nested absmax, about 1/32) is laid out at
+stage 3 as frozen slots beside the words (`with_block_state`), in a flat group of its own dtype, and its
+`.data` swapped like a parameter's: 1/N per rank, whole while its unit runs; the codes stay whole
+(memory_report's `quant_state` counts both).
 
 Refused by name at initialize, on every rank before any collective:
   * a trained Params4bit: 4-bit words have no gradient; train adapters on it (LoRA) instead;
@@ -27,8 +29,8 @@ Linear8bitLt computes from `module.state.CB`, a second reference it takes from t
 forward (and reads again in backward), and writes back into `weight.data` after each forward: held, it would
 keep the whole matrix on every rank and read a released gather. `int8_follows_weight` makes that
 reference the weight's own `.data`, whatever zerodp points it at (this rank's shard, a gathered bucket),
-and keeps SCB whole on every rank (memory_report's `quant_state`); bitsandbytes writes it into each
-state_dict as before.
+and keeps one SCB tensor on the weight and its state, which stage 3 shards like an absmax (`block_state`);
+bitsandbytes writes it into each state_dict as before.
 
 `keep_packing` turns off bitsandbytes' CPU repacking, which an eval-mode forward does to a 4-bit weight on a
 CPU with AVX512-BF16 (it replaces the weight's `.data` with another layout, which a stage-3 shard cannot
@@ -70,6 +72,52 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
             if t is not None:
                 found.setdefault(t.untyped_storage().data_ptr(), t)
     return list(found.values())
+
+
+def block_state(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(its key in m's state_dict, tensor) of the quantisation state of bitsandbytes layer m's weight that has one
+    value per block of words: a 4-bit weight's absmax (and, with double quantisation, its nested state's absmax),
+    an 8-bit weight's row scales (SCB). Sharded 1/N with the words at stage 3 and gathered with them. The tensors
+    shared by all blocks (the code, a nested offset) are not listed: they stay whole. [] for any other module."""
+    if _of_bitsandbytes(m, "Linear4bit") and is_params4bit(m.weight) and m.weight.quant_state is not None:
+        state = m.weight.quant_state
+        nested = [("weight.nested_absmax", state.state2.absmax)] if getattr(state, "nested", False) else []
+        return [("weight.absmax", state.absmax), *nested]
+    if _of_bitsandbytes(m, "Linear8bitLt") and is_int8params(m.weight) and hasattr(m, "state"):
+        scales = m.weight.SCB if m.weight.SCB is not None else m.state.SCB  # the one int8_follows_weight keeps
+        return [("SCB", scales)] if scales is not None else []
+    return []
+
+
+def named_block_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(state_dict name, tensor) of every bitsandbytes layer's block_state in `module`, each tensor once."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, m in module.named_modules():
+        for key, t in block_state(m):
+            found.setdefault(id(t), (f"{name}.{key}" if name else key, t))
+    return list(found.values())
+
+
+def with_block_state(module: nn.Module, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """`params`, each quantized weight followed by its block_state (so that a unit's tensors stay together in
+    the layout's runs)."""
+    beside = block_state_of(module)
+    return [t for p in params for t in (p, *beside.get(id(p), ()))]
+
+
+def block_state_of(module: nn.Module) -> dict[int, list[torch.Tensor]]:
+    """id(quantized weight) -> its block_state tensors, for every bitsandbytes layer in `module` that has one."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for m in module.modules():
+        state = block_state(m)
+        if state:
+            out.setdefault(id(m.weight), [t for _, t in state])
+    return out
+
+
+def _of_bitsandbytes(m: nn.Module, name: str) -> bool:
+    """Whether m is a bitsandbytes layer of class `name` (or a subclass), known without importing bitsandbytes."""
+    return any(c.__name__ == name and c.__module__.startswith("bitsandbytes") for c in type(m).__mro__)
 
 
 def _int8_layers(module: nn.Module) -> list[nn.Module]:

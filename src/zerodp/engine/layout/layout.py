@@ -14,8 +14,9 @@ bf16 base under an fp32 config stays bf16, a 4-bit base's packed words stay pack
 units, whose buckets come after every trained one (`buckets` and the bucket indices the reducer and the
 optimizer use are the trained ones alone). Stage 3 gathers `gathered` (both); nothing reduces or steps a
 frozen bucket, and it has no master: its working shard is its only copy, moved as raw bytes (FSDP2 and
-DeepSpeed ZeRO-3 ask for one storage dtype per group for the same reason: a gather moves one dtype). Below
-stage 3 frozen parameters are whole on every rank.
+DeepSpeed ZeRO-3 ask for one storage dtype per group for the same reason: a gather moves one dtype). A
+bitsandbytes weight's per-block quantisation state (formats.block_state: absmax, SCB) is laid out the same way,
+right after its weight, in the group of its own dtype. Below stage 3 frozen parameters are whole on every rank.
 """
 
 from __future__ import annotations
@@ -54,19 +55,21 @@ class Layout:
 
     @classmethod
     def build(cls, param_groups: list[list[nn.Parameter]], spec: EngineSpec, comm: Comm, zero: ZeroConfig,
-              frozen: list[nn.Parameter] | None = None) -> Layout:
+              frozen: list[torch.Tensor] | None = None, own_dtype: frozenset[int] = frozenset()) -> Layout:
         """Stages 0-2: buckets of about reduce_bucket_size (stage 0 unsplit); stage 3: whole units
         (units.layout), `frozen` (EngineSpec.shards_frozen) in groups of their own after the trained ones,
-        one per storage dtype (EngineSpec.kept_dtype). A group whose optimizer steps whole parameters
-        (EngineSpec.whole_parameters) has each parameter whole in one shard (optimizer_view.py); a frozen
-        group is never stepped, so never whole. Allocates nothing: setup/fill.py's fill() makes the buffers."""
+        one per storage dtype (EngineSpec.kept_dtype; the tensors in `own_dtype`, by id, in their own:
+        bitsandbytes' quantisation state, which formats.with_block_state puts among `frozen`). A group whose
+        optimizer steps whole parameters (EngineSpec.whole_parameters) has each parameter whole in one shard
+        (optimizer_view.py); a frozen group is never stepped, so never whole. Allocates nothing: setup/fill.py's
+        fill() makes the buffers."""
         whole = tuple(spec.whole_parameters(g) for g in range(len(param_groups)))
         if not spec.gathers_per_unit:
             shards, rank = (comm.shard_size, comm.shard_rank) if spec.shards_optimizer else (1, 0)
             return cls(lay_out(param_groups, shards, zero.reduce_bucket_size, whole=whole), rank)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in frozen or ():
-            by_dtype.setdefault(spec.kept_dtype(p), []).append(p)
+            by_dtype.setdefault(p.dtype if id(p) in own_dtype else spec.kept_dtype(p), []).append(p)
         groups = stage3_layout(param_groups + list(by_dtype.values()), spec.units, comm.shard_size, zero, whole)
         trained = len(param_groups)
         for g, dtype in zip(groups[trained:], by_dtype):

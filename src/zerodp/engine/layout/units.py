@@ -1,6 +1,7 @@
 """Stage 3's units: which parameters are gathered, released and reduced together.
 
-A unit is a module (its root) and every parameter registered in its subtree outside a nested unit.
+A unit is a module (its root) and every parameter registered in its subtree outside a nested unit (with a
+bitsandbytes weight's per-block quantisation state, formats.block_state).
 `zero_optimization.stage3_unit` (or `zerodp.initialize(..., stage3_unit=)`) chooses the roots:
   "blocks" (default)  the repeated children of the model: the members of an nn.ModuleList or
                       nn.Sequential whose children are all of one class (a transformer's blocks), or
@@ -29,6 +30,7 @@ from torch import nn
 
 from zerodp.config import ConfigError, ZeroConfig
 from zerodp.engine.layout.flat import Bucket, FlatGroup, lay_out
+from zerodp.engine.layout.formats import block_state
 
 UnitRule = str | Sequence[type | str] | Callable[[nn.Module], bool]
 
@@ -57,7 +59,8 @@ def find_units(model: nn.Module, rule: UnitRule) -> Units:
     of_param: dict[int, int] = {}
     uses: list[dict[int, nn.Parameter]] = [{} for _ in roots]
     for m in model.modules():
-        for p in m.parameters(recurse=False):
+        # a bitsandbytes layer's per-block quantisation state is sharded and gathered with its weight's words
+        for p in [*m.parameters(recurse=False), *(t for _, t in block_state(m))]:
             u = unit_of_module[id(m)]
             of_param.setdefault(id(p), u)
             uses[u][id(p)] = p

@@ -35,6 +35,7 @@ from torch import nn
 
 from zerodp.distributed.comm import Comm
 from zerodp.engine.layout.flat import Bucket
+from zerodp.engine.layout.formats import block_state
 from zerodp.engine.sharding.gather import Gatherer
 
 _NUMBER = itertools.count()  # engines of this process, numbered alike on every rank (they build them alike)
@@ -96,13 +97,19 @@ class GatheredStateDict:
         if self.root is None:
             return
         if not self.keep_vars and self.gathering:
-            own = [(n, p) for n, p in module._parameters.items() if p is not None and id(p) in self.bucket_of]
+            own = [(n, p) for n, p in self._own(module) if id(p) in self.bucket_of]
             if own:
                 self._fill(own, state_dict, prefix)
         if module is self.root and prefix == self.root_prefix:
             self._end()
 
-    def _fill(self, own: list[tuple[str, nn.Parameter]], state_dict: dict, prefix: str) -> None:
+    @staticmethod
+    def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The tensors a module writes into its state_dict that a stage-3 bucket may hold, by their keys in it: its
+        own parameters, and a bitsandbytes layer's per-block quantisation state (formats.block_state)."""
+        return [*((n, p) for n, p in module._parameters.items() if p is not None), *block_state(module)]
+
+    def _fill(self, own: list[tuple[str, torch.Tensor]], state_dict: dict, prefix: str) -> None:
         """This module's parameters' entries: copies of their values, their buckets gathered if need be."""
         needed = {b.index: b for b in (self.bucket_of[id(p)] for _, p in own)}
         self.gatherer.release([b for b in self.mine if b.index not in needed])
@@ -123,7 +130,7 @@ class GatheredStateDict:
 
     def _has_released(self, module: nn.Module) -> bool:
         return any((b := self.bucket_of.get(id(p))) is not None and not self.gatherer.is_gathered(b)
-                   for p in module.parameters())
+                   for m in module.modules() for _, p in self._own(m))
 
     def entering(self, call: str) -> None:
         """(the engine) This rank enters a collective call (a gathered_parameters block that gathers,

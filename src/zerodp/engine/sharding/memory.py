@@ -44,9 +44,9 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     reduce buckets, fp32 master, optimizer states, the step's transient copy; none for a frozen model), in
     host memory when `optimizer_on_host` (ZeRO-Offload).
 
-    model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) +
-    frozen params kept whole and buffers + the quantized weights' quantisation state (quant_state) +
-    gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
+    model_states = working params (flat buffers, padding included) + frozen params (stage 3's shards) + frozen
+    params kept whole and buffers + quant_state (bitsandbytes' quantisation state, its per-block part 1/N at
+    stage 3) + gradients + fp32 master + optimizer states, wherever they live; with ZeRO-Offload the host part is
     also given as host_model_states (it includes the host gradient copy, offload_gradients, and in
     mixed precision the working-dtype staging shards, offload_staging) and the rest as
     device_model_states; offload_pinned_rounding is what the host allocator adds to the pinned block. With
@@ -64,13 +64,13 @@ def memory_report(sharded, trained: dict[str, int] | None = None, optimizer_on_h
     layout, module, spec = sharded.layout, sharded.module, sharded.spec
     flat = {**layout.by_param(), **layout.by_frozen_param()}
     untrained = {id(t): t for t in list(module.parameters()) + list(module.buffers()) if id(t) not in flat}
+    sharded_state, whole_state = _quant_state(sharded, flat)  # (stage 3's shard of the per-block part, the rest)
     report = {
         "working_params": sum(_shards_bytes(g) for g in layout.groups),
         # stage 3: this rank's shards of the frozen parameters (padding included); whole ones are below
-        "frozen_params": sum(_shards_bytes(g) for g in layout.frozen),
+        "frozen_params": sum(_shards_bytes(g) for g in layout.frozen) - sharded_state,
         "frozen_params_and_buffers": sum(_nbytes(t) for t in untrained.values()),
-        # bitsandbytes' quantized weights: their quantisation state, whole on every rank beside the words
-        "quant_state": sum(_nbytes(t) for t in quant_state_tensors(module)),
+        "quant_state": sharded_state + whole_state,
         "gradients": 0, "fp32_master": 0, "master_remainders": 0, "optimizer_states": 0, "reduce_buckets": 0,
         **(trained or {}),
     }
@@ -121,6 +121,16 @@ def _placed(report: dict[str, int], offload_param: bool, optimizer_on_host: bool
                                        + report.get("params_on_disk", 0))
         off_device += report["disk_model_states"]
     report["device_model_states"] = report["model_states"] - off_device
+
+
+def _quant_state(sharded, flat: dict[int, object]) -> tuple[int, int]:
+    """Bytes of bitsandbytes' quantisation state on this rank: (stage 3's shards of its per-block part,
+    formats.block_state, which lie in the frozen groups' shards, padding not counted; the rest, whole on every
+    rank beside the words: the codes, and at stages 0-2 everything). `flat`: ids of the tensors the layout holds."""
+    layout, state = sharded.layout, {id(t) for ts in sharded.block_state.values() for t in ts}
+    shards = sum((hi - lo) * b.owned.element_size() for b in layout.frozen_buckets
+                 for _, s, lo, hi in layout.owned_slots(b) if id(s.param) in state)
+    return shards, sum(_nbytes(t) for t in quant_state_tensors(sharded.module) if id(t) not in flat)
 
 
 def whole_parameter_shares(owned: list[int], rank: int, state_bytes: int) -> dict[str, int]:

@@ -58,7 +58,10 @@ class ShardedModule:
         self.checkpoint_io = checkpoint_io  # zerodp.checkpoint, above the engine; None: no save/load
         formats.keep_packing(module)  # a 4-bit weight's words stay where the layout puts them
         formats.int8_follows_weight(module)  # an 8-bit layer computes from its weight wherever it is
-        frozen = frozen_params(module, groups) if spec.shards_frozen else None  # stage 3 shards them too
+        # stage 3 shards the frozen parameters too, and bitsandbytes' per-block quantisation state beside them;
+        # id(quantized weight) -> that state: gathered with the weight (gathered_parameters)
+        self.block_state = formats.block_state_of(module) if spec.shards_frozen else {}
+        frozen = formats.with_block_state(module, frozen_params(module, groups)) if spec.shards_frozen else None
         self._cast_and_sync_untrained(groups, frozen or [], filling)
         # rank 0's floating buffers before each forward (broadcast_buffers); None: nothing to keep equal
         self.buffer_sync = (BufferSync(module, comm) if BufferSync.wanted(module, comm, config.broadcast_buffers)
@@ -92,12 +95,13 @@ class ShardedModule:
             if id(t) not in read:
                 self.comm.broadcast(local(t).data)
 
-    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[nn.Parameter] | None, filling: Filling
+    def _flat_buffers(self, groups: list[list[nn.Parameter]], frozen: list[torch.Tensor] | None, filling: Filling
                       ) -> tuple[Layout, list[torch.Tensor]]:
         """The parameters become views into flat buckets holding rank 0's weights; returns the layout
         and this rank's fp32 values of each trained bucket, which the masters start from."""
         zero, comm, spec = self.config.zero_optimization, self.comm, self.spec
-        layout = Layout.build(groups, spec, comm, zero, frozen)
+        own_dtype = frozenset(id(t) for state in self.block_state.values() for t in state)  # never cast
+        layout = Layout.build(groups, spec, comm, zero, frozen, own_dtype)
         note = nothing_partitioned(layout.gathered, zero) if spec.gathers_per_unit and comm.shard_size > 1 else None
         if note is not None and comm.everyone.rank == 0:
             print(note, file=sys.stderr, flush=True)
@@ -185,7 +189,8 @@ class ShardedModule:
         something trains them, fp32 masters). Forwards inside gather nothing, so ranks may run different
         numbers of them (generate() of any length: the whole model in working precision on every rank,
         gathered once, bounded by comm_timeout_s); uneven_forwards() does it without the whole model."""
-        wanted = None if params is None else {id(p) for p in params}
+        # a quantized weight's words are read with their per-block state (formats.block_state)
+        wanted = None if params is None else {id(t) for p in params for t in (p, *self.block_state.get(id(p), ()))}
         buckets = [b for b in self.layout.gathered
                    if wanted is None or any(id(s.param) in wanted for s in b.slots)]
         if self.gatherer is not None and not all(map(self.gatherer.is_gathered, buckets)):
