@@ -14,8 +14,9 @@ beyond them; the reduction's result occupies the whole bucket instead of one sha
 (`CollectivePlan.whole_bucket_bytes`, in memory_report).
 
 Which is faster depends on the backend and the size, so it is measured: on gloo, `decide` times each
-implementation at two sizes (`PROBE_SIZES`, `probe`: interleaved rounds, each one's fastest), once per process and group shape, at set-up before the
-model's memory is taken; a bucket takes the choice of the probed size nearest its own. Rank 0's times decide
+implementation at two sizes (`PROBE_SIZES`, `probe`: in turns, each one's fastest run), once per process and
+group shape, at set-up before the model's memory is taken; a bucket takes the choice of the probed size nearest
+its own. Rank 0's times decide
 and are broadcast, so every rank runs the same implementation. NCCL and every other backend keep
 their native ops; the fake backend and a world of one have nothing to choose. The config key `collectives`
 forces one implementation ("native" or "all_reduce") instead.

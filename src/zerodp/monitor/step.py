@@ -116,8 +116,8 @@ class StepMonitor:
                     else torch.full_like(loss, float("nan")))  # made on the device: no copy from the host
             values = torch.stack([loss / max(1, micro), norm])
             values = HostCopy(values)  # on a GPU: to pinned memory, read a step later behind an event
-        record = dict(step=step, values=values, spans=spans, exposed_s=exposed_s, lr=lr, loss_scale=loss_scale, skipped=skipped,
-                      printing=printing and self.rank == 0, samples=self.total_samples)
+        record = dict(step=step, values=values, spans=spans, exposed_s=exposed_s, lr=lr, loss_scale=loss_scale,
+                      skipped=skipped, printing=printing and self.rank == 0, samples=self.total_samples)
         if printing and self.rank == 0:
             now = time.perf_counter()
             dt, self.since = now - self.since, now

@@ -36,9 +36,10 @@ from zerodp.engine.layout.units import layout as stage3_layout
 # reduce_bucket_size left at its default on gloo, whose collectives run on the host: the reduction of one bucket
 # overlaps the backward of the next, and in stages 1-2 the forward waits for each bucket's all-gather in turn, so a
 # model in one bucket (the default holds 50M elements) exposes all of its communication. There buckets hold about
-# 1/OVERLAP_BUCKETS of the model (measured at micro-batch 2 x seq 64 on 2 ranks, benchmarks/RESULTS.md: stage 2 went
-# from 0.83x DDP's tokens/s in one bucket to 1.2-1.3x in 3-10), none under MIN_OVERLAP_BUCKET elements, below which
-# gloo's cost per call outweighs what overlap hides (plan.py's probe: its reduce-scatter and all-reduce part there).
+# 1/OVERLAP_BUCKETS of the model (benchmarks/RESULTS.md, "Overlap on gloo": the small GPT at micro-batch 2 x 64 on
+# 2 ranks, stage 2 from 0.58x DDP's tokens/s to 1.09x, medians of 5 interleaved rounds), and none under
+# MIN_OVERLAP_BUCKET elements, 1 MiB of fp32 as DDP's first bucket: a small model is not cut into collectives
+# that each cost gloo's fixed price per call for little to hide.
 OVERLAP_BUCKETS = 8
 MIN_OVERLAP_BUCKET = 1 << 18
 
