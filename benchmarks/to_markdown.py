@@ -26,8 +26,8 @@ def spread_table(report: dict) -> str:
              f"load average at the start: {load}; at the end: "
              f"{', '.join(f'{x:.1f}' for x in report.get('load_average') or [])}", "",
              "| mode | world | tokens/s (median) | tokens/s min-max | vs DDP (median of rounds, min-max) "
-             "| vs FSDP2 (median of rounds, min-max) | vs plain | loss first → last | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| vs FSDP2 (median of rounds, min-max) | vs plain | exposed comm ms / step | loss first → last | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         own = report["spread"].get(r["mode"], {})
         tokens = own.get("tokens_per_s")
@@ -36,7 +36,7 @@ def spread_table(report: dict) -> str:
         note = "; ".join(filter(None, [r["status"] if r["status"] != "ok" else "", r["reason"], r["note"]]))
         lines.append(f"| {r['mode']} | {r['world']} | {_f(r['tokens_per_s'], ',.0f')} | {span} "
                      f"| {_ratio(own.get('ddp'))} | {_ratio(own.get('fsdp2'))} | {_f(r['ratio_to_plain'], '.2f')} "
-                     f"| {loss} | {note} |")
+                     f"| {_f(r.get('exposed_comm_ms'), '.1f')} | {loss} | {note} |")
     lines += [""] + [f"- {v['sentence']}" for v in report["verdicts"]]
     return "\n".join(lines)
 

@@ -150,10 +150,28 @@ def _words(rank: int, bits: torch.dtype) -> torch.Tensor:
     return words
 
 
+class _Clock:
+    """A clock under which the j-th run probe times takes 100 - j seconds: later runs are faster."""
+
+    def __init__(self):
+        self.now, self.runs, self.started = 0.0, 0, False
+
+    def __call__(self) -> float:
+        if self.started:
+            self.now += 100 - self.runs
+            self.runs += 1
+        self.started = not self.started
+        return self.now
+
+
+def _probed(comm: Comm) -> dict:
+    return plan.probe(comm.group, (2 * 64,), repeats=5, clock=_Clock())
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     comm = Comm()
     out = {"collectives": {**_collectives(comm, rank, torch.float32), **_collectives(comm, rank, torch.bfloat16)},
-           "raw": _raw_words(comm, rank), "agreed": _agreement(rank)}
+           "raw": _raw_words(comm, rank), "agreed": _agreement(rank), "probed": _probed(comm)}
     out["engines"] = {(choice, stage): _engine_run(rank, choice, stage)
                       for stage in (2, 3) for choice in ("native", "all_reduce", "auto")}
     return out
@@ -187,6 +205,14 @@ def test_the_all_gather_as_all_reduce_carries_every_bit_of_words_that_are_not_nu
         for (impl, dtype), got in result["raw"].items():
             bits = torch.int16 if dtype == "torch.bfloat16" else torch.int32
             assert torch.equal(got, torch.cat([_words(0, bits), _words(1, bits)])), (impl, dtype)
+
+
+def test_the_probe_takes_turns_round_by_round_and_keeps_each_implementations_fastest_run():
+    """4 implementations x 6 rounds, run j taking 100 - j s: taking turns, each one's fastest is its run in the
+    last round, 100 - (5 x 4 + its place); one after another (A A B B) or a median would give other times."""
+    order = [(op, 128, impl) for op in plan.OPS for impl in plan.IMPLEMENTATIONS]
+    for result in two_ranks():
+        assert result["probed"] == {key: 100 - (5 * 4 + k) for k, key in enumerate(order)}
 
 
 def test_every_rank_runs_rank_0s_choice():

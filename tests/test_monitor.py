@@ -79,10 +79,37 @@ def test_wall_clock_breakdown_times_every_phase_of_the_last_step(stage, caplog):
     caplog.set_level(logging.INFO, logger="zerodp")
     engine, _ = train({"wall_clock_breakdown": True, "steps_per_print": 1}, steps=2, stage=stage)
     t = zerodp.step_timings(engine)
-    assert set(t) == {"forward", "backward", "reduce_wait", "step", "gather"}
+    assert set(t) == {"forward", "backward", "reduce_wait", "step", "gather", "exposed_comm"}
     assert t["forward"] > 0 and t["backward"] > 0 and t["step"] > 0 and t["gather"] > 0
     assert all(v >= 0 for v in t.values())
-    assert re.search(r"\| ms: forward \S+ backward \S+ reduce_wait \S+ step \S+ gather \S+", step_lines(caplog)[-1])
+    assert re.search(r"\| ms: forward \S+ backward \S+ reduce_wait \S+ step \S+ gather \S+ exposed_comm \S+",
+                     step_lines(caplog)[-1])
+    assert t["exposed_comm"] == 0  # a world of one: no collective has anything to wait for
+
+
+def _late_peer(rank: int, world: int, late_s: float) -> list[float]:
+    """Stage 2, two steps; in the second, rank 1 starts its backward `late_s` after rank 0."""
+    import time
+    engine, _ = train({"wall_clock_breakdown": True}, steps=0)
+    exposed = []
+    for i in range(2):
+        loss = engine(torch.randn(3, 13), torch.randn(3, 5))
+        if rank == 1 and i == 1:
+            time.sleep(late_s)
+        engine.backward(loss)
+        engine.step()
+        exposed.append(zerodp.step_timings(engine)["exposed_comm"])
+    return exposed
+
+
+def test_exposed_comm_is_the_time_a_rank_waits_in_collectives_for_a_late_peer():
+    """Rank 1 starts its backward a second late: rank 0's step holds most of that second as exposed communication,
+    waiting in the gradient reduction (a bound from below, with room for rank 0 itself being descheduled up to
+    half a second on a loaded machine before it reaches the reduction)."""
+    from spawn import run_ranks
+
+    (first, waited), _ = run_ranks(_late_peer, 2, 1.0)
+    assert waited >= 500, (first, waited)
 
 
 def test_the_optimizer_and_stage3_gatherer_share_one_gather_timing_protocol():

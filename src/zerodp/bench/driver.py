@@ -258,9 +258,11 @@ def _ratio(s: Spread | None) -> str:
     return "-" if s is None else f"{s.median:.2f} ({s.low:.2f}-{s.high:.2f})"
 
 
-# The table's columns; "tokens/s min-max", "vs ddp" and "vs fsdp2" are the spread over the repeats.
+# The table's columns; "tokens/s min-max", "vs ddp" and "vs fsdp2" are the spread over the repeats; "exposed comm
+# ms" the median repeat's ms per step that rank 0 waited in zerodp's collectives (communication not overlapped).
 COLUMNS = ["mode", "world", "tokens/s", "tokens/s min-max", "vs ddp (rounds)", "vs fsdp2 (rounds)", "TFLOP/s",
-           "MFU", "peak alloc / rsvd GiB", "vs plain", "step vs DS", "loss first→last", "status / note"]
+           "MFU", "peak alloc / rsvd GiB", "vs plain", "step vs DS", "exposed comm ms", "loss first→last",
+           "status / note"]
 
 
 def print_table(title: str, results: list[Result], spreads: dict[str, dict[str, Spread]] | None = None) -> None:
@@ -280,7 +282,8 @@ def print_table(title: str, results: list[Result], spreads: dict[str, dict[str, 
         text = "; ".join(filter(None, [status, r.reason, r.note, r_note]))
         table.add_row(r.mode, str(r.world), _fmt(r.tokens_per_s, ",.0f"), _range(own.get("tokens_per_s"), ",.0f"),
                       _ratio(own.get("ddp")), _ratio(own.get("fsdp2")), _fmt(r.tflops, ".3g"), mfu, peak,
-                      _fmt(r.ratio_to_plain, ".2f"), _fmt(r.step_vs_deepspeed, ".2f"), loss, text)
+                      _fmt(r.ratio_to_plain, ".2f"), _fmt(r.step_vs_deepspeed, ".2f"), _fmt(r.exposed_comm_ms, ".1f"),
+                      loss, text)
     Console(width=220).print(table)
 
 

@@ -41,5 +41,6 @@ class Result:
     losses: list[float] = field(default_factory=list)
     ratio_to_plain: float | None = None
     step_vs_deepspeed: float | None = None   # zerodp modes: step time over DeepSpeed's same-run counterpart
+    exposed_comm_ms: float | None = None     # zerodp modes: ms per step rank 0 was blocked in collectives
     note: str = ""
     samples: list[float] = field(default_factory=list)  # tokens/s of every repeat (--repeats)

@@ -153,10 +153,20 @@ def setup_mode(mode: str, args: argparse.Namespace, device: torch.device, world:
         step = _engine_step(engine)
         # overlap_param_gather leaves the last step's gathers in flight: the timed region ends after them
         step.finish = engine.wait_for_parameters
+        step.blocked = _clock_collectives(engine)
         return step, note, lambda: engine_bytes(engine)
     if mode.startswith("deepspeed"):
         return _engine_step(_deepspeed_engine(mode, model, args, device)), note, None
     raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+
+
+def _clock_collectives(engine):
+    """The host time the engine's collectives block its steps from now on (its exposed communication)."""
+    from zerodp.distributed.traffic import BlockedClock
+    from zerodp.engine.engine import inside
+    clock = BlockedClock()
+    inside(engine).comm.traffic.blocked = clock
+    return clock
 
 
 def _zerodp_engine(mode: str, model: nn.Module, args: argparse.Namespace, device: torch.device):
@@ -244,6 +254,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         for _ in range(args.warmup):
             step(x, y)
         synchronize(device)
+        blocked = getattr(step, "blocked", None)
+        if blocked is not None:
+            blocked.take()  # the timed steps' alone
         start = time.perf_counter()
         losses = [step(x, y) for _ in range(args.steps)]
         getattr(step, "finish", lambda: None)()
@@ -257,7 +270,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> Result:
         peak = _peak_tflops(device)
         result = Result(mode, "ok", world, tokens_per_s=tokens_per_s, tflops=tflops,
                         mfu=tflops / peak if peak else None, seconds=seconds,
-                        losses=[float(v) for v in torch.stack(losses).float().cpu()], note=note)
+                        losses=[float(v) for v in torch.stack(losses).float().cpu()], note=note,
+                        exposed_comm_ms=None if blocked is None else 1e3 * blocked.take() / args.steps)
         if is_accelerator(device):
             result.peak_allocated_gib = max_memory_allocated(device) / GIB
             result.peak_reserved_gib = max_memory_reserved(device) / GIB

@@ -58,7 +58,8 @@ class ZeroConfig(_Section):
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     # Elements, not bytes, as in DeepSpeed. Smaller than DeepSpeed's 5e8 default: a model under the
     # bucket size is one bucket, whose reduction cannot start before backward ends (no overlap), and
-    # the stage-2 bucket pool would then be a whole-model gradient.
+    # the stage-2 bucket pool would then be a whole-model gradient. Left unset on gloo, buckets hold about 1/8 of
+    # the model instead (engine/layout/layout.py, bucket_numel).
     reduce_bucket_size: PositiveInt = REDUCE_BUCKET_SIZE
     allgather_bucket_size: PositiveInt = 500_000_000
     overlap_comm: bool = True

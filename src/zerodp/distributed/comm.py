@@ -440,7 +440,7 @@ class Comm:
     def _watched(self, op: str, tensors: tuple[torch.Tensor, ...], call: Callable):
         """call(), with every watcher told of it: op and the larger tensor's bytes, then, when it
         completes (at its handle's wait() for an async one), the watcher's `done`."""
-        notice = self.notice
+        notice, call = self.notice, self.traffic.clocked(call)  # (wall_clock_breakdown: exposed communication)
         if notice is None:
             return self._told(op, tensors, call)
         with notice.waiting(op):  # the host's time blocked in it, for the wait notice (waits.py)

@@ -14,8 +14,9 @@ beyond them; the reduction's result occupies the whole bucket instead of one sha
 (`CollectivePlan.whole_bucket_bytes`, in memory_report).
 
 Which is faster depends on the backend and the size, so it is measured: on gloo, `decide` times each
-implementation at two sizes (`PROBE_SIZES`, `probe`), once per process and group shape, at set-up before the
-model's memory is taken; a bucket takes the choice of the probed size nearest its own. Rank 0's times decide
+implementation at two sizes (`PROBE_SIZES`, `probe`: in turns, each one's fastest run), once per process and
+group shape, at set-up before the model's memory is taken; a bucket takes the choice of the probed size nearest
+its own. Rank 0's times decide
 and are broadcast, so every rank runs the same implementation. NCCL and every other backend keep
 their native ops; the fake backend and a world of one have nothing to choose. The config key `collectives`
 forces one implementation ("native" or "all_reduce") instead.
@@ -24,7 +25,6 @@ forces one implementation ("native" or "all_reduce") instead.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -40,7 +40,7 @@ CHOICES = ("auto", *IMPLEMENTATIONS)  # the config key's values
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5
 # The probed sizes, in elements, capped by what the model shards: gloo's reduce-scatter falls behind an
 # all-reduce from about 256K fp32 elements (2 ranks, this machine); above 1M the cost per byte holds, and the
 # probe stays short (a few ms per run on 2 ranks) and small.
@@ -153,27 +153,30 @@ def _from_rank0(comm, t: torch.Tensor) -> None:
     dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
 
 
-def probe(group: dist.ProcessGroup, sizes: tuple[int, ...], repeats: int = PROBE_REPEATS
+def probe(group: dist.ProcessGroup, sizes: tuple[int, ...], repeats: int = PROBE_REPEATS, clock=time.perf_counter
           ) -> dict[tuple[str, int, str], float]:
-    """Collective on `group`: the median seconds of each op's implementations at each size (fp32), after one
-    untimed run each. Every rank measures; the caller keeps rank 0's."""
+    """Collective on `group`: the fastest of `repeats` seconds of each op's implementations at each size (fp32),
+    after one untimed round. The implementations take turns round by round (A B A B, not A A B B) and each keeps
+    its minimum: on a shared machine a neighbour's burst then slows one round of each, and the minimum is the
+    run it least disturbed (load only ever adds time). Every rank measures; the caller keeps rank 0's."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    times = {}
+    runs = {}
     for n in sizes:
         bucket, out = torch.zeros(n), torch.zeros(n // world)
         for op in OPS:
             for impl in IMPLEMENTATIONS:
-                def run(op=op, impl=impl):
+                def run(op=op, impl=impl, bucket=bucket, out=out):
                     if op == "reduce_scatter":
                         return reduce_scatter(impl, group, out, bucket, rank, world, False)
                     return all_gather(impl, group, bucket, bucket.view(world, -1)[rank], rank, world, False)
-                samples = []
-                for i in range(repeats + 1):
-                    start = time.perf_counter()
-                    run()
-                    samples.append(time.perf_counter() - start)
-                times[op, n, impl] = statistics.median(samples[1:])
-    return times
+                runs[op, n, impl] = run
+    samples: dict[tuple[str, int, str], list[float]] = {key: [] for key in runs}
+    for _ in range(repeats + 1):
+        for key, run in runs.items():
+            start = clock()
+            run()
+            samples[key].append(clock() - start)
+    return {key: min(s[1:]) for key, s in samples.items()}
 
 
 class Finished:

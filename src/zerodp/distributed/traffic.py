@@ -1,9 +1,11 @@
 """What zerodp's collectives report as they run: the bytes each moves (`Traffic`, counted as a ring moves
-them) and comms_logger's watchers (`Watcher`), told when a collective starts and when it has completed.
+them), the host time blocked in them (`BlockedClock`, wall_clock_breakdown's exposed communication) and
+comms_logger's watchers (`Watcher`), told when a collective starts and when it has completed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +19,24 @@ class Traffic:
     calls: Counter = field(default_factory=Counter)
     # (group, op) -> bytes: "world", or the "shard" / "replica" groups of hierarchical sharding.
     by_group: Counter = field(default_factory=Counter)
+    # Host time blocked in the collectives (wall_clock_breakdown turns it on); None: not clocked.
+    blocked: BlockedClock | None = None
+
+    def clocked(self, call: Callable):
+        """call (a collective), clocked while `blocked` is set: a blocking collective's whole call, an async
+        one's wait() (its launch only enqueues it; the wait is where the host stops for communication)."""
+        clock = self.blocked
+        if clock is None:
+            return call
+
+        def timed():
+            start = time.perf_counter()
+            work = call()
+            if work is None:
+                clock.seconds += time.perf_counter() - start
+                return None
+            return ClockedWork(work, clock)
+        return timed
 
     def add(self, op: str, nbytes: float, group: str = "world") -> None:
         self.bytes[op] += int(nbytes)
@@ -30,6 +50,37 @@ class Traffic:
         self.bytes.clear()
         self.calls.clear()
         self.by_group.clear()
+
+
+class BlockedClock:
+    """Seconds the host has been blocked in zerodp's collectives since the last `take`: on gloo, where a
+    collective runs on the host, the communication a step did not hide behind its computation (exposed
+    communication). With NCCL a wait makes the device's stream wait, not the host: this then sees little."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds since the last take; the clock starts again from 0."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+class ClockedWork:
+    """An async collective's handle whose wait() adds the time it blocks to a BlockedClock."""
+
+    def __init__(self, work, clock: BlockedClock):
+        self.work, self.clock = work, clock
+
+    def wait(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            self.clock.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 # comms_logger's hook: watch(op, nbytes) is called as a collective starts and returns what to call

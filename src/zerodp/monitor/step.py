@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from zerodp.distributed.device import HostCopy, is_accelerator, max_memory_allocated
+from zerodp.distributed.traffic import BlockedClock
 from zerodp.monitor.comms import CommsLogger
 from zerodp.monitor.timers import PhaseTimers, resolve
 from zerodp.monitor.writers import build_monitors
@@ -49,6 +50,11 @@ class StepMonitor:
         if self.defer:
             atexit.register(self.flush)  # the last step's line and events, at the end of the script
         self.timers = PhaseTimers(config.wall_clock_breakdown, device)
+        # wall_clock_breakdown's exposed_comm: host time blocked in the collectives of comm's groups (a world of
+        # one has none: its collectives are local copies)
+        self.blocked = BlockedClock() if self.timers.enabled and comm.everyone.world_size > 1 else None
+        if self.blocked is not None:
+            comm.traffic.blocked = self.blocked
         self.monitors = build_monitors(config, self.rank)
         self.comms = None
         if config.comms_logger.enabled:
@@ -94,6 +100,7 @@ class StepMonitor:
         """lr and skipped are read when the step is reported (a step later on a GPU), when a step
         decided on the device (non_finite.read_back) has been settled."""
         spans = self.timers.close_step()
+        exposed_s = self.blocked.take() if self.blocked is not None else 0.0
         self.samples += self.window_samples
         self.total_samples += self.window_samples * self.world
         self.window_samples = 0
@@ -109,8 +116,8 @@ class StepMonitor:
                     else torch.full_like(loss, float("nan")))  # made on the device: no copy from the host
             values = torch.stack([loss / max(1, micro), norm])
             values = HostCopy(values)  # on a GPU: to pinned memory, read a step later behind an event
-        record = dict(step=step, values=values, spans=spans, lr=lr, loss_scale=loss_scale, skipped=skipped,
-                      printing=printing and self.rank == 0, samples=self.total_samples)
+        record = dict(step=step, values=values, spans=spans, exposed_s=exposed_s, lr=lr, loss_scale=loss_scale,
+                      skipped=skipped, printing=printing and self.rank == 0, samples=self.total_samples)
         if printing and self.rank == 0:
             now = time.perf_counter()
             dt, self.since = now - self.since, now
@@ -131,7 +138,7 @@ class StepMonitor:
 
     def _emit(self, r: dict) -> None:
         if r["spans"]:
-            self.last_timings = resolve(r["spans"])
+            self.last_timings = {**resolve(r["spans"]), "exposed_comm": 1e3 * r["exposed_s"]}
         loss = norm = float("nan")
         if r["values"] is not None:
             loss, norm = r["values"].tolist()

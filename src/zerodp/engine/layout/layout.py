@@ -29,9 +29,29 @@ from torch import nn
 
 from zerodp.config import ZeroConfig
 from zerodp.distributed.comm import Comm
-from zerodp.engine.layout.flat import Bucket, FlatGroup, Slot, lay_out
+from zerodp.engine.layout.flat import Bucket, FlatGroup, Slot, lay_out, local
 from zerodp.engine.layout.spec import EngineSpec
 from zerodp.engine.layout.units import layout as stage3_layout
+
+
+# reduce_bucket_size left at its default on gloo, whose collectives run on the host: the reduction of one bucket
+# overlaps the backward of the next, and in stages 1-2 the forward waits for each bucket's all-gather in turn, so a
+# model in one bucket (the default holds 50M elements) exposes all of its communication. There buckets hold about
+# 1/OVERLAP_BUCKETS of the model (benchmarks/RESULTS.md, "Overlap on gloo": the small GPT at micro-batch 2 x 64 on
+# 2 ranks, stage 2 from 0.58x DDP's tokens/s to 1.09x, medians of 5 interleaved rounds), and none under
+# MIN_OVERLAP_BUCKET elements, 1 MiB of fp32 as DDP's first bucket: a small model is not cut into collectives
+# that each cost gloo's fixed price per call for little to hide.
+OVERLAP_BUCKETS = 8
+MIN_OVERLAP_BUCKET = 1 << 18
+
+
+def bucket_numel(zero: ZeroConfig, backend: str, trained_numel: int) -> int:
+    """The elements a bucket holds at stages 0-2: reduce_bucket_size as the config gives it; left at its default
+    on gloo, about 1/OVERLAP_BUCKETS of the `trained_numel` elements (at least MIN_OVERLAP_BUCKET). Every rank
+    holds the same model and config, so every rank lays out the same buckets."""
+    if "reduce_bucket_size" in zero.model_fields_set or backend != "gloo":
+        return zero.reduce_bucket_size
+    return min(zero.reduce_bucket_size, max(MIN_OVERLAP_BUCKET, -(-trained_numel // OVERLAP_BUCKETS)))
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class Layout:
     # the rest (no gradient, master or optimizer state); empty: frozen parameters are whole on every rank,
     # outside the flat buffers (stages 0-2)
     frozen: tuple[FlatGroup, ...] = ()
+    bucket_numel: int | None = None  # stages 0-2: the elements a bucket was laid out to hold (`bucket_numel`)
     buckets: list[Bucket] = field(init=False)  # every trained group's buckets, by index (launch order)
     gathered: list[Bucket] = field(init=False)  # stage 3: every bucket, trained then frozen, by index
 
@@ -66,7 +87,8 @@ class Layout:
         whole = tuple(spec.whole_parameters(g) for g in range(len(param_groups)))
         if not spec.gathers_per_unit:
             shards, rank = (comm.shard_size, comm.shard_rank) if spec.shards_optimizer else (1, 0)
-            return cls(lay_out(param_groups, shards, zero.reduce_bucket_size, whole=whole), rank)
+            numel = bucket_numel(zero, comm.backend, sum(local(p).numel() for g in param_groups for p in g))
+            return cls(lay_out(param_groups, shards, numel, whole=whole), rank, bucket_numel=numel)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in frozen or ():
             by_dtype.setdefault(p.dtype if id(p) in own_dtype else spec.kept_dtype(p), []).append(p)

@@ -137,8 +137,8 @@ class Training:
         placements = GradPlacements(s.layout, s.comm, names_of(s.module)) if s.comm.tp is not None else None
         return Reducer(s.layout, s.comm, s.spec, acc_dtype, zero.overlap_comm, on_bucket_done=done,
                        comm_dtype=config.communication_dtype, prescale=config.prescale_gradients,
-                       predivide=config.gradient_predivide_factor, bucket_numel=zero.reduce_bucket_size,
-                       grad_placements=placements)
+                       predivide=config.gradient_predivide_factor,
+                       bucket_numel=s.layout.bucket_numel or zero.reduce_bucket_size, grad_placements=placements)
 
     def _scheduler(self, lr_scheduler: Callable | None, config: Config):
         """The given scheduler factory, else the config's, built on the partitioned optimizer."""
