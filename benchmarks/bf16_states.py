@@ -55,20 +55,29 @@ def ds_config(mode: str) -> dict:
     return {**cfg, "bf16": MODES[mode]} if MODES[mode] else cfg
 
 
-def run_mode(mode: str, model: str, steps: int, eval_every: int, root: str, timeout: float) -> dict:
-    """One `zerodp train` of `mode`; its metrics read back."""
+def start_mode(mode: str, model: str, steps: int, eval_every: int, root: str) -> dict:
+    """One `zerodp train` of `mode`, started."""
     path = os.path.join(root, f"{mode}.json")
     with open(path, "w") as f:
         json.dump(ds_config(mode), f)
     out = os.path.join(root, mode)
     command = [sys.executable, "-m", "zerodp.train", "--model", model, "--ds-config", path, "--steps", str(steps),
                "--eval-every", str(eval_every), "--save-every", "0", "--nproc", str(WORLD), "--out", out]
-    start, load = time.time(), os.getloadavg()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise SystemExit(f"bf16_states: mode {mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return {"mode": mode, "bf16": MODES[mode], "seconds": time.time() - start, "load_average_at_start": load,
-            "load_average_at_end": os.getloadavg(), **read_metrics(os.path.join(out, "metrics.jsonl"))}
+    log = open(os.path.join(root, f"{mode}.log"), "w")
+    return {"mode": mode, "out": out, "log": log, "start": time.time(), "load": os.getloadavg(),
+            "process": subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)}
+
+
+def finish_mode(job: dict, timeout: float) -> dict:
+    """Its end waited for; its metrics read back."""
+    code = job["process"].wait(timeout=max(1.0, job["start"] + timeout - time.time()))
+    job["log"].close()
+    if code != 0:
+        with open(job["log"].name) as f:
+            raise SystemExit(f"bf16_states: mode {job['mode']} failed (exit {code}):\n{f.read()[-3000:]}")
+    return {"mode": job["mode"], "bf16": MODES[job["mode"]], "seconds": time.time() - job["start"],
+            "load_average_at_start": job["load"], "load_average_at_end": os.getloadavg(),
+            **read_metrics(os.path.join(job["out"], "metrics.jsonl"))}
 
 
 def read_metrics(path: str) -> dict:
@@ -132,24 +141,31 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per mode")
+    p.add_argument("--together", action="store_true", help="run the modes at the same time, not one by one")
     p.add_argument("--json", help="write the report here")
     a = p.parse_args()
     psi, block = parameters(a.model)
     results = []
     with tempfile.TemporaryDirectory(prefix="bf16_states-") as root:
-        for mode in a.modes:
-            r = run_mode(mode, a.model, a.steps, a.eval_every, root, a.timeout)
-            r["tokens_per_step"] = WORLD * MICRO_BATCH * block
-            r["bytes"] = bytes_row(r, psi)
-            results.append(json.loads(json.dumps(r)))  # step keys as JSON has them, for table()
-            print(f"{mode}: final val loss {r['val_losses'][a.steps]:.5f}, master + states "
-                  f"{r['bytes']['k_measured']:.3f} B/param (formula {r['bytes']['k_formula']}), {r['seconds']:.0f} s",
-                  flush=True)
+        # --together: every mode's ranks at once (the same losses; on a machine shared with other work each
+        # run then gets a larger share of it), else one mode after the other
+        groups = [a.modes] if a.together else [[m] for m in a.modes]
+        for group in groups:
+            jobs = [start_mode(mode, a.model, a.steps, a.eval_every, root) for mode in group]
+            for job in jobs:
+                r = finish_mode(job, a.timeout)
+                r["tokens_per_step"] = WORLD * MICRO_BATCH * block
+                r["bytes"] = bytes_row(r, psi)
+                r = json.loads(json.dumps(r))  # step keys as JSON has them (strings), as table() reads them
+                results.append(r)
+                print(f"{r['mode']}: final val loss {r['val_losses'][str(a.steps)]:.5f}, master + states "
+                      f"{r['bytes']['k_measured']:.3f} B/param (formula {r['bytes']['k_formula']}), "
+                      f"{r['seconds']:.0f} s", flush=True)
     commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     report = {"command": "PYTHONPATH=src python benchmarks/bf16_states.py " + " ".join(sys.argv[1:]),
               "device": f"CPU ({os.cpu_count()} cores)", "torch": torch.__version__, "zerodp_commit": commit,
-              "steps": a.steps, "psi": psi, "results": results}
+              "steps": a.steps, "psi": psi, "together": a.together, "results": results}
     print(table(report))
     if a.json:
         with open(a.json, "w") as f:
