@@ -244,6 +244,19 @@ def _engine(stage: int = 0, **cfg):
     return deepspeed.initialize(model=model, config=config)[0]
 
 
+def test_ds_persist_says_which_stage_3_parameters_stay_whole_as_deepspeeds_partition_cache_test_reads_it():
+    """DeepSpeed's TestZeroPartitionCache sums p.numel() over the parameters with p.ds_persist."""
+    for threshold, persist in ((0, False), (10 ** 6, True)):
+        engine = _engine(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": threshold})
+        engine.backward(engine(*_batches(1)[0]))
+        engine.step()
+        assert {p.ds_persist for p in engine.module.parameters()} == {persist}
+        persist_param_size = sum(p.numel() for p in engine.module.parameters() if p.ds_persist)
+        assert persist_param_size == sum(p.numel() for p in engine.module.parameters()) * persist
+        assert persist_param_size == sum(p.ds_numel for p in engine.module.parameters()) * persist
+        engine.destroy()
+
+
 def test_load_checkpoint_returns_path_and_client_state_and_none_when_there_is_none(tmp_path):
     engine = _engine()
     _train(engine)

@@ -57,3 +57,17 @@ def test_without_sections_the_built_in_adamw_and_cosine_are_used_and_auto_comes_
     cfg = ds_config(opts)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_clipping) == (3, 1.0)
     assert cfg.zero_optimization.reduce_bucket_size == 64 * 64  # tiny's n_embd, as Hugging Face
+
+
+def test_bf16_masters_and_optimizer_states_reach_the_engine_config_and_need_bf16(tmp_path):
+    """The main job with bf16 optimizer states (benchmarks/bf16_states.py runs it so): the bf16 section's keys
+    reach the config the engine is built with; with --dtype fp32 they are refused before any rank starts."""
+    ds = {"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0,
+          "bf16": {"enabled": True, "bf16_optimizer_states": True, "bf16_master_weights_and_grads": True}}
+    opts, optimizer, _, _ = _job(tmp_path, ds)
+    cfg = ds_config(opts)
+    assert (opts.dtype, cfg.zero_optimization.stage, cfg.gradient_clipping) == ("bf16", 2, 1.0)
+    assert cfg.bf16.enabled and cfg.bf16.bf16_optimizer_states and cfg.bf16.bf16_master_weights_and_grads
+    with pytest.raises(SystemExit, match=r"sets bf16.bf16_master_weights_and_grads and bf16.bf16_optimizer_states, "
+                                         r".* but the job runs in fp32 \(--dtype\); give --dtype bf16"):
+        _job(tmp_path, ds, "--dtype", "fp32")

@@ -53,7 +53,9 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
     """At stage 3 (only, as DeepSpeed), each partitioned parameter gets `ds_id` (its index in
     module.parameters()), `ds_numel` and `ds_shape` (whole), `ds_tensor` (this rank's elements of it, a
     flat view of this rank's shard: empty, part or all of it, since zerodp shards buckets, not each
-    parameter) and `ds_status`, a ZeroParamStatus kept current. Frozen parameters are partitioned too
+    parameter), `ds_persist` (kept whole between forwards: its unit is under
+    stage3_param_persistence_threshold; zerodp decides it per unit, DeepSpeed per parameter) and
+    `ds_status`, a ZeroParamStatus kept current. Frozen parameters are partitioned too
     (a LoRA base: DeepSpeed-Chat's merge gathers the weights that have `ds_id`) and get them alike."""
     inner = engine.engine
     if not inside(inner).spec.gathers_per_unit:
@@ -67,6 +69,7 @@ def give_zero3_attributes(engine: DeepSpeedEngine) -> None:
                 continue
             lo, hi = max(s.offset, first), min(s.offset + s.numel, first + b.shard_numel)
             s.param.ds_id, s.param.ds_numel, s.param.ds_shape = index[id(s.param)], s.numel, s.shape
+            s.param.ds_persist = b.persistent  # whole for good: its unit is under the persistence threshold
             s.param.ds_tensor = b.owned[lo - first:max(lo, hi) - first]
     params = {b.index: [s.param for s in b.slots if id(s.param) in index] for b in layout.gathered}
 

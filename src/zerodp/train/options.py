@@ -240,6 +240,11 @@ def _from_ds_config(path: str | None, prelim: dict[str, Any], world: int) -> dic
         opts["micro_batch"], opts["grad_accum"] = batch.micro_batch_size, batch.gradient_accumulation_steps
     if cfg.fp16.enabled or cfg.bf16.enabled:
         opts["dtype"] = "fp16" if cfg.fp16.enabled else "bf16"
+    low = [f"bf16.{k}" for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(cfg.bf16, k)]
+    if low and prelim["dtype"] not in (None, "bf16"):  # for_job would turn bf16 off under them, on every rank
+        raise SystemExit(f"zerodp train: --ds-config {path!r} sets {' and '.join(low)}, which keep the optimizer's "
+                         f"masters and states beside bf16 weights, but the job runs in {prelim['dtype']} (--dtype); "
+                         "give --dtype bf16 or remove them")
     if cfg.optimizer is not None:
         for key in ("lr", "weight_decay"):
             if key in cfg.optimizer.params:
