@@ -86,7 +86,10 @@ def test_divergent_eval_forwards_on_the_scripts_own_group_end_within_comm_timeou
         assert "rank 1 is in no zerodp collective" in line and "engine.uneven_forwards()" in line, line
         assert "engine.gathered_parameters()" in line and "'comm_timeout_s'" in line, line
         assert TIMEOUT_S <= raised < TIMEOUT_S + 20, raised  # the bound, and no more (generous under load)
-        assert end0 - waiting < TIMEOUT_S + 60, end0 - waiting
+        # The process then ends, not after gloo's 30 minutes: 0.3 s after its error on an idle machine, 86 s
+        # once beside two busy loops and the `cases` launch (interpreter finalization, not yet explained); the
+        # bound stays under the launcher's 300 s kill, so a process that hangs still fails here.
+        assert end0 - waiting < TIMEOUT_S + 200, end0 - waiting
     (_, _, end0), (code1, out1, end1) = runs["barrier"]
     assert code1 != 0 and "Connection closed by peer" in out1, out1[-3000:]  # its barrier ends with rank 0
     assert end1 - end0 < 60
