@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +214,51 @@ def test_hf_folder_of_a_byte_level_family_says_it_has_no_tokenizer(tmp_path):
     notes = hf_folder.write_folder(tmp_path / "hf", model.state_dict(), hf_description(model, "hf-gpt2:tiny"))
     assert not hf_folder.has_tokenizer(str(tmp_path / "hf"))
     assert len(notes) == 1 and "has no tokenizer: none is known for this model (the hf-gpt2" in notes[0]
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The pids of the ranks a `zerodp train` launcher has spawned so far (multiprocessing's spawn_main)."""
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher)], capture_output=True, text=True)
+    ranks = []
+    for child in children.stdout.split():
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks.append(int(child))
+        except OSError:
+            continue
+    return sorted(ranks)
+
+
+def test_sigterm_while_a_rank_waits_for_a_stalled_peer_in_set_up_ends_the_job_at_once(tmp_path):
+    """One rank held (SIGSTOP) as it starts: the other then waits for it inside one C++ call (the store, the
+    group's connection), where a Python signal handler cannot run until comm_timeout_s. A SIGTERM to the
+    launcher, the held rank let go with it, must end the job in seconds, with its one line (it hung before:
+    the waiting rank outlived its peer by comm_timeout_s, and the launcher waited for it)."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.train", "--model", "tiny", "--steps", "100000",
+                             "--nproc", "2", "--out", str(tmp_path / "run")],
+                            env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while len(ranks := _ranks_of(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGSTOP)  # either rank: the other one waits for it
+    time.sleep(8)  # the other imports torch and reaches the rendezvous, where it waits for this one
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    os.kill(ranks[1], signal.SIGCONT)  # a slow peer, not a frozen one: it gets the SIGTERM too and ends
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for pid in _ranks_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job did not end within 60 s of its SIGTERM:\n{stdout}\n{stderr[-3000:]}")
+    print(f"SIGTERM with rank 1 stalled in set-up: the job exited {time.monotonic() - t0:.1f} s later")
+    assert proc.returncode == 143, stderr[-3000:]
+    lines = [line for line in (stdout + stderr).splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1 and "during set-up" in lines[0], stdout + stderr[-3000:]

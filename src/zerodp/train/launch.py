@@ -24,8 +24,8 @@ from pathlib import Path
 
 # options.py is torch-free: `--help` answers before torch is imported (loop/resume import it on use).
 from zerodp.train.options import EXIT_NON_FINITE, parse_options
+from zerodp.train.signals import PID_DIR, TRAINING
 
-PID_DIR = "ZERODP_TRAIN_PID_DIR"  # where each rank the job starts leaves its pid (FirstExit)
 # A rank that stopped because a peer stalled or died (zerodp.PeerFailure) exits with this: the
 # launcher then blames the peer, not the rank that only noticed it.
 EXIT_PEER_FAILURE = 4
@@ -96,7 +96,7 @@ def launch(opts: argparse.Namespace) -> None:
             elastic_launch(config, _launched_rank)(opts)
             return
         except SignalException as e:  # the ranks were told and have stopped; rank 0 said how
-            if not Path(pids, "0").exists():  # unless it was still starting (no handler of its own yet)
+            if not Path(pids, TRAINING.format(rank=0)).exists():  # unless it was still in set-up
                 print(_SETUP_STOPPED.format(signal.Signals(int(e.sigval)).name), flush=True)
             stopped = 128 + int(e.sigval)
         except ChildFailedError as e:
@@ -179,7 +179,12 @@ def describe_exit(rank: int, code: int, world: int | None = None) -> str:
 
 def _launched_rank(opts: argparse.Namespace) -> None:
     """A rank that this job started: its error is printed once, plainly, then the rank exits."""
-    stop_during_setup()
+    # In set-up a signal ends this rank at once, from the kernel: a Python handler runs only between
+    # bytecodes, and a rank whose peer has already gone can sit for comm_timeout_s inside one C++ call
+    # (seen: ProcessGroupGloo's constructor waiting in the store for the peer's address) while torch's
+    # launcher waits its shutdown_timeout for it. The launcher says the job's one line (launch).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
     if PID_DIR in os.environ:  # for FirstExit
         Path(os.environ[PID_DIR], os.environ["RANK"]).write_text(str(os.getpid()))
     import zerodp

@@ -34,6 +34,7 @@ from zerodp.train.build import build_corpus
 from zerodp.train.data import Batches, val_batches
 from zerodp.train.ds_sections import optimizer_and_schedule
 from zerodp.train.options import EXIT_NON_FINITE, command_line, ds_config
+from zerodp.train.signals import training_began
 from zerodp.train.report import (
     Metrics,
     bar_text,
@@ -71,6 +72,9 @@ class StopSignal:
 
     def __init__(self):
         self.signum = 0
+        training_began(self._install)
+
+    def _install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
