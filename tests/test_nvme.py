@@ -257,12 +257,19 @@ def _steps(engine, first: int, last: int) -> None:
 @pytest.mark.parametrize("saved,resumed", [("nvme", "cpu"), ("nvme", "none"), ("cpu", "nvme"), ("none", "nvme")])
 def test_a_checkpoint_resumes_across_nvme_cpu_and_no_offload(tmp_path, saved, resumed):
     place = {"nvme": {"device": "nvme", "nvme_path": str(tmp_path)}, "cpu": {"device": "cpu"}, "none": None}
-    straight = _engine(place[resumed])
+    _resumes_as_uninterrupted(tmp_path, lambda seed=0: _engine(place[saved], seed=seed),
+                              lambda seed=0: _engine(place[resumed], seed=seed))
+
+
+def _resumes_as_uninterrupted(tmp_path, saving, resuming) -> None:
+    """2 steps built by `saving`, its checkpoint loaded into `resuming` (seed 1) and 2 more steps: equal to 4
+    steps of `resuming`, with no scratch file left in the directory."""
+    straight = resuming()
     _steps(straight, 0, 4)
-    first = _engine(place[saved])
+    first = saving()
     _steps(first, 0, 2)
     first.save_checkpoint(str(tmp_path / "ckpt"))
-    second = _engine(place[resumed], seed=1)
+    second = resuming(seed=1)
     second.load_checkpoint(str(tmp_path / "ckpt"))
     _steps(second, 2, 4)
     a, b = straight.full_state_dict(), second.full_state_dict()
@@ -475,20 +482,8 @@ def _stage3(root, offload_param: str = "nvme", offload_optimizer: str = "none", 
 def test_a_checkpoint_resumes_parameters_on_disk_across_nvme_cpu_and_no_offload(tmp_path, saved, resumed):
     """Stage 3 with the parameter shards (and the optimizer states) on disk: saved from the tiers, loaded into
     them, and either way continuing as the uninterrupted run with the other placement."""
-    optimizer = {"nvme": "nvme", "cpu": "cpu", "none": "none"}
-    straight = _stage3(tmp_path, resumed, optimizer[resumed])
-    _steps(straight, 0, 4)
-    first = _stage3(tmp_path, saved, optimizer[saved])
-    _steps(first, 0, 2)
-    first.save_checkpoint(str(tmp_path / "ckpt"))
-    second = _stage3(tmp_path, resumed, optimizer[resumed], seed=1)
-    second.load_checkpoint(str(tmp_path / "ckpt"))
-    _steps(second, 2, 4)
-    a, b = straight.full_state_dict(), second.full_state_dict()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    assert second.global_steps == 4
-    assert [f for f in os.listdir(tmp_path) if f != "ckpt"] == []  # the scratch files are never in the directory
+    _resumes_as_uninterrupted(tmp_path, lambda seed=0: _stage3(tmp_path, saved, saved, seed=seed),
+                              lambda seed=0: _stage3(tmp_path, resumed, resumed, seed=seed))
 
 
 def test_a_stalled_parameter_read_is_named_within_comm_timeout_s(tmp_path, monkeypatch):
